@@ -1,0 +1,55 @@
+"""Shared benchmark plumbing: timing with quantiles, environment columns, CSV and table output."""
+from __future__ import annotations
+
+import csv
+import importlib
+import logging
+import pathlib
+
+import torch
+
+logger = logging.getLogger("kda_compile.bench")
+
+QUANTILES = (0.2, 0.5, 0.8)
+CSV_COLUMNS = ("op", "provider", "mode", "shape", "metric", "unit", "p20", "p50", "p80",
+               "device", "torch", "triton", "fla")
+
+
+def environment() -> dict:
+    """Device name and library versions, added to every row."""
+    def version(module):
+        try:
+            return importlib.import_module(module).__version__
+        except Exception:
+            return "absent"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "triton": version("triton"), "fla": version("fla")}
+
+
+def time_quantiles(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float, float]:
+    """p20 / p50 / p80 of ``fn`` in milliseconds, timed with CUDA events by triton's do_bench."""
+    from triton.testing import do_bench
+
+    return tuple(do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)))
+
+
+def row(op, provider, mode, shape, metric, unit, values) -> dict:
+    p20, p50, p80 = values
+    return {"op": op, "provider": provider, "mode": mode, "shape": shape, "metric": metric, "unit": unit,
+            "p20": p20, "p50": p50, "p80": p80}
+
+
+def write_csv(rows: list[dict], path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_table(headers: list[str], lines: list[list]) -> str:
+    """A GitHub-markdown table (what docs/benchmarks.md records)."""
+    text = [headers] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in line] for line in lines]
+    out = ["| " + " | ".join(text[0]) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(line) + " |" for line in text[1:]]
+    return "\n".join(out)

@@ -1,0 +1,133 @@
+"""KDA: kda_compile's ops against flash-linear-attention's public functions, side by side.
+
+Prefill (``chunk_kda``): forward in inference mode and forward+backward, bf16, K = V = 128, the
+in-kernel q/k L2 norm, gate and beta sigmoid, an fp32 initial state, on the shapes of the project's
+anchors (B x T x H). Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
+1 / 64 / 256, with the state bytes moved per second. Each shape also records the relative error of
+our output against FLA's (same kernels underneath: it should be ~0).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kda_compile.bench.common import format_table, row, time_quantiles
+
+logger = logging.getLogger("kda_compile.bench.kda")
+
+PREFILL_SHAPES = [  # (B, T, H): anchors.md (H100 table, then the H200 FLA-vs-FlashKDA table)
+    (1, 8192, 32), (8, 4096, 32), (1, 32768, 32),
+    (8, 1024, 32), (1, 8192, 64), (8, 1024, 64), (1, 8192, 96), (8, 1024, 96), (16, 2048, 32),
+]
+DECODE_BATCHES = (1, 64, 256)
+K = V = 128
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus",
+                        help="in-kernel gate form (lower_bound uses -5 and safe_gate, as FlashKDA's anchor)")
+    parser.add_argument("--modes", default="fwd,fwd+bwd,decode", help="comma-separated subset of fwd,fwd+bwd,decode")
+    parser.add_argument("--quick", action="store_true", help="first two prefill shapes and batch 1/64 only")
+
+
+def _providers():
+    from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+
+    from kda_compile.ops import chunk_kda, fused_recurrent_kda
+
+    return {"fla": (fla_chunk, fla_recurrent), "kda_compile": (chunk_kda, fused_recurrent_kda)}
+
+
+def _gate_kwargs(gate: str, H: int, device) -> dict:
+    kwargs = {"A_log": torch.rand(H, device=device), "dt_bias": torch.randn(H * K, device=device) * 0.1}
+    if gate == "lower_bound":
+        kwargs.update(lower_bound=-5.0, safe_gate=True)
+    return kwargs
+
+
+def _prefill_inputs(B, T, H, device, requires_grad):
+    dt = torch.bfloat16
+    make = lambda *s: torch.randn(*s, device=device, dtype=dt).requires_grad_(requires_grad)  # noqa: E731
+    return dict(q=make(B, T, H, K), k=make(B, T, H, K), v=make(B, T, H, V), g=make(B, T, H, K), beta=make(B, T, H),
+                initial_state=torch.randn(B, H, K, V, device=device) * 0.1)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _bench_prefill(providers, gate, modes, shapes, device, rows, table):
+    for B, T, H in shapes:
+        shape = f"{B}x{T}x{H}"
+        common = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                      **_gate_kwargs(gate, H, device))
+        for mode in [m for m in modes if m in ("fwd", "fwd+bwd")]:
+            inputs = _prefill_inputs(B, T, H, device, requires_grad=(mode == "fwd+bwd"))
+            do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
+            results, outputs = {}, {}
+            for name, (chunk, _) in providers.items():
+                if mode == "fwd":
+                    def fn(chunk=chunk):
+                        with torch.inference_mode():
+                            return chunk(**inputs, **common)[0]
+                else:
+                    def fn(chunk=chunk):
+                        o = chunk(**inputs, **common)[0]
+                        o.backward(do)
+                        return o
+                outputs[name] = fn().detach()
+                results[name] = time_quantiles(fn)
+                rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name]))
+                torch.cuda.empty_cache()
+            err = _rel(outputs["kda_compile"], outputs["fla"])
+            rows.append(row("chunk_kda", "kda_compile", mode, shape, "rel_err_vs_fla", "1", (err, err, err)))
+            fla_ms, ours_ms = results["fla"][1], results["kda_compile"][1]
+            table.append([mode, shape, fla_ms, ours_ms, fla_ms / ours_ms, f"{err:.1e}"])
+            logger.info("%s %s: fla %.3f ms, ours %.3f ms", mode, shape, fla_ms, ours_ms)
+
+
+def _bench_decode(providers, gate, batches, device, rows, table):
+    H = 32
+    for B in batches:
+        shape = f"{B}x1x{H}"
+        dt = torch.bfloat16
+        step = dict(q=torch.randn(B, 1, H, K, device=device, dtype=dt), k=torch.randn(B, 1, H, K, device=device, dtype=dt),
+                    v=torch.randn(B, 1, H, V, device=device, dtype=dt), g=torch.randn(B, 1, H, K, device=device, dtype=dt),
+                    beta=torch.randn(B, 1, H, device=device, dtype=dt),
+                    initial_state=torch.randn(B, H, K, V, device=device) * 0.1)
+        common = dict(output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                      use_beta_sigmoid_in_kernel=True, **_gate_kwargs(gate, H, device))
+        common.pop("safe_gate", None)  # not an argument of fused_recurrent_kda
+        state_bytes = 2 * B * H * K * V * 4  # read + write, fp32
+        results, outputs = {}, {}
+        for name, (_, recurrent) in providers.items():
+            def fn(recurrent=recurrent):
+                with torch.inference_mode():
+                    return recurrent(**step, **common)
+            outputs[name] = fn()[1]
+            results[name] = time_quantiles(fn, rep_ms=200)
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "time", "ms", results[name]))
+            bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in results[name])
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bw[::-1]))
+        err = _rel(outputs["kda_compile"], outputs["fla"])
+        fla_ms, ours_ms = results["fla"][1], results["kda_compile"][1]
+        table.append(["decode", shape, fla_ms, ours_ms, fla_ms / ours_ms,
+                      f"{err:.1e}; overhead {1e3 * (ours_ms - fla_ms):+.1f} us"])
+
+
+def run(args) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise SystemExit("the KDA benchmark needs a CUDA device")
+    torch.manual_seed(0)
+    providers = _providers()
+    modes = args.modes.split(",")
+    shapes = PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES
+    batches = DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES
+    rows, table = [], []
+    _bench_prefill(providers, args.gate, modes, shapes, "cuda", rows, table)
+    if "decode" in modes:
+        _bench_decode(providers, args.gate, batches, "cuda", rows, table)
+    print(f"\nKDA, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
+    print(format_table(["mode", "B x T x H", "FLA", "kda_compile", "FLA / ours", "rel. err vs FLA"], table))
+    return rows

@@ -1,0 +1,8 @@
+"""Custom ops in the ``torch.ops.kda_compile`` namespace, with their public Python entry points.
+
+One folder per operator: reference math beside the kernels, one module registering the ops.
+Ops know nothing of models or of torch.compile passes.
+"""
+from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
+
+__all__ = ["chunk_kda", "fused_recurrent_kda"]

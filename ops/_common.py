@@ -1,0 +1,105 @@
+"""Small utilities shared by every op folder: uniform argument errors, logged fallbacks, and
+running autograd inside an op's reference backward.
+
+Kept free of model and compiler knowledge (ops layer).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("kda_compile.ops")
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors: name the argument, the value, and what is accepted.
+# ----------------------------------------------------------------------------------------------
+def arg_error(name: str, value, accepted: str, *, kind: type[Exception] = ValueError) -> Exception:
+    """Build the error raised for a bad argument: ``"<name> must be <accepted>, got <value>"``."""
+    return kind(f"{name} must be {accepted}, got {value}")
+
+
+def describe(t) -> str:
+    """A compact description of a tensor (shape, dtype, device) or any other value for errors."""
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {list(t.shape)} on {t.device}"
+    return repr(t)
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, allow_none: bool = False):
+    """Check that ``t`` is a tensor of the given rank and one of ``dtypes``; raise otherwise."""
+    if t is None:
+        if allow_none:
+            return
+        raise arg_error(name, None, "a tensor", kind=TypeError)
+    if not isinstance(t, torch.Tensor):
+        raise arg_error(name, type(t).__name__, "a torch.Tensor", kind=TypeError)
+    if ndim is not None and t.dim() != ndim:
+        raise arg_error(name, describe(t), f"a {ndim}-D tensor")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise arg_error(name, describe(t), f"of dtype {names}", kind=TypeError)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fallbacks: a slower path is allowed only when logged with its reason; the report shows them.
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FallbackEvent:
+    op: str  # e.g. "chunk_kda"
+    chosen: str  # the implementation that ran, e.g. "reference"
+    reason: str  # why the fast path was not taken
+
+
+_fallbacks: dict[FallbackEvent, int] = {}
+_fallbacks_lock = threading.Lock()
+
+
+def record_fallback(op: str, chosen: str, reason: str) -> None:
+    """Count a fallback; log a WARNING the first time a given (op, path, reason) happens."""
+    event = FallbackEvent(op, chosen, reason)
+    with _fallbacks_lock:
+        first = event not in _fallbacks
+        _fallbacks[event] = _fallbacks.get(event, 0) + 1
+    if first:
+        logger.warning("%s: running the %s implementation: %s", op, chosen, reason)
+
+
+def fallback_events() -> dict[FallbackEvent, int]:
+    """Every fallback seen in this process, with how many calls took it."""
+    with _fallbacks_lock:
+        return dict(_fallbacks)
+
+
+def clear_fallback_events() -> None:
+    with _fallbacks_lock:
+        _fallbacks.clear()
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd inside an op.
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def autograd_inside_op():
+    """Re-enable autograd inside a custom op's kernel.
+
+    The dispatcher runs an op's backend kernel with the autograd keys excluded, so a reference
+    backward that differentiates the reference forward would record nothing. This puts the
+    autograd keys back for the duration of the block (and turns grad mode on). Used only by the
+    reference backward kernels; fast backends compute gradients with their own kernels.
+    """
+    keys = (torch._C.DispatchKey.AutogradFunctionality, torch._C.DispatchKey.ADInplaceOrView)
+    with contextlib.ExitStack() as stack:
+        for key in keys:
+            stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
+        stack.enter_context(torch.enable_grad())
+        yield
+
+
+def empty_like_absent(ref: torch.Tensor) -> torch.Tensor:
+    """The tensor an op returns in place of an absent optional output (schemas cannot return None)."""
+    return ref.new_empty(0)

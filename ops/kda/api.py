@@ -1,0 +1,145 @@
+"""Public KDA functions: drop-in replacements for flash-linear-attention's ``chunk_kda`` and
+``fused_recurrent_kda`` (fla-core 0.6 signatures), traceable by torch.compile with no graph break."""
+from __future__ import annotations
+
+import torch
+
+from kda_compile.ops.kda import custom_ops
+from kda_compile.ops.kda.validation import reject_unsupported_kwargs, validate_kda_arguments
+
+# FLA options accepted only at their default value.
+_CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "cp_context": None, "use_graph": False,
+                        "max_num_seqs": None}
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: float | None = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
+    *,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention over whole sequences (prefill and training), chunked.
+
+    Per value head, with state ``S`` ``[K, V]`` (fp32) and per token ``t``::
+
+        S   = diag(exp(g_t)) S
+        S   = S + k_t (beta_t (v_t - S^T k_t))^T
+        o_t = S^T (scale * q_t)
+
+    Args:
+        q, k: ``[B, T, H, K]``, K <= 256.
+        v: ``[B, T, HV, V]``; ``HV`` a multiple of ``H``: value head ``hv`` reads q/k head ``hv // (HV // H)``.
+        g: ``[B, T, HV, K]`` log decays (<= 0); with ``use_gate_in_kernel`` the raw gate projection.
+        beta: ``[B, T, HV]``; with ``use_beta_sigmoid_in_kernel`` a logit.
+        scale: multiplies q; default ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` float32 (``[N, HV, V, K]`` with ``state_v_first``); ``N = B``, or the
+            number of sequences with ``cu_seqlens``.
+        output_final_state: return the final state (float32, same layout as ``initial_state``).
+        use_qk_l2norm_in_kernel: normalise q and k as ``x / sqrt(sum(x^2) + 1e-6)``.
+        use_gate_in_kernel: ``g = -exp(A_log[h]) * softplus(g + dt_bias[h])``, or, with ``lower_bound``,
+            ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (``A_log`` may then be None).
+        use_beta_sigmoid_in_kernel: ``beta = sigmoid(beta)`` (``2 * sigmoid(beta)`` with ``allow_neg_eigval``).
+        safe_gate: FLA's fast path for bounded gates; requires ``lower_bound`` in [-5, 0) with the in-kernel gate.
+        cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (B must be 1); zero-length
+            sequences are allowed (their final state is their initial state).
+        A_log: ``[HV]``; dt_bias: ``[HV * K]`` (float32), for the in-kernel gate.
+        chunk_size: 16, 32 or 64 (FLA kernels take 32 or 64).
+        disable_recompute, cu_seqlens_cpu: accepted for compatibility; performance hints with no effect here.
+    Returns:
+        ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` or None.
+
+    Differentiable w.r.t. q, k, v, g, beta, initial_state, A_log and dt_bias. On CUDA the work runs in
+    FLA's kernels when fla-core 0.6 is installed; otherwise (and on CPU) in the reference math, with a
+    one-time warning on CUDA naming the reason.
+    """
+    reject_unsupported_kwargs("chunk_kda", {"return_intermediate_states": return_intermediate_states, **kwargs},
+                              _CHUNK_ONLY_DEFAULTS)
+    return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, recurrent=False)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    state_v_first: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Kimi Delta Attention token by token, for decode (small T). Same math and arguments as
+    :func:`chunk_kda` (note FLA's order: ``A_log`` and ``dt_bias`` come before ``scale``).
+
+    Inference runs FLA's fused recurrent kernel on CUDA (the reference elsewhere). When gradients
+    are needed (grad mode on and an input requires grad), the call takes the differentiable chunked
+    op instead: same result, with a backward.
+    """
+    reject_unsupported_kwargs("fused_recurrent_kda", kwargs, {})
+    return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
+                state_v_first, cu_seqlens, A_log, dt_bias, 64, recurrent=True)
+
+
+def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+         use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
+         dt_bias, chunk_size, *, recurrent: bool):
+    validate_kda_arguments(
+        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        state_v_first=state_v_first, scale=scale, chunk_size=chunk_size,
+    )
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if not use_gate_in_kernel:  # A_log / dt_bias only feed the in-kernel gate
+        A_log = dt_bias = None
+    if lower_bound is not None:
+        lower_bound = float(lower_bound)
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
+             bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound)
+    if recurrent and not needs_grad:
+        o, final = custom_ops.fused_recurrent_kda_fwd(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
+    else:
+        o, final, *_ = custom_ops.chunk_kda_fwd(
+            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags, bool(safe_gate), int(chunk_size),
+            needs_grad)
+    if not output_final_state:
+        return o, None
+    return o, (final.transpose(-1, -2) if state_v_first else final)

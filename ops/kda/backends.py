@@ -1,0 +1,122 @@
+"""Implementations behind the KDA ops, and how one is chosen per call.
+
+The custom ops in ``custom_ops.py`` never name a kernel: they ask ``select_backend`` for the
+fastest registered backend that supports the call. A backend is a small object with
+
+- ``unsupported_reason(device, dtype, K, V, opts) -> str | None``: ``None`` when it can serve the call;
+- ``residual_meta(q, k, v, opts, save)``: the shapes/dtypes of what its forward saves for its backward
+  (at most ``MAX_RESIDUALS`` tensors); used by the fake implementation, so it must be exact;
+- ``chunk_forward(...)``, ``chunk_backward(...)`` and ``recurrent_forward(...)``.
+
+Backends, best first: FLA's Triton kernels on CUDA when fla-core 0.6 is importable
+(``fla_backend.py``), then the reference math (any device). Our own fused kernels (a later issue)
+register here with a higher priority and need no change to the op layer. When CUDA ends up on the
+reference, the reason is logged once and recorded for the rewrite report (``record_fallback``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kda_compile.ops._common import autograd_inside_op, record_fallback
+from kda_compile.ops.kda.reference import kda_reference
+
+logger = logging.getLogger("kda_compile.ops.kda")
+
+MAX_RESIDUALS = 3
+
+
+@dataclass(frozen=True)
+class KDAOptions:
+    """The non-tensor arguments of a KDA call, after validation and defaulting."""
+
+    scale: float
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    lower_bound: float | None = None
+    safe_gate: bool = False
+    chunk_size: int = 64
+
+
+class ReferenceBackend:
+    """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward."""
+
+    name = "reference"
+
+    def unsupported_reason(self, device, dtype, K, V, opts) -> str | None:
+        return None
+
+    def residual_meta(self, q, k, v, opts, save):
+        return []  # the backward recomputes the forward: nothing to keep
+
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
+        return o, (final.float() if output_final_state else None), []
+
+    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
+        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
+        return o, (final.float() if output_final_state else None)
+
+    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
+        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "h0": h0}
+        with autograd_inside_op():
+            leaves = {n: t.detach().requires_grad_() for n, t in inputs.items() if t is not None}
+            o, final = self._forward(
+                leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], leaves.get("A_log"),
+                leaves.get("dt_bias"), leaves.get("h0"), cu_seqlens, opts,
+            )
+            outputs, grads = [o], [do]
+            if dht is not None:
+                outputs.append(final)
+                grads.append(dht.to(final.dtype))
+            got = torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)
+        by_name = dict(zip(leaves, got))
+        result = []
+        for name, t in inputs.items():
+            grad = by_name.get(name)
+            if t is not None and grad is None:
+                grad = torch.zeros_like(t)
+            result.append(grad)
+        return tuple(result)
+
+    @staticmethod
+    def _forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts):
+        return kda_reference(
+            q, k, v, g, beta, scale=opts.scale, initial_state=h0, cu_seqlens=cu_seqlens, A_log=A_log,
+            dt_bias=dt_bias, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=opts.allow_neg_eigval, lower_bound=opts.lower_bound, chunk_size=opts.chunk_size,
+        )
+
+
+REFERENCE = ReferenceBackend()
+
+# (priority, backend): higher priority is tried first. Populated by register_backend.
+_registry: list[tuple[int, object]] = [(0, REFERENCE)]
+
+
+def register_backend(backend, priority: int) -> None:
+    """Add a backend; the highest-priority backend that supports a call serves it."""
+    _registry.append((priority, backend))
+    _registry.sort(key=lambda item: -item[0])
+
+
+def registered_backends() -> list[str]:
+    return [backend.name for _, backend in _registry]
+
+
+def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions):
+    """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
+    reasons = []
+    for _, backend in _registry:
+        reason = backend.unsupported_reason(device, dtype, K, V, opts)
+        if reason is None:
+            if backend is REFERENCE and device.type == "cuda":
+                record_fallback(op, REFERENCE.name, "; ".join(reasons) or "no fast backend registered")
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise AssertionError("the reference backend supports every call")  # unreachable

@@ -1,0 +1,169 @@
+"""``torch.ops.kda_compile`` KDA ops: forward and backward as separate custom ops, fake
+implementations with the real outputs' strides, and autograd through ``register_autograd``.
+
+Ops (schemas are inferred from the signatures below):
+
+- ``chunk_kda_fwd(...) -> (o, final_state, res0, res1, res2)``: ``o`` ``[B, T, HV, V]`` in q's dtype;
+  ``final_state`` ``[N, HV, K, V]`` float32 (empty when not requested); ``res*``: what the serving
+  backend keeps for its backward (empty when ``save_for_backward`` is false or the slot is unused).
+- ``chunk_kda_bwd(...) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: gradients; an empty
+  tensor stands for an input that was absent.
+- ``fused_recurrent_kda_fwd(...) -> (o, final_state)``: decode; no autograd (the public function
+  takes the chunk op when gradients are needed).
+
+Every output is a freshly allocated contiguous tensor, and every fake returns ``new_empty(shape)``,
+so fake and real strides agree even for non-contiguous inputs.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
+from kda_compile.ops.kda.backends import MAX_RESIDUALS, KDAOptions, select_backend
+
+
+def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+             allow_neg_eigval, lower_bound, safe_gate, chunk_size) -> KDAOptions:
+    return KDAOptions(
+        scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound, safe_gate=safe_gate, chunk_size=chunk_size,
+    )
+
+
+def _backend(op: str, q: Tensor, v: Tensor, opts: KDAOptions):
+    return select_backend(op, q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
+
+
+def _num_states(q: Tensor, cu_seqlens: Optional[Tensor]):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _final_state_shape(q, v, cu_seqlens):
+    return (_num_states(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
+
+
+def _pad_residuals(q: Tensor, residuals: list) -> list:
+    return list(residuals) + [q.new_empty(0) for _ in range(MAX_RESIDUALS - len(residuals))]
+
+
+# ------------------------------------------------------------------------------------------------
+# chunk_kda_fwd
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kda_compile::chunk_kda_fwd", mutates_args=())
+def chunk_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool,
+    chunk_size: int, save_for_backward: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+    backend = _backend("chunk_kda", q, v, opts)
+    o, final, residuals = backend.chunk_forward(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state, save_for_backward)
+    final = final.contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return (o.contiguous(), final, *(r.contiguous() for r in _pad_residuals(q, residuals)))
+
+
+@chunk_kda_fwd.register_fake
+def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                        lower_bound, safe_gate, chunk_size, save_for_backward):
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+    backend = _backend("chunk_kda", q, v, opts)
+    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
+    final_shape = _final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    final = q.new_empty(final_shape, dtype=torch.float32)
+    residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts, save_for_backward)]
+    return (o, final, *_pad_residuals(q, residuals))
+
+
+# ------------------------------------------------------------------------------------------------
+# chunk_kda_bwd
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kda_compile::chunk_kda_bwd", mutates_args=())
+def chunk_kda_bwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    res0: Tensor, res1: Tensor, res2: Tensor, do: Tensor, dht: Optional[Tensor],
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool, chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+    backend = _backend("chunk_kda", q, v, opts)
+    n_res = len(backend.residual_meta(q, k, v, opts, True))
+    grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
+                                   [res0, res1, res2][:n_res], do, dht, opts)
+    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(
+        grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
+        for grad, ref in zip(grads, like)
+    )
+
+
+@chunk_kda_bwd.register_fake
+def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, do, dht,
+                        *flags):
+    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(t.new_empty(t.shape) if t is not None else q.new_empty(0) for t in like)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+     *flags, chunk_size, save_for_backward) = inputs
+    _, _, res0, res1, res2 = output
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2)
+    ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht, *residual_grads):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2 = ctx.saved_tensors
+    if dht is not None and not ctx.output_final_state:
+        dht = None
+    grads = chunk_kda_bwd(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, do.contiguous(), dht,
+        ctx.scale, *ctx.flags, ctx.chunk_size)
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (
+        grad if ref is not None else None
+        for grad, ref in zip(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state)))
+    # one gradient per input of chunk_kda_fwd (non-tensors and cu_seqlens get None)
+    return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None,
+            None, None)
+
+
+torch.library.register_autograd("kda_compile::chunk_kda_fwd", _backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# fused_recurrent_kda_fwd (decode)
+# ------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kda_compile::fused_recurrent_kda_fwd", mutates_args=())
+def fused_recurrent_kda_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float],
+) -> tuple[Tensor, Tensor]:
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, False, 64)
+    backend = _backend("fused_recurrent_kda", q, v, opts)
+    o, final = backend.recurrent_forward(
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state)
+    final = final.contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return o.contiguous(), final
+
+
+@fused_recurrent_kda_fwd.register_fake
+def _fused_recurrent_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                  output_final_state, *flags):
+    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
+    final_shape = _final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    return o, q.new_empty(final_shape, dtype=torch.float32)

@@ -1,0 +1,151 @@
+"""KDA on CUDA through flash-linear-attention's (FLA) Triton kernels.
+
+We call FLA 0.6's internal, autograd-free functions (``chunk_kda_fwd`` / ``chunk_kda_bwd`` /
+``fused_recurrent_kda_fwd`` and the l2norm / beta-sigmoid helpers), never its public entry points:
+those are wrapped in ``torch.compiler.disable`` (a graph break per call) and in an
+``autograd.Function`` that Dynamo cannot see through. Our custom ops own autograd instead.
+
+What the forward keeps for the backward is exactly what FLA's own autograd function keeps, minus
+what is cheaper to recompute than to store: the L2-normalised q/k and the activated beta are
+recomputed in the backward (one memory-bound pass each); the chunk-local gate cumsum and the
+intra-chunk ``Aqk`` / ``Akk`` blocks are kept. So forward and backward launch the same kernels as
+FLA's ``chunk_kda`` and the op layer adds no kernel work.
+
+FLA is imported lazily on the first CUDA call; a missing or incompatible fla-core makes the
+backend report itself unsupported (with the reason) and the reference serves instead.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from functools import cache
+
+import torch
+
+from kda_compile.ops.kda.backends import KDAOptions, register_backend
+
+logger = logging.getLogger("kda_compile.ops.kda")
+
+SUPPORTED_FLA = "0.6."
+FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@cache
+def _load_fla():
+    """Import FLA's internals once. Returns (namespace, None) or (None, reason)."""
+    try:
+        fla = importlib.import_module("fla")
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return None, f"fla-core is not importable ({type(exc).__name__}: {exc}); install kda-compile[fla]"
+    version = getattr(fla, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_FLA):
+        return None, f"fla-core {version} found; the internals used here are those of fla-core {SUPPORTED_FLA}x"
+    try:
+        ns = {
+            "chunk_kda_fwd": importlib.import_module("fla.ops.kda.chunk_fwd").chunk_kda_fwd,
+            "chunk_kda_bwd": importlib.import_module("fla.ops.kda.chunk_bwd").chunk_kda_bwd,
+            "fused_recurrent_kda_fwd": importlib.import_module("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd,
+            "l2norm_fwd": importlib.import_module("fla.modules.norm.l2norm").l2norm_fwd,
+            "l2norm_bwd": importlib.import_module("fla.modules.norm.l2norm").l2norm_bwd,
+            "beta_sigmoid_fwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_fwd,
+            "beta_sigmoid_bwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_bwd,
+            "prepare_chunk_indices": importlib.import_module("fla.ops.utils.index").prepare_chunk_indices,
+        }
+    except Exception as exc:
+        return None, f"fla-core {version} is missing an internal function ({type(exc).__name__}: {exc})"
+    logger.info("KDA on CUDA uses fla-core %s kernels", version)
+    return ns, None
+
+
+def _contiguous(*tensors):
+    return [t.contiguous() if t is not None else None for t in tensors]
+
+
+class FLABackend:
+    name = "fla"
+
+    def unsupported_reason(self, device, dtype, K, V, opts: KDAOptions) -> str | None:
+        if device.type != "cuda":
+            return f"needs CUDA, got {device.type}"
+        if dtype not in FLA_DTYPES:
+            return f"FLA kernels take float16/bfloat16/float32, got {dtype}"
+        if opts.chunk_size not in (32, 64):
+            return f"FLA takes chunk_size 32 or 64, got {opts.chunk_size}"
+        return _load_fla()[1]
+
+    # -- forward / backward (chunked) -------------------------------------------------------------
+    def residual_meta(self, q, k, v, opts, save):
+        if not save:
+            return []
+        B, T, _, K = q.shape
+        HV = v.shape[2]
+        bt = opts.chunk_size
+        g_cumsum = ((0,), torch.float32) if opts.use_gate_in_kernel else ((B, T, HV, K), torch.float32)
+        return [g_cumsum, ((B, T, HV, bt), k.dtype), ((B, T, HV, bt), k.dtype)]
+
+    def _prologue(self, fla, q, k, beta, opts):
+        """The in-kernel q/k L2 norm and beta sigmoid, as FLA's autograd function applies them."""
+        q_rstd = k_rstd = None
+        if opts.use_qk_l2norm_in_kernel:
+            q, q_rstd = fla["l2norm_fwd"](q)
+            k, k_rstd = fla["l2norm_fwd"](k)
+        if opts.use_beta_sigmoid_in_kernel:
+            beta = fla["beta_sigmoid_fwd"](beta, scale=2.0 if opts.allow_neg_eigval else 1.0)
+        return q, q_rstd, k, k_rstd, beta
+
+    def _chunk_indices(self, fla, cu_seqlens, opts):
+        return None if cu_seqlens is None else fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
+
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+        fla = _load_fla()[0]
+        q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
+        qn, _, kn, _, beta_act = self._prologue(fla, q, k, beta, opts)
+        o, final, g_cumsum, Aqk, Akk, *_ = fla["chunk_kda_fwd"](
+            q=qn, k=kn, v=v, g=g, beta=beta_act, scale=opts.scale, initial_state=h0,
+            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+            chunk_indices=self._chunk_indices(fla, cu_seqlens, opts), chunk_size=opts.chunk_size,
+            safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, use_gate_in_kernel=opts.use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias,
+        )
+        residuals = []
+        if save:
+            g_saved = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum
+            residuals = [g_saved, Aqk, Akk]
+        return o.to(q.dtype), final, residuals
+
+    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
+        fla = _load_fla()[0]
+        q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, h0, do, dht)
+        g_cumsum, Aqk, Akk = residuals
+        qn, q_rstd, kn, k_rstd, beta_act = self._prologue(fla, q, k, beta, opts)
+        dq, dk, dv, db, dg, dh0, dA, dbias = fla["chunk_kda_bwd"](
+            q=qn, k=kn, v=v, beta=beta_act, Aqk=Aqk, Akk=Akk, scale=opts.scale, initial_state=h0, do=do,
+            dht=dht, g=None if opts.use_gate_in_kernel else g_cumsum,
+            g_org=g if opts.use_gate_in_kernel else None, cu_seqlens=cu_seqlens,
+            chunk_indices=self._chunk_indices(fla, cu_seqlens, opts), chunk_size=opts.chunk_size,
+            safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, use_gate_in_kernel=opts.use_gate_in_kernel,
+            A_log=A_log, dt_bias=dt_bias,
+        )
+        if opts.use_qk_l2norm_in_kernel:
+            dq = fla["l2norm_bwd"](qn, q_rstd, dq)
+            dk = fla["l2norm_bwd"](kn, k_rstd, dk)
+        if opts.use_beta_sigmoid_in_kernel:
+            db = fla["beta_sigmoid_bwd"](x=beta, dy=db, scale=2.0 if opts.allow_neg_eigval else 1.0)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype),
+                dA, dbias, dh0)
+
+    # -- decode ----------------------------------------------------------------------------------
+    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
+        fla = _load_fla()[0]
+        q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
+        o, final = fla["fused_recurrent_kda_fwd"](
+            q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0, scale=opts.scale,
+            output_final_state=output_final_state, inplace_final_state=False, cu_seqlens=cu_seqlens,
+            use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_gate_in_kernel=opts.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+            lower_bound=opts.lower_bound,
+        )
+        return o.to(q.dtype), final  # FLA allocates o like v
+
+
+register_backend(FLABackend(), priority=10)

@@ -1,0 +1,198 @@
+"""Reference KDA math in plain torch: runs on any device, differentiable, fp32 accumulation.
+
+This is what the ops run on CPU, what CUDA falls back to without fast kernels, and what the
+reference backward differentiates. It follows ../shared/docs/kda.md:
+
+- the in-kernel options (section 2): L2 norm with the eps inside the sqrt, the softplus and the
+  lower-bound gate, the beta sigmoid;
+- the chunked WY algorithm (section 4), vectorised over batch, heads and the rows of a chunk, with a
+  Python loop over chunks only (the inter-chunk state scan is sequential);
+- packed variable-length sequences (``cu_seqlens``) by padding to ``[N, T_max]``: a padded token has
+  gate 0 and beta 0, which leaves the state untouched, so final states stay exact.
+
+``exp(G_i - G_j)`` is only ever formed for ``j <= i`` (masked to ``-inf`` before ``exp``): for
+``j > i`` the difference is positive and would overflow.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2NORM_EPS = 1e-6
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision inputs, fp64 stays fp64 (for gradcheck-grade tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x * x) + eps)`` over the last dim (eps inside the sqrt; not F.normalize)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(
+    f: torch.Tensor,
+    A_log: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+) -> torch.Tensor:
+    """Log-space decay from the raw gate projection ``f`` ``[..., HV, K]``.
+
+    softplus form: ``-exp(A_log[h]) * softplus(f + dt_bias[h])``;
+    lower-bound form (``lower_bound`` given): ``lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h]))``,
+    with ``A_log`` optional.
+    """
+    HV, K = f.shape[-2:]
+    x = f
+    if dt_bias is not None:
+        x = x + dt_bias.view(HV, K).to(f.dtype)
+    if lower_bound is None:
+        return -A_log.view(HV, 1).to(f.dtype).exp() * F.softplus(x)
+    if A_log is not None:
+        x = A_log.view(HV, 1).to(f.dtype).exp() * x
+    return lower_bound * torch.sigmoid(x)
+
+
+def apply_input_options(
+    q, k, g, beta, *, A_log, dt_bias, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+    use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound,
+):
+    """Apply the in-kernel options of FLA's contract; inputs are already in the compute dtype."""
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
+    return q, k, g, beta
+
+
+def chunk_kda_core(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked KDA recurrence on equal-length sequences, all inputs in one compute dtype.
+
+    Args:
+        q, k: ``[B, T, H, K]`` (already normalised if that option is on).
+        v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]`` log decays; beta: ``[B, T, HV]``.
+        state: ``[B, HV, K, V]`` incoming state.
+    Returns:
+        ``o [B, T, HV, V]`` and the final state ``[B, HV, K, V]``.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    C = chunk_size
+    NC = (T + C - 1) // C
+    pad = NC * C - T
+
+    def to_chunks(x: torch.Tensor) -> torch.Tensor:
+        # [B, T, heads, D] -> [B, HV, NC, C, D]; q/k heads are shared by `group` value heads (GVA).
+        if x.shape[2] != HV:
+            x = x.repeat_interleave(group, dim=2)
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))  # zero tokens: g = 0, beta = 0 leave the state as it is
+        return x.view(B, NC, C, HV, -1).permute(0, 3, 1, 2, 4)
+
+    qc, kc, vc, gc = map(to_chunks, (q * scale, k, v, g))
+    bc = to_chunks(beta.unsqueeze(-1)).squeeze(-1)  # [B, HV, NC, C]
+
+    rows = torch.arange(C, device=q.device)
+    causal = rows[:, None] >= rows[None, :]  # j <= i
+    strict = rows[:, None] > rows[None, :]  # j < i
+    eye = torch.eye(C, device=q.device, dtype=q.dtype)
+
+    outputs = []
+    for n in range(NC):
+        qn, kn, vn, bn = qc[:, :, n], kc[:, :, n], vc[:, :, n], bc[:, :, n]
+        G = gc[:, :, n].cumsum(-2)  # [B, HV, C, K]
+        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, HV, C(i), C(j), K]
+        decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+        A_qk = torch.einsum("bhid,bhjd,bhijd->bhij", qn, kn, decay)
+        A_kk = torch.einsum("bhid,bhjd,bhijd->bhij", kn, kn, decay)
+        A_kk = (A_kk * bn[..., :, None]).masked_fill(~strict, 0.0)
+        # T = (I + A_kk)^-1 diag(beta): one unit lower-triangular solve for both w and u.
+        rhs = bn[..., None] * torch.cat([G.exp() * kn, vn], dim=-1)
+        wu = torch.linalg.solve_triangular(eye + A_kk, rhs, upper=False, unitriangular=True)
+        w, u = wu[..., :K], wu[..., K:]
+        v_new = u - w @ state
+        outputs.append((qn * G.exp()) @ state + A_qk @ v_new)
+        G_last = G[..., -1:, :]  # [B, HV, 1, K]
+        state = G_last.transpose(-1, -2).exp() * state + (kn * (G_last - G).exp()).transpose(-1, -2) @ v_new
+
+    if NC == 0:
+        o = v.new_zeros(B, HV, 0, V)
+    else:
+        o = torch.stack(outputs, dim=2).reshape(B, HV, NC * C, V)[:, :, :T]
+    return o.transpose(1, 2), state
+
+
+def _pad_varlen(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, t_max: int) -> torch.Tensor:
+    """Packed ``[1, T, ...]`` -> padded ``[N, t_max, ...]`` (zeros past each sequence's end)."""
+    steps = torch.arange(t_max, device=x.device)
+    valid = steps[None, :] < lengths[:, None]
+    index = torch.where(valid, starts[:, None] + steps[None, :], 0)
+    padded = x[0][index]
+    mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
+    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def kda_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full KDA with FLA's semantics. Returns ``o`` in q's dtype and the final state
+    ``[N, HV, K, V]`` in the compute dtype (fp32 for fp32/bf16/fp16 inputs)."""
+    cdt = compute_dtype(q.dtype)
+    qf, kf, vf, gf, bf = (x.to(cdt) for x in (q, k, v, g, beta))
+    A_log_f = A_log.to(cdt) if A_log is not None else None
+    dt_bias_f = dt_bias.to(cdt) if dt_bias is not None else None
+    qf, kf, gf, bf = apply_input_options(
+        qf, kf, gf, bf, A_log=A_log_f, dt_bias=dt_bias_f,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+        lower_bound=lower_bound,
+    )
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+
+    if cu_seqlens is None:
+        state = initial_state.to(cdt) if initial_state is not None else qf.new_zeros(B, HV, K, V)
+        o, final = chunk_kda_core(qf, kf, vf, gf, bf, scale, state, chunk_size)
+        return o.to(q.dtype), final
+
+    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
+    lengths = ends - starts
+    N = lengths.numel()
+    t_max = int(lengths.max()) if N > 0 else 0
+    padded = [_pad_varlen(x, starts, lengths, t_max) for x in (qf, kf, vf, gf, bf)]
+    state = initial_state.to(cdt) if initial_state is not None else qf.new_zeros(N, HV, K, V)
+    o_pad, final = chunk_kda_core(*padded, scale, state, chunk_size)  # [N, t_max, HV, V]
+    steps = torch.arange(t_max, device=q.device)
+    valid = steps[None, :] < lengths[:, None]
+    positions = (starts[:, None] + steps[None, :])[valid]
+    # Scatter back by position: tokens outside every sequence (if cu_seqlens does not cover T) stay 0.
+    o = o_pad.new_zeros(T, HV, V).index_put((positions,), o_pad[valid])
+    return o.unsqueeze(0).to(q.dtype), final

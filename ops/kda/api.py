@@ -112,6 +112,15 @@ def fused_recurrent_kda(
                 state_v_first, cu_seqlens, A_log, dt_bias, 64, recurrent=True)
 
 
+def dispatcher_needed() -> bool:
+    """Whether a call must go through the custom op rather than straight to its kernel: while
+    Dynamo traces (the op must appear in the graph), under a dispatch mode (fake tensors, tracing,
+    profilers that count ops) or a functorch transform. Otherwise eager decode skips the
+    dispatcher's Python path (tens of microseconds, more than the decode kernel itself)."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._are_functorch_transforms_active())
+
+
 def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
          dt_bias, chunk_size, *, recurrent: bool):
@@ -134,8 +143,8 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
              bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound)
     if recurrent and not needs_grad:
-        o, final = custom_ops.fused_recurrent_kda_fwd(
-            q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
+        op = custom_ops.fused_recurrent_kda_fwd if dispatcher_needed() else custom_ops.fused_recurrent_kda_impl
+        o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
     else:
         o, final, *_ = custom_ops.chunk_kda_fwd(
             q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags, bool(safe_gate), int(chunk_size),

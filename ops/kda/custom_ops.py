@@ -145,13 +145,15 @@ torch.library.register_autograd("kda_compile::chunk_kda_fwd", _backward, setup_c
 # ------------------------------------------------------------------------------------------------
 # fused_recurrent_kda_fwd (decode)
 # ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("kda_compile::fused_recurrent_kda_fwd", mutates_args=())
-def fused_recurrent_kda_fwd(
+def fused_recurrent_kda_impl(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float],
 ) -> tuple[Tensor, Tensor]:
+    """The kernel of ``fused_recurrent_kda_fwd``. Eager decode may call it directly (see
+    ``dispatcher_needed`` in api.py): one decode step is a few microseconds of GPU work, and the
+    custom-op dispatcher's Python path costs more than that."""
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, False, 64)
     backend = _backend("fused_recurrent_kda", q, v, opts)
@@ -159,6 +161,10 @@ def fused_recurrent_kda_fwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state)
     final = final.contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
     return o.contiguous(), final
+
+
+fused_recurrent_kda_fwd = torch.library.custom_op("kda_compile::fused_recurrent_kda_fwd", mutates_args=())(
+    fused_recurrent_kda_impl)
 
 
 @fused_recurrent_kda_fwd.register_fake

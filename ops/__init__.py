@@ -3,6 +3,7 @@
 One folder per operator: reference math beside the kernels, one module registering the ops.
 Ops know nothing of models or of torch.compile passes.
 """
+from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
 
-__all__ = ["chunk_kda", "fused_recurrent_kda"]
+__all__ = ["attention", "attention_with_lse", "chunk_kda", "fused_recurrent_kda"]

@@ -26,6 +26,23 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _autotune_one_config() -> None:
+    """Tests check correctness, not speed: on CUDA every Triton autotuner (FLA's and ours) runs the
+    first of its configs instead of compiling and timing all of them. A cold FLA run otherwise
+    autotunes about fifteen kernels for every new shape (minutes each), which no device budget
+    affords. ``KDA_TEST_FULL_AUTOTUNE=1`` restores full autotuning."""
+    if not torch.cuda.is_available() or os.environ.get("KDA_TEST_FULL_AUTOTUNE") == "1":
+        return
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return
+    Autotuner.prune_configs = lambda self, kwargs: self.configs[:1]
+
+
+_autotune_one_config()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -13,6 +13,7 @@ from kda_compile.bench.common import environment, write_csv
 BENCHMARKS = {
     "kda": "kda_compile.bench.kda",
     "attention": "kda_compile.bench.attention",
+    "e2e": "kda_compile.bench.e2e",
 }
 
 

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
-from kda_compile.ops.kda.backends import MAX_RESIDUALS, KDAOptions, select_backend
+from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, select_backend
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
@@ -35,6 +35,8 @@ def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoi
 
 
 def _backend(op: str, q: Tensor, v: Tensor, opts: KDAOptions):
+    if q.shape[1] == 0:  # no tokens: nothing to compute, the reference returns the states as they are
+        return REFERENCE
     return select_backend(op, q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
 
 

@@ -99,7 +99,7 @@ def chunk_kda_core(
         if x.shape[2] != HV:
             x = x.repeat_interleave(group, dim=2)
         x = F.pad(x, (0, 0, 0, 0, 0, pad))  # zero tokens: g = 0, beta = 0 leave the state as it is
-        return x.view(B, NC, C, HV, -1).permute(0, 3, 1, 2, 4)
+        return x.view(B, NC, C, HV, x.shape[-1]).permute(0, 3, 1, 2, 4)
 
     qc, kc, vc, gc = map(to_chunks, (q * scale, k, v, g))
     bc = to_chunks(beta.unsqueeze(-1)).squeeze(-1)  # [B, HV, NC, C]
@@ -179,7 +179,7 @@ def kda_reference(
     HV, V = v.shape[2], v.shape[3]
 
     if cu_seqlens is None:
-        state = initial_state.to(cdt) if initial_state is not None else qf.new_zeros(B, HV, K, V)
+        state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(B, HV, K, V)
         o, final = chunk_kda_core(qf, kf, vf, gf, bf, scale, state, chunk_size)
         return o.to(q.dtype), final
 
@@ -188,7 +188,7 @@ def kda_reference(
     N = lengths.numel()
     t_max = int(lengths.max()) if N > 0 else 0
     padded = [_pad_varlen(x, starts, lengths, t_max) for x in (qf, kf, vf, gf, bf)]
-    state = initial_state.to(cdt) if initial_state is not None else qf.new_zeros(N, HV, K, V)
+    state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(N, HV, K, V)
     o_pad, final = chunk_kda_core(*padded, scale, state, chunk_size)  # [N, t_max, HV, V]
     steps = torch.arange(t_max, device=q.device)
     valid = steps[None, :] < lengths[:, None]

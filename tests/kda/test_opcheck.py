@@ -1,0 +1,104 @@
+"""``torch.library.opcheck`` on every KDA custom op: schema, autograd registration, fake tensors
+(shapes AND strides) and AOT dispatch with dynamic shapes, on contiguous and non-contiguous inputs,
+with and without initial state, with the gate / beta / L2-norm options, and varlen.
+
+The op-level arguments are built from public-level ones the way ``chunk_kda`` builds them: the
+state in [N, HV, K, V] layout, ``A_log`` / ``dt_bias`` only with the in-kernel gate, ``scale``
+resolved to a float.
+"""
+import pytest
+import torch
+
+import kda_compile.ops  # noqa: F401  (registers torch.ops.kda_compile.*)
+from kda_compile.testing import KDAShape, make_kda_args
+
+OPTION_SETS = {
+    "plain": dict(shape=KDAShape(2, 70, 2, 2, 32, 16)),
+    "softplus-l2norm-negeig": dict(shape=KDAShape(1, 20, 2, 4, 60, 16), gate_form="softplus", qk_l2norm=True,
+                                   beta_sigmoid=True, allow_neg_eigval=True, scale=0.3),
+    "lower-bound-no-A_log": dict(shape=KDAShape(2, 33, 2, 2, 32, 24), gate_form="lower_bound", A_log=False,
+                                 lower_bound=-5.0),
+    "varlen-empty-seqs": dict(shape=KDAShape(1, 40, 2, 4, 16, 16), cu_seqlens=[0, 0, 13, 40], gate_form="softplus",
+                              dt_bias=False),
+}
+
+
+def _public_args(name, noncontiguous, with_state, device, requires_grad=False, output_final_state=True):
+    options = dict(OPTION_SETS[name])
+    shape = options.pop("shape")
+    return make_kda_args(shape, seed=3, noncontiguous=noncontiguous, initial_state=with_state, device=device,
+                         requires_grad=requires_grad, output_final_state=output_final_state, **options)
+
+
+def _tensors(a):
+    """The op-level tensor arguments from public-level ones."""
+    gate = a["use_gate_in_kernel"]
+    h0 = a["initial_state"]
+    if h0 is not None and a["state_v_first"]:
+        h0 = h0.transpose(-1, -2)
+    return (a["q"], a["k"], a["v"], a["g"], a["beta"], a["A_log"] if gate else None,
+            a["dt_bias"] if gate else None, h0, a["cu_seqlens"])
+
+
+def _flags(a):
+    scale = a["scale"] if a["scale"] is not None else a["q"].shape[-1] ** -0.5
+    return (float(scale), a["output_final_state"], a["use_qk_l2norm_in_kernel"], a["use_gate_in_kernel"],
+            a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["lower_bound"])
+
+
+def chunk_fwd_args(a, *, save_for_backward, chunk_size=64):
+    return (*_tensors(a), *_flags(a), False, chunk_size, save_for_backward)
+
+
+def recurrent_fwd_args(a):
+    return (*_tensors(a), *_flags(a))
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "state"])
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_chunk_kda_fwd(options, noncontiguous, with_state, device):
+    args = _public_args(options, noncontiguous, with_state, device, requires_grad=True)
+    torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default, chunk_fwd_args(args, save_for_backward=True))
+
+
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
+def test_chunk_kda_fwd_inference_without_final_state(noncontiguous, device):
+    args = _public_args("plain", noncontiguous, True, device, output_final_state=False)
+    torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default,
+                          chunk_fwd_args(args, save_for_backward=False, chunk_size=16))
+
+
+@pytest.mark.parametrize("with_state, with_dht", [(False, False), (True, True), (False, True)],
+                         ids=["no-state-no-dht", "state-dht", "no-state-dht"])
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_chunk_kda_bwd(options, noncontiguous, with_state, with_dht, device):
+    args = _public_args(options, noncontiguous, with_state, device)
+    fwd = chunk_fwd_args(args, save_for_backward=True)
+    o, final, *residuals = torch.ops.kda_compile.chunk_kda_fwd(*fwd)
+    gen = torch.Generator().manual_seed(0)
+    # Non-contiguous cotangents too: the op must not assume a layout for do / dht.
+    do = torch.randn(o.shape[:1] + o.shape[2:3] + o.shape[1:2] + o.shape[3:], generator=gen).transpose(1, 2)
+    do = (do if noncontiguous else do.contiguous()).to(device=device, dtype=o.dtype)
+    dht = torch.randn(final.shape, generator=gen).to(device) if with_dht else None
+    scale, _, *flags = _flags(args)
+    bwd = (*_tensors(args), *residuals, do, dht, scale, *flags, False, 64)
+    torch.library.opcheck(torch.ops.kda_compile.chunk_kda_bwd.default, bwd)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "state"])
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_fused_recurrent_kda_fwd(options, noncontiguous, with_state, device):
+    args = _public_args(options, noncontiguous, with_state, device)
+    torch.library.opcheck(torch.ops.kda_compile.fused_recurrent_kda_fwd.default, recurrent_fwd_args(args))
+
+
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_noncontiguous_inputs_are_really_noncontiguous(options):
+    # Guard for the tests above: the transposed cases must exercise strided inputs (a size-1 head
+    # dim would make the "transposed" tensors contiguous).
+    args = _public_args(options, True, True, "cpu")
+    for key in ("q", "k", "v", "g", "beta", "initial_state"):
+        assert not args[key].is_contiguous(), key

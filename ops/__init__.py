@@ -5,5 +5,6 @@ Ops know nothing of models or of torch.compile passes.
 """
 from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
+from kda_compile.ops.mla import mla_attention
 
-__all__ = ["attention", "attention_with_lse", "chunk_kda", "fused_recurrent_kda"]
+__all__ = ["attention", "attention_with_lse", "chunk_kda", "fused_recurrent_kda", "mla_attention"]

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "kda": "kda_compile.bench.kda",
     "attention": "kda_compile.bench.attention",
     "e2e": "kda_compile.bench.e2e",
+    "mla": "kda_compile.bench.mla",
 }
 
 

@@ -16,7 +16,7 @@ Batch/head offsets are int64 (tensors beyond 2**31 elements); row offsets stay i
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a plain global is rejected by the compiler (not by the interpreter)
 
 
 @triton.jit

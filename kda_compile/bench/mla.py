@@ -1,0 +1,272 @@
+"""MLA decode per layer: kda_compile's absorbed op against Hugging Face's expansion path.
+
+One decode step of one MLA layer, from the query split and the latent cache (what the layer holds
+after its cache update) to the per-head outputs, bf16, DeepSeek/Kimi widths (kv_lora_rank 512,
+nope 128, rope 64, v 128), batch 1 / 8 / 64 x cache 1k / 4k / 16k x 32 / 64 / 128 heads.
+
+Providers: ``kda_compile`` (``mla_attention``; the automatic choice takes the absorbed form and its
+Triton split-KV kernel), and Hugging Face's own ``DeepseekV3Attention.expand_kv`` followed by its
+eager or SDPA attention function, each eager and under ``torch.compile``. Metrics per shape: time
+(``do_bench``, p20/p50/p80 ms); our GPU time replayed from a CUDA graph; latent bandwidth = latent
+bytes read (B * T * 576 * 2) / our graph time, and its fraction of the measured device-to-device copy
+bandwidth (a 1 GiB copy, bytes read + written); the speedup over the faster compiled HF path; our
+relative error against HF's eager output. The issue's target: at batch 64 and cache 4k, >= 70% of
+copy bandwidth and >= 10x faster than HF's compiled expansion.
+
+Extra modes: ``crossover`` times the two forms, forced, against query length (calibrates
+``ops/mla/path_choice.py``); ``configs`` sweeps the decode kernel's tile configs at batch 64,
+cache 4k. HF shapes whose expanded K/V would not fit in free memory are skipped (logged).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kda_compile.bench.common import format_table, row, time_quantiles
+
+logger = logging.getLogger("kda_compile.bench.mla")
+
+NOPE, ROPE, VALUE, LATENT = 128, 64, 128, 512
+BATCHES, CACHES, HEADS = (1, 8, 64), (1024, 4096, 16384), (32, 64, 128)
+QUICK = ((1, 64), (4096,), (32, 128))
+TARGET = dict(batch=64, cache=4096, bandwidth_fraction=0.70, speedup=10.0)
+CROSSOVER_QUERIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+KERNEL_CONFIGS = ((16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2))
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--quick", action="store_true", help="batch 1/64, cache 4k, 32/128 heads only")
+    parser.add_argument("--modes", default="decode", help="comma-separated subset of decode,crossover,configs")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd HF providers")
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and providers.
+# ----------------------------------------------------------------------------------------------
+def _hf_layer(heads: int, device="cuda"):
+    """A DeepseekV3Attention (bf16) with the real MLA widths and DeepSeek-V3's YaRN scaling (scale
+    0.1352); small hidden size (only kv_b_proj, expand_kv and scaling are used)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
+
+    config = DeepseekV3Config(
+        hidden_size=512, num_attention_heads=heads, num_key_value_heads=heads, q_lora_rank=256,
+        kv_lora_rank=LATENT, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=VALUE,
+        rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0},
+        max_position_embeddings=163840,
+    )
+    layer = DeepseekV3Attention(config, layer_idx=0).to(device=device, dtype=torch.bfloat16).eval()
+    torch.nn.init.normal_(layer.kv_b_proj.weight, std=LATENT ** -0.5)
+    return layer
+
+
+def _decode_inputs(batch: int, cache: int, heads: int, queries: int = 1, device="cuda"):
+    """HF's tensors at a decode step: query [B, H, Sq, 192] (a transposed view), latent caches
+    [B, 1, T, 512] / [B, 1, T, 64]."""
+    make = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
+    query = make(batch, queries, heads, NOPE + ROPE).transpose(1, 2)
+    return query, make(batch, 1, cache, LATENT), make(batch, 1, cache, ROPE)
+
+
+def _hf_step(layer, attention_fn):
+    def step(query, kv_nope, k_rot):
+        key, value = layer.expand_kv(kv_nope, k_rot)
+        out, _ = attention_fn(layer, query, key, value, None, dropout=0.0, scaling=layer.scaling)
+        return out  # [B, Sq, H, Dv]
+    return step
+
+
+def _providers(layer, compile_hf: bool, causal: bool = False):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import eager_attention_forward
+
+    from kda_compile.ops.mla import mla_attention
+
+    def ours(query, kv_nope, k_rot, path="auto"):
+        out = mla_attention(query[..., :NOPE], query[..., NOPE:], kv_nope, k_rot, layer.kv_b_proj.weight,
+                            scale=layer.scaling, is_causal=causal, path=path)
+        return out.transpose(1, 2)
+
+    providers = {"kda_compile": ours, "hf_eager": _hf_step(layer, eager_attention_forward),
+                 "hf_sdpa": _hf_step(layer, sdpa_attention_forward)}
+    if compile_hf:
+        providers["hf_eager_compiled"] = torch.compile(_hf_step(layer, eager_attention_forward))
+        providers["hf_sdpa_compiled"] = torch.compile(_hf_step(layer, sdpa_attention_forward))
+    return providers
+
+
+def _hf_fits(batch: int, cache: int, heads: int) -> bool:
+    """HF's expansion holds kv_b_proj's output, the assembled keys, fp32 scores: bf16 bytes per
+    (token, head) about 2 * (256 + 192 + 128), times 1.5 for the allocator's slack."""
+    need = 1.5 * batch * cache * heads * 2 * (256 + 192 + 128)
+    free, _ = torch.cuda.mem_get_info()
+    return need < 0.8 * free
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helpers.
+# ----------------------------------------------------------------------------------------------
+def measure_copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float, float]:
+    """Device-to-device copy bandwidth in TB/s (bytes read + written), p20/p50/p80."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_quantiles(lambda: dst.copy_(src))
+    return tuple(2 * nbytes / (t * 1e-3) / 1e12 for t in reversed(ms))
+
+
+def _cuda_graph_time(fn) -> tuple[float, float, float]:
+    """GPU ms of one call replayed from a CUDA graph (no host overhead), p20/p50/p80."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_quantiles(graph.replay, rep_ms=200)
+
+
+def _rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Modes.
+# ----------------------------------------------------------------------------------------------
+def _bench_decode(shapes, compile_hf, copy_bw, rows, table, verdicts):
+    for heads in sorted({h for _, _, h in shapes}):
+        layer = _hf_layer(heads)
+        providers = _providers(layer, compile_hf)
+        for batch, cache, h in [s for s in shapes if s[2] == heads]:
+            shape = f"{batch}x{cache}x{h}"
+            inputs = _decode_inputs(batch, cache, heads)
+            times, outputs = {}, {}
+            with torch.inference_mode():
+                for name, fn in providers.items():
+                    if name != "kda_compile" and not _hf_fits(batch, cache, heads):
+                        logger.info("%s %s: skipped, the expanded K/V would not fit in free memory", name, shape)
+                        continue
+                    try:
+                        outputs[name] = fn(*inputs)
+                        times[name] = time_quantiles(lambda fn=fn: fn(*inputs))
+                    except torch.cuda.OutOfMemoryError:
+                        logger.info("%s %s: skipped, out of memory", name, shape)
+                        outputs.pop(name, None)
+                        continue
+                    finally:
+                        torch.cuda.empty_cache()
+                    rows.append(row("mla_decode", name, "decode", shape, "time", "ms", times[name]))
+                gpu = _cuda_graph_time(lambda: providers["kda_compile"](*inputs))
+            rows.append(row("mla_decode", "kda_compile", "decode", shape, "gpu_time_cuda_graph", "ms", gpu))
+            latent_bytes = batch * cache * (LATENT + ROPE) * 2
+            bw = tuple(latent_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu))
+            rows.append(row("mla_decode", "kda_compile", "decode", shape, "latent_bandwidth", "TB/s", bw))
+            frac = bw[1] / copy_bw[1]
+            rows.append(row("mla_decode", "kda_compile", "decode", shape, "fraction_of_copy_bandwidth", "1",
+                            (frac, frac, frac)))
+            compiled = [times[n][1] for n in ("hf_eager_compiled", "hf_sdpa_compiled") if n in times]
+            speedup = min(compiled) / times["kda_compile"][1] if compiled else float("nan")
+            if compiled:
+                rows.append(row("mla_decode", "kda_compile", "decode", shape, "speedup_vs_hf_compiled", "x",
+                                (speedup, speedup, speedup)))
+            err = _rel(outputs["kda_compile"], outputs["hf_eager"]) if "hf_eager" in outputs else float("nan")
+            if "hf_eager" in outputs:
+                rows.append(row("mla_decode", "kda_compile", "decode", shape, "rel_err_vs_hf_eager", "1",
+                                (err, err, err)))
+            cell = lambda n: times[n][1] if n in times else "skipped"  # noqa: E731
+            table.append([shape, cell("kda_compile"), gpu[1], cell("hf_eager"), cell("hf_sdpa"),
+                          cell("hf_eager_compiled"), cell("hf_sdpa_compiled"), speedup, bw[1], 100 * frac,
+                          f"{err:.1e}"])
+            if batch == TARGET["batch"] and cache == TARGET["cache"]:
+                ok = frac >= TARGET["bandwidth_fraction"] and speedup >= TARGET["speedup"]
+                verdicts.append(f"{shape}: {100 * frac:.0f}% of copy bandwidth (target >= "
+                                f"{100 * TARGET['bandwidth_fraction']:.0f}%), {speedup:.1f}x vs HF compiled "
+                                f"(target >= {TARGET['speedup']:.0f}x): {'MET' if ok else 'NOT MET'}")
+            torch.cuda.empty_cache()
+        torch._dynamo.reset()  # drop the compiled HF graphs of this head count
+
+
+def _bench_crossover(heads_list, rows, table):
+    from kda_compile.ops.mla import explain_mla_path
+
+    cache = 4096
+    for heads in heads_list:
+        layer = _hf_layer(heads)
+        ours = _providers(layer, compile_hf=False, causal=True)["kda_compile"]
+        for batch in (1, 8):
+            for queries in CROSSOVER_QUERIES:
+                shape = f"{batch}x{cache}x{heads}xSq{queries}"
+                inputs = _decode_inputs(batch, cache, heads, queries)
+                t = {}
+                with torch.inference_mode():
+                    for path in ("absorbed", "expanded"):
+                        t[path] = time_quantiles(lambda path=path: ours(*inputs, path=path))
+                        rows.append(row("mla_forms", path, "forced", shape, "time", "ms", t[path]))
+                q = inputs[0]
+                rule = explain_mla_path(q[..., :NOPE], q[..., NOPE:], inputs[1], inputs[2], layer.kv_b_proj.weight,
+                                        is_causal=True)[0]
+                faster = "absorbed" if t["absorbed"][1] <= t["expanded"][1] else "expanded"
+                table.append([shape, t["absorbed"][1], t["expanded"][1], faster, rule,
+                              "ok" if rule == faster else "MISMATCH"])
+        torch.cuda.empty_cache()
+
+
+def _bench_configs(heads_list, copy_bw, rows, table):
+    from kda_compile.ops.mla.triton_decode import DecodeConfig, mla_decode_attention
+
+    batch, cache = TARGET["batch"], TARGET["cache"]
+    latent_bytes = batch * cache * (LATENT + ROPE) * 2
+    for heads in heads_list:
+        make = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+        q_lat, q_rope = make(batch, heads, 1, LATENT), make(batch, heads, 1, ROPE)
+        latent, k_rope = make(batch, cache, LATENT), make(batch, cache, ROPE)
+        for cfg in [None, *(DecodeConfig(*c) for c in KERNEL_CONFIGS)]:
+            name = "default" if cfg is None else f"m{cfg.block_m}_n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+            try:
+                fn = lambda cfg=cfg: mla_decode_attention(q_lat, q_rope, latent, k_rope, None, 0.1, False,  # noqa: E731
+                                                          config=cfg)
+                gpu = _cuda_graph_time(fn)
+            except Exception as exc:  # a config may exceed shared memory or registers on this GPU
+                logger.info("config %s at H=%d failed: %s", name, heads, exc)
+                continue
+            shape = f"{batch}x{cache}x{heads}"
+            bw = latent_bytes / (gpu[1] * 1e-3) / 1e12
+            rows.append(row("mla_decode_kernel", name, "decode", shape, "gpu_time_cuda_graph", "ms", gpu))
+            table.append([shape, name, gpu[1], bw, 100 * bw / copy_bw[1]])
+
+
+def run(args) -> list[dict]:
+    if not torch.cuda.is_available():
+        raise SystemExit("the MLA benchmark needs a CUDA device")
+    torch.manual_seed(0)
+    modes = args.modes.split(",")
+    batches, caches, heads = QUICK if args.quick else (BATCHES, CACHES, HEADS)
+    rows = []
+    copy_bw = measure_copy_bandwidth()
+    rows.append(row("copy", "torch", "d2d", "1GiB", "copy_bandwidth", "TB/s", copy_bw))
+    print(f"\nmeasured device-to-device copy bandwidth: {copy_bw[1]:.2f} TB/s (read + write)")
+    if "decode" in modes:
+        table, verdicts = [], []
+        shapes = [(b, t, h) for h in heads for b in batches for t in caches]
+        _bench_decode(shapes, not args.no_compile, copy_bw, rows, table, verdicts)
+        print("\nMLA decode per layer, bf16, R 512 / nope 128 / rope 64 / v 128 (median ms)")
+        print(format_table(["B x T x H", "ours", "ours (graph)", "HF eager", "HF sdpa", "HF eager+compile",
+                            "HF sdpa+compile", "speedup vs HF compiled", "latent TB/s", "% copy BW",
+                            "rel err vs HF"], table))
+        for line in verdicts:
+            print("target", line)
+    if "crossover" in modes:
+        table = []
+        _bench_crossover(heads, rows, table)
+        print("\nabsorbed vs expanded form, causal, cache 4096 (median ms): does the rule pick the faster?")
+        print(format_table(["B x T x H x Sq", "absorbed", "expanded", "faster", "rule picks", ""], table))
+    if "configs" in modes:
+        table = []
+        _bench_configs(heads, copy_bw, rows, table)
+        print(f"\ndecode kernel tile configs at batch {TARGET['batch']}, cache {TARGET['cache']} (CUDA-graph ms)")
+        print(format_table(["B x T x H", "config", "ms", "latent TB/s", "% copy BW"], table))
+    return rows

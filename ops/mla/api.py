@@ -1,0 +1,137 @@
+"""Public entry points: ``mla_attention`` (argument checks, then one custom-op call) and
+``explain_mla_path`` (which form a call would take, and the estimate behind it).
+
+``mla_attention`` is plain Python around ``torch.ops.kda_compile.mla_attention_fwd``, so Dynamo traces
+it without a graph break and the op's ``register_autograd`` supplies the backward.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from kda_compile.ops._common import arg_error, check_tensor, describe
+from kda_compile.ops.mla import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.mla_attention_*)
+from kda_compile.ops.mla.path_choice import PATHS, PathCost, choose_path, estimate
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def mla_attention(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, *, scale, attn_mask=None, is_causal=False,
+                  path="auto"):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Kimi-Linear) from the latent KV cache.
+
+    Computes exactly what Hugging Face's ``expand_kv`` + attention compute (docs/mla.md §2), without
+    necessarily expanding: per call it takes the absorbed form (MQA over the latent, d_qk = R + Dr,
+    d_v = R; the Triton split-KV kernel on CUDA) when the query is short next to the cache (decode,
+    speculative steps, a short chunk against a long cache), else the expanded form (``kv_b_proj``
+    over the cache + the fused attention op). The rule and its cost model: ``path_choice.py``.
+
+    Args:
+        q_nope: [B, H, Sq, Dn], the non-rotary part of the query (128 in DeepSeek/Kimi models).
+        q_rope: [B, H, Sq, Dr], the rotary part, rotary already applied (64; Kimi-Linear: unrotated).
+            Any strides: Hugging Face's split views of the transposed query are taken as they are.
+        kv_latent: [B, T, R] or Hugging Face's cached [B, 1, T, R]: the normalised latent
+            (``kv_a_layernorm`` output, R = kv_lora_rank = 512) of every cached token.
+        k_rope: [B, T, Dr] or [B, 1, T, Dr]: the shared rope key of every cached token.
+        kv_b_weight: ``kv_b_proj.weight``, [H * (Dn + Dv), R]; Dv is inferred from it.
+            All five tensors share one dtype (float16, bfloat16, float32, float64) and device.
+        scale: the softmax scale, required: Hugging Face's ``module.scaling``, i.e.
+            ``(Dn + Dr) ** -0.5`` times ``mscale ** 2`` under YaRN (never ``(R + Dr) ** -0.5``).
+        attn_mask: None, bool (True = attend) or additive float (Hugging Face's eager masks, with
+            ``finfo.min`` for padding), broadcastable to [B, H, Sq, T]. A float mask that requires
+            grad gets a gradient.
+        is_causal: query i sits at position ``T - Sq + i`` and sees keys ``t <= T - Sq + i``
+            (bottom-right, the KV-cache convention). May be combined with ``attn_mask``.
+        path: "auto" (per call, by the cost model), "absorbed" or "expanded" (tests, benchmarks).
+
+    Rows whose keys are all masked out (False or -inf) return 0, never NaN.
+
+    Returns:
+        out [B, H, Sq, Dv] in the input dtype, stored as [B, Sq, H, Dv], so
+        ``out.transpose(1, 2).reshape(B, Sq, H * Dv)`` (what feeds ``o_proj``) is free.
+    """
+    q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale = _check_arguments(
+        q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn_mask, is_causal, path)
+    return torch.ops.kda_compile.mla_attention_fwd(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask,
+                                                   scale, is_causal, path)
+
+
+def explain_mla_path(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, *, is_causal=False, path="auto"):
+    """(form, reason, cost): the form ("absorbed" or "expanded") ``mla_attention`` would take for
+    these inputs, why, and the :class:`PathCost` estimate behind an "auto" choice."""
+    q_nope, q_rope, kv_latent, k_rope, kv_b_weight, _ = _check_arguments(
+        q_nope, q_rope, kv_latent, k_rope, kv_b_weight, 1.0, None, is_causal, path)
+    shape = custom_ops.mla_shape(q_nope, q_rope, kv_latent, kv_b_weight, is_causal)
+    form, reason = choose_path(path, shape)
+    cost: PathCost = estimate(shape)
+    return form, reason, cost
+
+
+def _squeeze_head(name: str, t):
+    """[B, 1, T, D] (Hugging Face's single-head cache layout) -> [B, T, D]; [B, T, D] as it is."""
+    check_tensor(name, t, dtypes=_DTYPES)
+    if t.dim() == 4 and t.shape[1] == 1:
+        return t.squeeze(1)
+    if t.dim() != 3:
+        raise arg_error(name, describe(t), "a [B, T, D] or [B, 1, T, D] tensor")
+    return t
+
+
+def _check_arguments(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn_mask, is_causal, path):
+    check_tensor("q_nope", q_nope, ndim=4, dtypes=_DTYPES)
+    check_tensor("q_rope", q_rope, ndim=4, dtypes=_DTYPES)
+    kv_latent = _squeeze_head("kv_latent", kv_latent)
+    k_rope = _squeeze_head("k_rope", k_rope)
+    check_tensor("kv_b_weight", kv_b_weight, ndim=2, dtypes=_DTYPES)
+    b, h, sq, dn = q_nope.shape
+    for name, t in (("q_rope", q_rope), ("kv_latent", kv_latent), ("k_rope", k_rope), ("kv_b_weight", kv_b_weight)):
+        if t.dtype != q_nope.dtype:
+            raise arg_error(name, describe(t), f"of q_nope's dtype {q_nope.dtype}", kind=TypeError)
+        if t.device != q_nope.device:
+            raise arg_error(name, describe(t), f"on q_nope's device {q_nope.device}")
+    if q_rope.shape[:3] != q_nope.shape[:3]:
+        raise arg_error("q_rope", describe(q_rope),
+                        f"[B, H, Sq, Dr] with [B, H, Sq] = {list(q_nope.shape[:3])} as q_nope")
+    t_len, r = kv_latent.shape[1], kv_latent.shape[2]
+    if kv_latent.shape[0] != b:
+        raise arg_error("kv_latent", describe(kv_latent), f"batch size {b} as q_nope")
+    if k_rope.shape[0] != b or k_rope.shape[1] != t_len or k_rope.shape[2] != q_rope.shape[3]:
+        raise arg_error("k_rope", describe(k_rope),
+                        f"[B, T, Dr] = [{b}, {t_len}, {q_rope.shape[3]}] (kv_latent's B and T, q_rope's Dr)")
+    if sq == 0 or t_len == 0 or h == 0 or dn == 0 or r == 0 or q_rope.shape[3] == 0:
+        raise arg_error("q_nope/q_rope/kv_latent", f"shapes {list(q_nope.shape)}, {list(q_rope.shape)}, "
+                        f"{list(kv_latent.shape)}", "non-empty heads, sequence and head dimensions")
+    rows = kv_b_weight.shape[0]
+    if kv_b_weight.shape[1] != r or rows % h != 0 or rows // h <= dn:
+        raise arg_error("kv_b_weight", describe(kv_b_weight),
+                        f"[H * (Dn + Dv), R] with H = {h}, Dn = {dn}, Dv >= 1 and R = {r} (kv_latent's last dim)")
+    if attn_mask is not None:
+        check_tensor("attn_mask", attn_mask)
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise arg_error("attn_mask", describe(attn_mask), "a bool or floating-point tensor", kind=TypeError)
+        if attn_mask.device != q_nope.device:
+            raise arg_error("attn_mask", describe(attn_mask), f"on q_nope's device {q_nope.device}")
+        full = (b, h, sq, t_len)
+        # Explicit comparisons (not `n in (1, f)`): Dynamo evaluates them on symbolic sizes.
+        if attn_mask.dim() > 4 or any(n != 1 and n != f for n, f in zip(reversed(attn_mask.shape), reversed(full))):
+            raise arg_error("attn_mask", describe(attn_mask), f"broadcastable to [B, H, Sq, T] = {list(full)}")
+    if not isinstance(is_causal, bool):
+        raise arg_error("is_causal", repr(is_causal), "a bool", kind=TypeError)
+    if not isinstance(path, str) or path not in PATHS:
+        raise arg_error("path", repr(path), f"one of {PATHS}")
+    return q_nope, q_rope, kv_latent, k_rope, kv_b_weight, _scale(scale)
+
+
+def _scale(value):
+    """A finite positive Python float; a symbolic float (traced arithmetic) passes through unchecked."""
+    accepted = "a finite float > 0 (Hugging Face's module.scaling)"
+    if isinstance(value, torch.SymFloat):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise arg_error("scale", repr(value), accepted, kind=TypeError)
+    value = float(value)
+    if not 0.0 < value < math.inf:  # also False for NaN
+        raise arg_error("scale", value, accepted)
+    return value

@@ -104,12 +104,14 @@ def efficient_bias(attn_mask, dtype, b: int, h: int, sq: int, sk: int):
 # Eligibility: None when the backend can serve the case, else the reason it cannot.
 # ----------------------------------------------------------------------------------------------
 def _bias_stand_in(attn_mask, dtype, shape=None):
-    """A zero-stride tensor with the bias's shape and dtype: the gates read only those, so asking
-    them costs no mask-sized allocation."""
+    """A tensor with the bias's shape and dtype for the backend gates, which read only shape, dtype
+    and strides: every dim broadcast (stride 0) except the last (stride 1, as the real bias has; the
+    gates refuse a last-dim stride of 0), so asking them costs Sk elements, not a mask-sized buffer."""
     if attn_mask is None:
         return None
     m = _mask4d(attn_mask)
-    return torch.empty((), dtype=dtype, device=m.device).expand(shape or m.shape)
+    shape = tuple(shape or m.shape)
+    return torch.empty(shape[-1], dtype=dtype, device=m.device).as_strided(shape, (0,) * (len(shape) - 1) + (1,))
 
 
 def _params(q, k, v, mask, is_causal: bool, needs_grad: bool):
@@ -171,6 +173,10 @@ def why_not(backend: str, q, k, v, attn_mask, is_causal: bool, sliding_window: i
             return "memory-efficient attention needs as many KV heads as query heads (it would repeat K/V)"
         if sliding_window > 0:
             return "memory-efficient attention (through torch) has no sliding window here"
+        if is_causal and sq > sk:
+            # measured on H200 / torch 2.11: its bottom-right causal mask gives wrong rows (not 0) for
+            # query rows that see no key at all
+            return "memory-efficient attention's bottom-right causal mask is wrong for Sq > Sk (rows with no key)"
         bias = _bias_stand_in(attn_mask, q.dtype, (q.shape[0], h, sq, sk))
         ok = torch.backends.cuda.can_use_efficient_attention(_params(q, k, v, bias, False, needs_grad))
         return None if ok else "torch.backends.cuda.can_use_efficient_attention refused these inputs"

@@ -3,6 +3,10 @@
 Public API:
 - ``kda_compile.ops``: the custom ops (``chunk_kda``, ``fused_recurrent_kda``, ...), callable
   directly, inside or outside ``torch.compile``.
+- ``kda_compile.optimize(model, config=None, **compile_kwargs)``: torch.compile with the
+  kda_compile graph rewrites (Hugging Face eager attention -> fused attention op) and Inductor;
+  also available as ``torch.compile(model, backend="kda_compile")``.
+- ``kda_compile.Config``: which rewrites run; ``kda_compile.report(model=None)``: what they did.
 - ``kda_compile.testing``: hypothesis strategies and error helpers to fuzz your own shapes.
 """
 import logging
@@ -12,5 +16,11 @@ __version__ = "0.1.0"
 logging.getLogger("kda_compile").addHandler(logging.NullHandler())
 
 from kda_compile import ops  # noqa: E402,F401  (registers torch.ops.kda_compile.*)
+from kda_compile.config import Config  # noqa: E402
+from kda_compile.optimize import optimize  # noqa: E402
+from kda_compile.report import report  # noqa: E402
+from kda_compile.backend import register_if_unknown as _register_backend  # noqa: E402
 
-__all__ = ["ops", "__version__"]
+_register_backend()
+
+__all__ = ["ops", "__version__", "Config", "optimize", "report"]

@@ -1,1 +1,14 @@
-"""Graph rewrites that turn eager model code into kda_compile ops during torch.compile."""
+"""Graph rewrites that turn eager model code into kda_compile ops during torch.compile.
+
+They run on the Dynamo FX graph inside the ``kda_compile`` backend, before Inductor:
+
+- ``matching.py``: op families and patterns, so each rewrite reads as data;
+- ``graph_tools.py``: example values, symbolic-size facts, inserting and erasing nodes;
+- ``manager.py``: the rewrite registry, the pass manager and the report entries;
+- one file per rewrite (``softmax_attention.py``; ``attention_mask.py`` reads eager masks for it).
+"""
+from kda_compile.passes import softmax_attention  # noqa: F401  (registers the rewrite)
+from kda_compile.passes.manager import (REWRITES, GraphReport, GraphRewrite, LeftAlone, PassManager, Rewritten,
+                                        register_rewrite)
+
+__all__ = ["REWRITES", "GraphReport", "GraphRewrite", "LeftAlone", "PassManager", "Rewritten", "register_rewrite"]

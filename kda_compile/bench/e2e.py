@@ -11,6 +11,10 @@ head (as in the project's anchors), prompts of 1k / 4k / 8k tokens, in:
 
 Metrics: forward latency (ms), tokens per second and peak memory (GiB) per prompt length. Compiled
 configurations mark the sequence dimension dynamic, so each compiles once for all prompt lengths.
+The forward runs as inference prefill does (``use_cache`` left at its default, as in ``generate()``).
+With ``--no-cache`` (``use_cache=False``, as in training) transformers 5.23 builds a packed-sequence
+mask from ``position_ids`` that kda_compile does not yet prove causal: the op then reads the T x T
+mask tensor (correct, slower at long prompts; the rewrite report says so).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated subset of " +
                         ", ".join(CONFIGURATIONS))
     parser.add_argument("--layers", type=int, default=16, help="decoder layers (16 gives about 1B parameters)")
+    parser.add_argument("--no-cache", action="store_true", help="forward with use_cache=False (training-style mask)")
 
 
 def _llama_body(attn_implementation: str, layers: int):
@@ -55,15 +60,16 @@ def _build(name: str, layers: int):
     return model
 
 
-def _forward(model, input_ids):
+def _forward(model, input_ids, use_cache):
     with torch.inference_mode():
-        return model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return model(input_ids=input_ids, use_cache=use_cache).last_hidden_state
 
 
 def run(args) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("the end-to-end benchmark needs a CUDA device")
     prompts = [int(p) for p in args.prompts.split(",")]
+    use_cache = None if not args.no_cache else False  # None: the model's default (True for inference)
     configs = args.configs.split(",")
     rows, results, outputs = [], {}, {}
     for name in configs:
@@ -72,13 +78,13 @@ def run(args) -> list[dict]:
             input_ids = torch.randint(0, 32000, (1, T), device="cuda")
             if name in ("inductor", "kda_compile"):
                 torch._dynamo.mark_dynamic(input_ids, 1)
-            out = _forward(model, input_ids)  # compiles on first use
+            out = _forward(model, input_ids, use_cache)  # compiles on first use
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-            out = _forward(model, input_ids)
+            out = _forward(model, input_ids, use_cache)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() / 2**30
-            times = time_quantiles(lambda: _forward(model, input_ids), warmup_ms=50, rep_ms=500)
+            times = time_quantiles(lambda: _forward(model, input_ids, use_cache), warmup_ms=50, rep_ms=500)
             shape = f"1x{T}"
             rows.append(row("llama_1b_prefill", name, "inference", shape, "time", "ms", times))
             rows.append(row("llama_1b_prefill", name, "inference", shape, "tokens_per_s", "tok/s",

@@ -1,0 +1,130 @@
+"""The ``kda_compile`` torch.compile backend: our graph rewrites, then Inductor.
+
+``torch.compile(model, backend="kda_compile")`` works in a fresh process without importing this
+package (the ``torch_dynamo_backends`` entry point in pyproject.toml names
+:func:`kda_compile_backend`). Each graph Dynamo captures goes through the pass manager (the
+rewrites enabled by the :class:`~kda_compile.config.Config`), is recorded in the rewrite report,
+and is handed to Inductor (``compile_fx``) with torch.compile's ``mode`` and ``options``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+
+from kda_compile.config import Config
+from kda_compile.passes import GraphReport, PassManager
+from kda_compile.report import record_graph
+
+logger = logging.getLogger("kda_compile.backend")
+
+BACKEND_NAME = "kda_compile"
+
+
+def inductor_config_patches(mode: str | None, options: dict | None) -> dict[str, Any]:
+    """The Inductor config torch.compile would use for ``mode`` and ``options`` (options win)."""
+    import torch._inductor
+    import torch._inductor.config as inductor_config
+
+    patches: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        try:
+            patches.update(torch._inductor.list_mode_options(mode))
+        except (RuntimeError, KeyError):
+            modes = "default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"
+            raise ValueError(f"mode must be one of {modes}, got {mode!r}") from None
+    if options:
+        if not isinstance(options, dict):
+            raise TypeError(f"options must be a dict of Inductor config values, got {type(options).__name__}")
+        known = inductor_config.get_config_copy()
+        for key in options:
+            if key not in known:
+                raise ValueError(f"options must name Inductor config entries (torch._inductor.config), got {key!r}")
+        patches.update(options)
+    return patches
+
+
+def _compile_rewritten(gm: torch.fx.GraphModule, example_inputs, compiler: str, mode, options) -> Callable:
+    if compiler == "eager":
+        return gm.forward
+    if compiler == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(mode, options))
+
+
+def _compile_id() -> tuple[str, Any]:
+    """Dynamo's id of the graph being compiled: a label ("frame/compile", "_attempt" when Dynamo
+    restarted the analysis) and a key without the attempt. A restart (e.g. to specialise a float)
+    calls the backend again for the same graph; its report replaces the abandoned attempt's."""
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001  (only a label for the report)
+        cid = None
+    if cid is None:
+        return "", None
+    return str(cid), (getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None))
+
+
+class KdaCompileBackend:
+    """A torch.compile backend bound to one :class:`Config`; keeps the reports of its graphs.
+
+    ``torch.compile(model, backend=KdaCompileBackend(Config(...)))`` is what
+    :func:`kda_compile.optimize` does. ``mode`` and ``options`` arrive from torch.compile as
+    keyword arguments (only when not default) and go to Inductor.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(self, config: Config | None = None) -> None:
+        if config is None:
+            config = Config()
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a kda_compile.Config, got {type(config).__name__}")
+        self.config = config
+        self.reports: list[GraphReport] = []
+        self._last_key: Any = None
+        self._lock = threading.Lock()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
+                 options: dict | None = None) -> Callable:
+        label, key = _compile_id()
+        report = PassManager(self.config).run(gm, graph=label or f"#{next(self._ids)}")
+        with self._lock:
+            if key is not None and self._last_key == key:
+                self.reports[-1] = report
+            else:
+                self.reports.append(report)
+            self._last_key = key
+        record_graph(report, key)
+        return _compile_rewritten(gm, example_inputs, self.config.compiler, mode, options)
+
+
+_default_backend = KdaCompileBackend()
+
+
+def kda_compile_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
+                        options: dict | None = None) -> Callable:
+    """The ``kda_compile`` backend with the default :class:`Config` (what ``backend="kda_compile"`` runs)."""
+    return _default_backend(gm, example_inputs, mode=mode, options=options)
+
+
+def register_if_unknown() -> None:
+    """Register ``"kda_compile"`` with Dynamo unless the entry point (or an earlier import) already did.
+
+    The entry-point loader registers the name itself when torch.compile first looks it up; also
+    registering it here unconditionally would make torch assert ``duplicate name``.
+    """
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry.list_backends(exclude_tags=()):
+        return
+    registry.register_backend(kda_compile_backend, name=BACKEND_NAME)

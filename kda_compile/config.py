@@ -1,0 +1,48 @@
+"""The configuration of :func:`kda_compile.optimize` and of the ``kda_compile`` backend."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+COMPILERS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Which graph rewrites run, and what compiles the rewritten graph.
+
+    Each boolean rewrite field is named after the rewrite it switches (the pass manager looks
+    rewrites up by that name), so ``Config(softmax_attention=False)`` turns the attention rewrite
+    off and leaves the graph to Inductor as torch.compile would.
+
+    Attributes:
+        softmax_attention: rewrite Hugging Face eager softmax attention
+            (``softmax(q @ k^T * scale + mask) @ v`` and its softcap / sinks / GQA variants) into
+            ``kda_compile.ops.attention``.
+        attention_mask_to_flags: when the graph proves an attention mask is the causal mask (or
+            causal + sliding window, possibly with key padding), pass ``is_causal`` /
+            ``sliding_window`` (and a ``[B, 1, 1, Sk]`` padding mask) instead of the T x T mask.
+        compiler: what runs the rewritten graph: ``"inductor"`` (default; takes ``mode`` and
+            ``options`` from torch.compile), ``"aot_eager"`` (AOTAutograd without code
+            generation: quick, for debugging and tests) or ``"eager"`` (the rewritten graph as is).
+    """
+
+    softmax_attention: bool = True
+    attention_mask_to_flags: bool = True
+    compiler: str = "inductor"
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in (bool, "bool") and not isinstance(value, bool):
+                raise TypeError(f"Config.{f.name} must be a bool, got {value!r}")
+        if self.compiler not in COMPILERS:
+            raise ValueError(f"Config.compiler must be one of {', '.join(COMPILERS)}, got {self.compiler!r}")
+
+    def rewrite_enabled(self, name: str) -> bool:
+        """Whether the rewrite registered as ``name`` runs (every rewrite has a field of its name)."""
+        value = getattr(self, name, None)
+        if not isinstance(value, bool):
+            fields = [f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")]
+            raise ValueError(f"rewrite name must be a boolean Config field ({', '.join(fields)}), got {name!r}")
+        return value

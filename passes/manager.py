@@ -1,0 +1,132 @@
+"""The pass manager: runs the graph rewrites a :class:`kda_compile.Config` enables on one Dynamo
+graph and collects what each rewrite did into a :class:`GraphReport`.
+
+A rewrite is a class registered by name (``@register_rewrite``), with one boolean field of the
+same name in the config that switches it on or off; the manager looks rewrites up in the registry
+instead of branching on each flag. Every rewrite must be idempotent: running it on its own output
+changes nothing.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+
+import torch.fx
+
+if TYPE_CHECKING:
+    from kda_compile.config import Config
+
+logger = logging.getLogger("kda_compile.passes")
+
+
+# ----------------------------------------------------------------------------------------------
+# What a rewrite reports
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rewritten:
+    """One site a rewrite replaced: ``site`` (module path), ``source`` (model file:line), the op it
+    became, and the arguments that matter (flags, scale, GQA ratio, ...)."""
+
+    rewrite: str
+    site: str
+    source: str
+    op: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        info = ", ".join(f"{k}={v}" for k, v in self.details.items())
+        where = f" ({self.source})" if self.source else ""
+        return f"{self.site}{where} -> {self.op}({info})"
+
+
+@dataclass(frozen=True)
+class LeftAlone:
+    """A candidate a rewrite saw and did not replace, with the reason."""
+
+    rewrite: str
+    site: str
+    source: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = f" ({self.source})" if self.source else ""
+        return f"{self.site}{where}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class GraphReport:
+    """Everything the rewrites did to one compiled graph."""
+
+    graph: str
+    rewritten: tuple[Rewritten, ...] = ()
+    left_alone: tuple[LeftAlone, ...] = ()
+
+    def summary(self) -> str:
+        lines = [f"graph {self.graph}: {len(self.rewritten)} site(s) rewritten, "
+                 f"{len(self.left_alone)} candidate(s) left alone"]
+        lines += [f"  rewritten   {r}" for r in self.rewritten]
+        lines += [f"  left alone  {c}" for c in self.left_alone]
+        return "\n".join(lines)
+
+
+class RewriteLog:
+    """Collects the entries of every rewrite run on one graph."""
+
+    def __init__(self) -> None:
+        self.rewritten: list[Rewritten] = []
+        self.left_alone: list[LeftAlone] = []
+
+    def report(self, graph: str) -> GraphReport:
+        return GraphReport(graph, tuple(self.rewritten), tuple(self.left_alone))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewrites and their registry
+# ----------------------------------------------------------------------------------------------
+class GraphRewrite(abc.ABC):
+    """A rewrite of the Dynamo FX graph. Subclasses set ``name`` and implement :meth:`apply`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: "Config") -> None:
+        self.config = config
+
+    @abc.abstractmethod
+    def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
+        """Rewrite ``gm.graph`` in place, log every site and candidate; return the sites rewritten."""
+
+
+REWRITES: dict[str, type[GraphRewrite]] = {}
+
+
+def register_rewrite(cls: type[GraphRewrite]) -> type[GraphRewrite]:
+    """Class decorator: make a rewrite available to the pass manager under ``cls.name``."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"rewrite name must be a Python identifier (it is a Config field), got {name!r}")
+    if name in REWRITES and REWRITES[name] is not cls:
+        raise ValueError(f"rewrite name must be unique, got {name!r} registered twice")
+    REWRITES[name] = cls
+    return cls
+
+
+class PassManager:
+    """Runs the enabled rewrites, in registration order, on a graph module."""
+
+    def __init__(self, config: "Config") -> None:
+        self.config = config
+        self.rewrites = [cls(config) for name, cls in REWRITES.items() if config.rewrite_enabled(name)]
+
+    def run(self, gm: torch.fx.GraphModule, graph: str = "") -> GraphReport:
+        log = RewriteLog()
+        changed = 0
+        for rewrite in self.rewrites:
+            changed += rewrite.apply(gm, log)
+        if changed:
+            gm.graph.lint()
+            gm.recompile()
+        report = log.report(graph)
+        logger.debug("%s", report.summary())
+        return report

@@ -1,0 +1,326 @@
+"""Rewrite Hugging Face eager softmax attention into ``kda_compile.ops.attention``.
+
+Matches ``eager_attention_forward`` as transformers 5.17 to 5.23 write it in
+models/llama/modeling_llama.py (copied verbatim into mistral, qwen2, qwen3, phi3, deepseek_v3 and
+kimi_linear), with the logit softcap of models/gemma2 and gemma3 and the sinks of models/gpt_oss::
+
+    key_states = repeat_kv(key, n_rep)      # key[:, :, None].expand(B, Hkv, n_rep, S, D).reshape(B, H, S, D)
+    value_states = repeat_kv(value, n_rep)
+    attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if softcap is not None:                                           # gemma2 / gemma3
+        attn_weights = torch.tanh(attn_weights / softcap) * softcap
+    if attention_mask is not None:
+        attn_weights = attn_weights + attention_mask
+    # gpt_oss: logits = torch.cat([attn_weights, sinks.reshape(1, -1, 1, 1).expand(B, -1, Sq, -1)], -1)
+    #          logits = logits - logits.max(dim=-1, keepdim=True).values
+    #          attn_weights = softmax(logits, dim=-1)[..., :-1]
+    attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    attn_weights = nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+    attn_output = torch.matmul(attn_weights, value_states)
+
+and replaces ``attn_output`` with::
+
+    attn_output = attention(query, key, value, scale=scaling, softcap=softcap, sinks=sinks,
+                            attn_mask=..., is_causal=..., sliding_window=...,
+                            dropout_p=dropout if module.training else 0.0)
+
+with the un-repeated ``key`` / ``value`` (GQA without repeat_kv). When the graph proves the mask
+is the causal mask (with a sliding window, with key padding: see ``attention_mask.py``) it becomes
+``is_causal`` / ``sliding_window`` plus, for padding, the ``[B, 1, 1, Sk]`` bool padding mask; any
+other mask is passed as the additive tensor. A query row whose keys are all padding gives 0 where
+eager attention gave a uniform average (both are unused: only padding positions have such rows).
+
+Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``),
+a softmax not over the key dimension, anything else between the two matmuls, shapes that do not
+pair up, in-place ops between the two matmuls, arguments the op refuses. A softmax with no matmul
+on either side (a MoE router) is not a candidate.
+
+The new node calls the public function ``attention``, not ``torch.ops.kda_compile.attention_fwd``.
+Both pass AOTAutograd (a node of the op, then ``getitem``, was checked too, forward and backward
+under dynamic shapes): AOTAutograd traces through the Python function to the custom op and its
+registered autograd. The public function is chosen because a node of the op would tie this pass
+to the op's private schema (lse / rng outputs, the lse_grad flag, 0-for-None encodings) and skip
+its argument checks, which here turn a site the op cannot take into a reported candidate. Its example value comes from
+running ``attention`` on the example values, i.e. from the op's fake implementation.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from kda_compile.ops.attention import attention
+from kda_compile.passes.attention_mask import MaskMeaning, read_additive_mask
+from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
+                                            is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
+                                            source_line, tensor_of)
+from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
+from kda_compile.passes.matching import (ADD, CAST, CAT, DIV, DROPOUT, EXPAND, GETITEM, LINK, MATMUL, MAX, MUL,
+                                         REPEAT_INTERLEAVE, RESHAPE, SOFTMAX, SUB, TANH, TRANSPOSE, Bindings, Call,
+                                         Capture, Const, OneOf, Seq, Stage, cast_dtype, match_downward, match_upward)
+
+logger = logging.getLogger("kda_compile.passes.softmax_attention")
+
+OP_NAME = "kda_compile.attention"
+
+
+def _swaps_last_two(node: torch.fx.Node) -> bool:
+    b = TRANSPOSE.bind(node)
+    return b is not None and {b["dim0"] % 4 if isinstance(b["dim0"], int) else None,
+                              b["dim1"] % 4 if isinstance(b["dim1"], int) else None} == {2, 3}
+
+
+def _is_last_dim_4d(dim: Any) -> bool:
+    return is_last_dim(dim, 4)
+
+
+def _drops_last_column(index: Any) -> bool:
+    return index == (Ellipsis, slice(None, -1, None))
+
+
+def _is_probability(p: Any) -> bool:
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and 0.0 <= p < 1.0
+
+
+LAST_DIM = Const(where=_is_last_dim_4d)
+LINKED = Capture(LINK)
+
+# From the softmax input up to the scores, each stage optional, in the order HF applies them.
+SCORE_STAGES = (
+    Stage("sink_shift", Call(SUB, input=LINKED, other=Call(GETITEM, index=0, input=Call(
+        MAX, input=LINKED, dim=LAST_DIM, keepdim=True)))),
+    Stage("sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Call(
+        EXPAND, look_through=True, name="sink_column", input=Call(
+            RESHAPE, look_through=True, name="sink_view", input=Capture("sinks", is_tensor_node)))))),
+    Stage("mask", Call(ADD, name="masked_scores", commutative=True, input=LINKED,
+                       other=Capture("mask", is_tensor_node))),
+    Stage("softcap", Call(MUL, commutative=True, other=Const("softcap", symbolic=True), input=Call(
+        TANH, input=Call(DIV, input=LINKED, other=Const("softcap", symbolic=True))))),
+    Stage("scale", OneOf(Call(MUL, commutative=True, input=LINKED, other=Const("scale", symbolic=True)),
+                         Call(DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)))),
+)
+SCORES = Call(MATMUL, name="scores", input=Capture("query", is_tensor_node), other=Call(
+    TRANSPOSE, look_through=True, where=_swaps_last_two, input=Capture("key_states", is_tensor_node)))
+
+# From the softmax output down to the value product, through single-user nodes.
+PURE_CAST = Call(CAST, input=LINKED, where=lambda n: cast_dtype(n) is not None)
+PROBABILITY_STAGES = (
+    Stage("drop_sink_column", Call(GETITEM, input=LINKED, index=Const(where=_drops_last_column))),
+    Stage("cast", PURE_CAST, repeat=True),
+    Stage("dropout", Call(DROPOUT, input=LINKED, inplace=False, p=Const("dropout_p", where=_is_probability),
+                          training=Const("training", where=lambda t: isinstance(t, bool)))),
+    Stage("cast_after_dropout", PURE_CAST, repeat=True),
+)
+OUTPUT = Call(MATMUL, name="output", input=LINKED, other=Capture("value_states", is_tensor_node))
+
+# repeat_kv(x, n): x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D), or repeat_interleave.
+REPEATED_KV = OneOf(
+    Call(RESHAPE, look_through=True, input=Call(EXPAND, look_through=True, name="groups", input=Call(
+        GETITEM, look_through=True, input=Capture("kv", is_tensor_node),
+        index=Const(where=lambda i: i == (slice(None),) * 2 + (None,) + (slice(None),) * 2)))),
+    Call(REPEAT_INTERLEAVE, look_through=True, input=Capture("kv", is_tensor_node), dim=1,
+         repeats=Const("repeats", where=lambda r: isinstance(r, int))),
+)
+
+
+@dataclass
+class Site:
+    """A matched attention: the captured inputs and the nodes the rewrite replaces."""
+
+    softmax: torch.fx.Node
+    scores: Bindings
+    probabilities: Bindings
+    stages: frozenset[str]  # the optional stages present (see SCORE_STAGES, PROBABILITY_STAGES)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.probabilities.get(name, self.scores.get(name))
+
+    def has(self, name: str) -> bool:
+        return name in self.scores.values or name in self.probabilities.values
+
+    @property
+    def output(self) -> torch.fx.Node:
+        return self.probabilities["output"]
+
+    @property
+    def replaced(self) -> tuple[torch.fx.Node, ...]:
+        return self.scores.nodes + (self.softmax,) + self.probabilities.nodes
+
+
+def unrepeat_kv(node: torch.fx.Node) -> torch.fx.Node:
+    """The [B, Hkv, S, D] tensor that ``repeat_kv`` expanded into ``node`` (head h reads kv head
+    h // n_rep), or ``node`` itself."""
+    for b in REPEATED_KV.matches(node, Bindings()):
+        kv, rep = tensor_of(b["kv"]), tensor_of(node)
+        if kv is None or rep is None or kv.dim() != 4 or rep.dim() != 4:
+            continue
+        bsz, hkv, s, d = kv.shape
+        if "groups" in b.values:  # x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)
+            groups = tensor_of(b["groups"]).shape
+            n_rep = groups[2]
+            ok = known_shape_equal(groups, (bsz, hkv, n_rep, s, d))
+        else:
+            n_rep, ok = b["repeats"], True
+        if ok and known_shape_equal(rep.shape, (bsz, hkv * n_rep, s, d)):
+            return b["kv"]
+    return node
+
+
+def check_site(site: Site) -> str | None:
+    """Why ``site`` must be left alone, or None when replacing it keeps the meaning."""
+    soft = SOFTMAX.bind(site.softmax)
+    q, k, v = (tensor_of(site[n]) for n in ("query", "key_states", "value_states"))
+    if any(t is None or t.dim() != 4 for t in (q, k, v)):
+        return "query, keys and values are not all 4-D [batch, heads, seq, dim] tensors"
+    if not _is_last_dim_4d(soft["dim"]):
+        return f"the softmax runs over dim {soft['dim']}, not over the keys (dim -1)"
+    (b, h, sq, dqk), (_, _, sk, _) = q.shape, k.shape
+    if not (known_equal(k.shape[0], b) and known_equal(k.shape[1], h) and known_equal(k.shape[3], dqk)
+            and known_equal(v.shape[0], b) and known_equal(v.shape[1], h) and known_equal(v.shape[2], sk)):
+        return (f"the shapes do not pair up as attention: query {list(q.shape)}, keys {list(k.shape)}, "
+                f"values {list(v.shape)}")
+    sinks = "sinks" in site.stages
+    if sinks != ("drop_sink_column" in site.stages) or (sinks and not _per_head(site, h)):
+        return "the extra softmax column is not a per-head sink logit dropped after the softmax"
+    if site.has("softcap") and not concrete_number(site["softcap"]) > 0:
+        return f"the softcap {concrete_number(site['softcap'])} is not positive"
+    if site.has("mask"):
+        added = tensor_of(site["masked_scores"])
+        if added is None or not known_shape_equal(added.shape, tensor_of(site["scores"]).shape):
+            return "the added mask broadcasts the scores to a larger shape"
+    outside = _used_outside(site)
+    if outside is not None:
+        return outside
+    return _mutated_between(site)
+
+
+def _per_head(site: Site, heads: Any) -> bool:
+    """sinks [H] viewed as [1, H, 1, 1] and expanded to one extra column [B, H, Sq, 1]."""
+    sinks, view, column = (tensor_of(site[n]) for n in ("sinks", "sink_view", "sink_column"))
+    return (sinks is not None and sinks.dim() == 1 and known_equal(sinks.shape[0], heads)
+            and view is not None and known_shape_equal(view.shape, (1, sinks.shape[0], 1, 1))
+            and column is not None and column.dim() == 4 and known_equal(column.shape[1], heads)
+            and known_equal(column.shape[3], 1))
+
+
+def _used_outside(site: Site) -> str | None:
+    inside = set(site.replaced)
+    for node in site.replaced:
+        if node is site.output:
+            continue
+        others = [u for u in node.users if u not in inside]
+        if others:
+            what = "attention weights" if node is site.softmax or node in site.probabilities.nodes else "scores"
+            users = ", ".join(describe_node(u) for u in others)
+            return f"the {what} ({describe_node(node)}) are also used by {users} (e.g. output_attentions=True)"
+    return None
+
+
+def _mutated_between(site: Site) -> str | None:
+    node = site["scores"]
+    while node is not site.output:
+        node = node.next
+        if is_inplace(node):
+            return f"{describe_node(node)} mutates a tensor between the two matmuls"
+    return None
+
+
+def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
+    """Keyword arguments of ``attention`` for ``site``, and the details the report shows."""
+    q, k = tensor_of(site["query"]), tensor_of(site["key_states"])
+    scale = 1.0
+    if site.has("scale"):
+        scale = float(concrete_number(site["scale"]))
+    elif site.has("scale_divisor"):
+        scale = 1.0 / float(concrete_number(site["scale_divisor"]))
+    dropout_p = float(site["dropout_p"]) if site.has("dropout_p") and site["training"] else 0.0
+    kwargs: dict[str, Any] = dict(scale=scale, dropout_p=dropout_p)
+    details: dict[str, Any] = dict(scale=round(scale, 6))
+    if site.has("softcap"):
+        kwargs["softcap"] = details["softcap"] = float(concrete_number(site["softcap"]))
+    if site.has("sinks"):
+        kwargs["sinks"], details["sinks"] = site["sinks"], True
+    if dropout_p:
+        details["dropout_p"] = dropout_p
+    if site.has("mask"):
+        meaning = read_additive_mask(site["mask"], q.shape[2], k.shape[2]) if mask_to_flags else \
+            "attention_mask_to_flags is off"
+        if isinstance(meaning, MaskMeaning):
+            kwargs.update(is_causal=meaning.causal, attn_mask=meaning.key_padding)
+            details.update(is_causal=meaning.causal)
+            if meaning.sliding_window is not None:
+                kwargs["sliding_window"] = details["sliding_window"] = meaning.sliding_window
+            details["mask"] = "key padding [B, 1, 1, Sk]" if meaning.key_padding is not None else "none"
+        else:
+            kwargs["attn_mask"] = site["mask"]
+            details["mask"] = f"tensor ({meaning})"
+    return kwargs, details
+
+
+@register_rewrite
+class SoftmaxAttentionRewrite(GraphRewrite):
+    """Replace every matched eager attention with one call of ``kda_compile.ops.attention``."""
+
+    name = "softmax_attention"
+
+    def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
+        graph = gm.graph
+        rewritten, erased = 0, set()
+        for softmax in [n for n in graph.nodes if SOFTMAX.bind(n) is not None]:
+            if softmax in erased:
+                continue
+            site, reason = self._match(softmax)
+            if site is None and reason is None:
+                logger.debug("%s is not an attention softmax", softmax.name)
+                continue
+            where = (module_path(softmax), source_line(softmax))
+            reason = reason or check_site(site)
+            if reason is not None:
+                log.left_alone.append(LeftAlone(self.name, *where, reason))
+                continue
+            try:
+                details = self._replace(graph, site, erased)
+            except (TypeError, ValueError) as exc:  # the op's argument checks (nothing was inserted)
+                log.left_alone.append(LeftAlone(self.name, *where, f"{OP_NAME} refuses the arguments: {exc}"))
+                continue
+            log.rewritten.append(Rewritten(self.name, *where, OP_NAME, details))
+            rewritten += 1
+        return rewritten
+
+    @staticmethod
+    def _match(softmax: torch.fx.Node) -> tuple[Site | None, str | None]:
+        """The site anchored on ``softmax``; (None, reason) for a candidate that does not match;
+        (None, None) for a softmax with no matmul on either side (not attention: e.g. a router)."""
+        up = match_upward(SOFTMAX.bind(softmax)["input"], SCORE_STAGES, SCORES)
+        down = match_downward(softmax, PROBABILITY_STAGES, OUTPUT)
+        if up and down:
+            return Site(softmax, up.bindings, down.bindings, frozenset(up.stages + down.stages)), None
+        if not up and not down:
+            return None, None
+        failed, side = (up, "scores") if not up else (down, "attention weights")
+        if failed.other_users:
+            users = ", ".join(describe_node(u) for u in failed.other_users)
+            return None, (f"the attention weights ({describe_node(failed.stopped_at)}) have users besides one value "
+                          f"product: {users} (e.g. output_attentions=True)")
+        after = f" after {' -> '.join(failed.stages)}" if failed.stages else ""
+        return None, (f"the {side} do not follow eager attention: found {describe_node(failed.stopped_at)}{after}, "
+                      f"expected {failed.expected}")
+
+    def _replace(self, graph: torch.fx.Graph, site: Site, erased: set) -> dict:
+        kwargs, details = attention_arguments(site, self.config.attention_mask_to_flags)
+        key, value = unrepeat_kv(site["key_states"]), unrepeat_kv(site["value_states"])
+        if not known_equal(tensor_of(key).shape[1], tensor_of(value).shape[1]):
+            key, value = site["key_states"], site["value_states"]
+        q, k = tensor_of(site["query"]), tensor_of(key)
+        details["heads"] = f"{q.shape[1]}/{k.shape[1]}"
+        out = site.output
+        new = insert_call(graph, out, attention, (site["query"], key, value), kwargs, meta_from=out)
+        want = tensor_of(out).dtype
+        if tensor_of(new).dtype != want:
+            new = insert_call(graph, out, "to", (new, want), meta_from=out)
+        out.replace_all_uses_with(new)
+        erased |= erase_unused(graph, site.replaced)
+        return details

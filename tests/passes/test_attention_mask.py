@@ -1,0 +1,135 @@
+"""Reading eager masks from the graph: masks built by transformers' own ``eager_mask`` become flags
+exactly when they are the bottom-right causal mask (optionally with a sliding window and key
+padding) of the attention they feed; every other mask stays a tensor. Either way the compiled
+attention must compute what eager attention computes (fp32, relative error < 1e-5, on the rows
+that have at least one key to attend).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import masking_utils as hf_masks
+
+from kda_compile.config import Config
+
+from .graph_capture import GraphCapture
+
+B, H, D = 2, 2, 8
+FP32_TOL = 1e-5
+
+
+def attend(q, k, v, mask):
+    w = torch.matmul(q, k.transpose(2, 3)) * D ** -0.5 + mask
+    return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32), v)
+
+
+def hf_mask_attention(q_offset, kv_offset, mask_function, padding=None):
+    """Attention whose mask transformers' eager_mask builds inside the compiled graph."""
+    def fn(q, k, v):
+        mask = hf_masks.eager_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
+                                   q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                                   attention_mask=padding, dtype=q.dtype)
+        return attend(q, k, v, mask)
+    return fn
+
+
+def run(fn, sq, sk, config=None, dynamic=False, seed=0, alive=None):
+    """Compile ``fn`` with the test backend; check values on the ``alive`` rows ([B, 1, Sq] bool,
+    default all: eager averages all keys of a fully masked row, the op returns 0 there)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (sq, sk, sk))
+    cap = GraphCapture(config) if config is not None else GraphCapture()
+    out = torch.compile(fn, backend=cap, fullgraph=True, dynamic=dynamic)(q, k, v)
+    ref = fn(q, k, v)
+    rows = torch.ones(B, H, sq, dtype=torch.bool) if alive is None else alive.expand(B, H, sq)
+    err = float((out - ref)[rows].norm() / ref[rows].norm())
+    assert torch.isfinite(out).all() and err < FP32_TOL, err
+    assert cap.attention_calls() == 1 and cap.softmaxes() == 0
+    rewritten = cap.reports[-1].rewritten[0]
+    return rewritten.details, cap.after[-1].attention_kwargs[0]
+
+
+CAUSAL = hf_masks.causal_mask_function
+
+
+@pytest.mark.parametrize("sq, sk, q_offset", [(6, 6, 0), (1, 9, 8), (4, 10, 6)],
+                         ids=["prefill", "decode", "chunked-prefill"])
+def test_causal_mask_becomes_a_flag(sq, sk, q_offset):
+    details, kwargs = run(hf_mask_attention(q_offset, 0, CAUSAL), sq, sk)
+    assert kwargs["is_causal"] is True and kwargs["attn_mask"] is None and "sliding_window" not in kwargs
+    assert details["mask"] == "none"
+
+
+def test_sliding_window_becomes_flags():
+    fn = hf_mask_attention(0, 0, hf_masks.sliding_window_causal_mask_function(3))
+    details, kwargs = run(fn, 9, 9)
+    assert kwargs["is_causal"] is True and kwargs["sliding_window"] == 3 and kwargs["attn_mask"] is None
+
+
+def test_padding_becomes_a_key_mask_next_to_the_causal_flag():
+    padding = torch.ones(B, 8, dtype=torch.bool)
+    padding[0, :3] = False  # left padding of the first sequence
+    alive = hf_masks.sdpa_mask(B, 8, 8, attention_mask=padding, allow_is_causal_skip=False).any(-1)
+    assert not alive.all()  # the padding rows of sequence 0 have nothing to attend
+    details, kwargs = run(hf_mask_attention(0, 0, CAUSAL, padding), 8, 8, alive=alive)
+    assert kwargs["is_causal"] is True and kwargs["attn_mask"] is not None
+    assert details["mask"].startswith("key padding")
+
+
+def test_flags_hold_for_symbolic_sizes():
+    # Literals inside the compiled function: Dynamo would turn closure ints into symbols, and an
+    # arbitrary offset symbol is (rightly) not provably the bottom-right diagonal.
+    def fn(q, k, v):
+        mask = hf_masks.eager_mask(batch_size=q.shape[0], q_length=q.shape[2], kv_length=k.shape[2],
+                                   mask_function=hf_masks.sliding_window_causal_mask_function(4))
+        return attend(q, k, v, mask)
+
+    details, kwargs = run(fn, 7, 7, dynamic=True)
+    assert kwargs["is_causal"] is True and kwargs["sliding_window"] == 4
+
+
+def test_offsets_that_are_free_symbols_are_not_proven():
+    details, kwargs = run(hf_mask_attention(0, 0, CAUSAL), 7, 7, dynamic=True)
+    assert kwargs.get("is_causal", False) is False
+    assert "not provably the bottom-right" in details["mask"]
+
+
+@pytest.mark.parametrize("name, fn, sq, sk", [
+    # top-left aligned causal mask (no cache offset) with Sq < Sk: not the op's bottom-right causal
+    ("top-left causal", hf_mask_attention(0, 0, CAUSAL), 4, 10),
+    ("bidirectional", hf_mask_attention(0, 0, hf_masks.bidirectional_mask_function), 5, 5),
+    ("chunked", hf_mask_attention(0, 0, hf_masks.chunked_causal_mask_function(
+        3, torch.zeros(B, dtype=torch.long))), 8, 8),
+])
+def test_other_masks_stay_tensors(name, fn, sq, sk):
+    details, kwargs = run(fn, sq, sk)
+    assert kwargs.get("is_causal", False) is False and kwargs["attn_mask"] is not None
+    assert details["mask"].startswith("tensor ("), details
+
+
+def test_strict_diagonal_is_not_causal():
+    def strictly_past(q, k, v):
+        rows = torch.arange(q.shape[2])[None, None, :, None]
+        cols = torch.arange(k.shape[2])[None, None, None, :]
+        allowed = (cols < rows) | (cols == 0)
+        return attend(q, k, v, torch.where(allowed, torch.zeros(()), torch.finfo(q.dtype).min))
+
+    details, kwargs = run(strictly_past, 6, 6)
+    assert kwargs.get("is_causal", False) is False and details["mask"].startswith("tensor (")
+
+
+def test_a_mask_given_as_input_stays_a_tensor():
+    mask = torch.randn(B, 1, 5, 5)
+
+    def given(q, k, v):
+        return attend(q, k, v, mask)
+
+    details, kwargs = run(given, 5, 5)
+    assert kwargs["attn_mask"] is not None and details["mask"].startswith("tensor (")
+
+
+def test_mask_to_flags_can_be_switched_off():
+    config = Config(attention_mask_to_flags=False, compiler="aot_eager")
+    details, kwargs = run(hf_mask_attention(0, 0, CAUSAL), 6, 6, config=config)
+    assert kwargs.get("is_causal", False) is False and "attention_mask_to_flags is off" in details["mask"]

@@ -79,6 +79,10 @@ def run(args) -> list[dict]:
             if name in ("inductor", "kda_compile"):
                 torch._dynamo.mark_dynamic(input_ids, 1)
             out = _forward(model, input_ids, use_cache)  # compiles on first use
+            if name == "kda_compile" and T == prompts[0]:
+                import kda_compile
+
+                logger.info("rewrite report:\n%s", kda_compile.report(model))
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             out = _forward(model, input_ids, use_cache)

@@ -6,6 +6,7 @@ Kept free of model and compiler knowledge (ops layer).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -98,6 +99,16 @@ def autograd_inside_op():
             stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
         stack.enter_context(torch.enable_grad())
         yield
+
+
+def module_unusable(module: str) -> str | None:
+    """None when ``module`` (e.g. a Triton kernel module) imports, else why not. Call it through a
+    cache: the answer does not change within a process."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a triton too old for the kernels
+        return f"triton is not usable ({type(exc).__name__}: {exc})"
+    return None
 
 
 def empty_like_absent(ref: torch.Tensor) -> torch.Tensor:

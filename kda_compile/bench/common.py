@@ -33,6 +33,20 @@ def time_quantiles(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float
     return tuple(do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)))
 
 
+def cuda_graph_time(fn, *, rep_ms: int = 200) -> tuple[float, float, float]:
+    """p20 / p50 / p80 GPU ms of one call of ``fn`` replayed from a CUDA graph (no host overhead)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (allocations, autotuning) outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_quantiles(graph.replay, rep_ms=rep_ms)
+
+
 def row(op, provider, mode, shape, metric, unit, values) -> dict:
     p20, p50, p80 = values
     return {"op": op, "provider": provider, "mode": mode, "shape": shape, "metric": metric, "unit": unit,

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import format_table, row, time_quantiles
+from kda_compile.bench.common import cuda_graph_time, format_table, row, time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.kda")
 
@@ -104,20 +104,6 @@ def _host_time_per_call(fn, calls: int = 500) -> tuple[float, float, float]:
     return samples[1], samples[2], samples[3]
 
 
-def _graph_time(fn) -> tuple[float, float, float]:
-    """GPU ms of one call, replayed from a CUDA graph (no host overhead at all)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_quantiles(graph.replay, rep_ms=200)
-
-
 def _bench_decode(providers, gate, batches, device, rows, table):
     H = 32
     for B in batches:
@@ -137,7 +123,7 @@ def _bench_decode(providers, gate, batches, device, rows, table):
                     return recurrent(**step, **common)
             outputs[name] = fn()[1]
             host[name] = _host_time_per_call(fn)
-            gpu[name] = _graph_time(fn)
+            gpu[name] = cuda_graph_time(fn)
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", host[name]))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", gpu[name]))
             bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))

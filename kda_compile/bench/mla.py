@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import format_table, row, time_quantiles
+from kda_compile.bench.common import cuda_graph_time, format_table, row, time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.mla")
 
@@ -116,20 +116,6 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float, float]:
     return tuple(2 * nbytes / (t * 1e-3) / 1e12 for t in reversed(ms))
 
 
-def _cuda_graph_time(fn) -> tuple[float, float, float]:
-    """GPU ms of one call replayed from a CUDA graph (no host overhead), p20/p50/p80."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_quantiles(graph.replay, rep_ms=200)
-
-
 def _rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -160,7 +146,7 @@ def _bench_decode(shapes, compile_hf, copy_bw, rows, table, verdicts):
                     finally:
                         torch.cuda.empty_cache()
                     rows.append(row("mla_decode", name, "decode", shape, "time", "ms", times[name]))
-                gpu = _cuda_graph_time(lambda: providers["kda_compile"](*inputs))
+                gpu = cuda_graph_time(lambda: providers["kda_compile"](*inputs))
             rows.append(row("mla_decode", "kda_compile", "decode", shape, "gpu_time_cuda_graph", "ms", gpu))
             latent_bytes = batch * cache * (LATENT + ROPE) * 2
             bw = tuple(latent_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu))
@@ -229,7 +215,7 @@ def _bench_configs(heads_list, copy_bw, rows, table):
             try:
                 fn = lambda cfg=cfg: mla_decode_attention(q_lat, q_rope, latent, k_rope, None, 0.1, False,  # noqa: E731
                                                           config=cfg)
-                gpu = _cuda_graph_time(fn)
+                gpu = cuda_graph_time(fn)
             except Exception as exc:  # a config may exceed shared memory or registers on this GPU
                 logger.info("config %s at H=%d failed: %s", name, heads, exc)
                 continue

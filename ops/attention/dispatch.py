@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._common import arg_error, module_unusable, record_fallback
 from kda_compile.ops.attention import sdpa
 from kda_compile.ops.attention.reference import reference_backward, reference_forward
 
@@ -51,11 +51,7 @@ def forced_backend() -> str:
 @functools.lru_cache(maxsize=None)
 def triton_unavailable() -> str | None:
     """None when the Triton kernels import, else why not."""
-    try:
-        import kda_compile.ops.attention.triton_attention  # noqa: F401
-    except Exception as exc:  # ImportError, or a triton too old for the kernels
-        return f"triton is not usable ({type(exc).__name__}: {exc})"
-    return None
+    return module_unusable("kda_compile.ops.attention.triton_attention")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops._common import autograd_inside_op, empty_like_absent, record_fallback
+from kda_compile.ops._common import autograd_inside_op, empty_like_absent, module_unusable, record_fallback
 from kda_compile.ops.mla.path_choice import MLAShape, choose_path
 from kda_compile.ops.mla.reference import absorbed_mla, compute_dtype, expanded_mla, split_kv_b_weight
 
@@ -68,12 +68,8 @@ def bshd(t: Tensor) -> Tensor:
 
 @functools.lru_cache(maxsize=None)
 def triton_unavailable() -> str | None:
-    """None when the Triton decode kernel imports, else why not."""
-    try:
-        import kda_compile.ops.mla.triton_decode  # noqa: F401
-    except Exception as exc:  # ImportError, or a triton too old for the kernels
-        return f"triton is not usable ({type(exc).__name__}: {exc})"
-    return None
+    """None when the Triton kernels import, else why not."""
+    return module_unusable("kda_compile.ops.mla.triton_decode")
 
 
 def absorbed_mla_triton(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, is_causal):

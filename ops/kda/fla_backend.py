@@ -2,7 +2,7 @@
 
 We call FLA 0.6's internal, autograd-free functions (``chunk_kda_fwd`` / ``chunk_kda_bwd`` /
 ``fused_recurrent_kda_fwd`` and the l2norm / beta-sigmoid helpers), never its public entry points:
-those are wrapped in ``torch.compiler.disable`` (a graph break per call) and in an
+those are marked for Dynamo to skip (a graph break at every call) and wrapped in an
 ``autograd.Function`` that Dynamo cannot see through. Our custom ops own autograd instead.
 
 What the forward keeps for the backward is exactly what FLA's own autograd function keeps, minus

@@ -128,9 +128,18 @@ def _check_fill(where: dict, node: torch.fx.Node) -> None:
         raise NotUnderstood(f"the masked value {fill} is not -inf or the dtype minimum")
 
 
+def _is_scalar_tensor_literal(value: Any) -> bool:
+    """``torch.tensor(<python number>, ...)``: a 0-d tensor holding a constant."""
+    return (isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target is torch.tensor
+            and len(value.args) == 1 and isinstance(value.args[0], (int, float))
+            and not isinstance(value.args[0], bool))
+
+
 def _is_zero(value: Any) -> bool:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
+    if _is_scalar_tensor_literal(value):  # transformers 5.17: torch.tensor(0.0, device=..., dtype=...)
+        return _is_zero(value.args[0])
     bound = ZEROS.bind(value)
     return bound is not None and tuple(bound["size"]) in ((), ((),))
 

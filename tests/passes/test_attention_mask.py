@@ -108,6 +108,30 @@ def test_other_masks_stay_tensors(name, fn, sq, sk):
     assert details["mask"].startswith("tensor ("), details
 
 
+@pytest.mark.parametrize("zero", ["zeros", "tensor-literal"])
+def test_causal_mask_with_either_spelling_of_zero_becomes_a_flag(zero):
+    # transformers 5.23 fills allowed positions from torch.zeros, 5.17 from torch.tensor(0.0, ...):
+    # both are the causal mask.
+    def causal(q, k, v):
+        rows = torch.arange(q.shape[2])[None, None, :, None]
+        cols = torch.arange(k.shape[2])[None, None, None, :]
+        zeros = torch.zeros(()) if zero == "zeros" else torch.tensor(0.0, dtype=q.dtype, device=q.device)
+        return attend(q, k, v, torch.where(cols <= rows, zeros, torch.finfo(q.dtype).min))
+
+    details, kwargs = run(causal, 6, 6)
+    assert kwargs["is_causal"] is True and kwargs["attn_mask"] is None, details
+
+
+def test_a_nonzero_tensor_literal_is_not_a_zero_fill():
+    def shifted(q, k, v):
+        rows = torch.arange(q.shape[2])[None, None, :, None]
+        cols = torch.arange(k.shape[2])[None, None, None, :]
+        return attend(q, k, v, torch.where(cols <= rows, torch.tensor(0.5), torch.finfo(q.dtype).min))
+
+    details, kwargs = run(shifted, 6, 6)
+    assert kwargs.get("is_causal", False) is False and details["mask"].startswith("tensor ("), details
+
+
 def test_strict_diagonal_is_not_causal():
     def strictly_past(q, k, v):
         rows = torch.arange(q.shape[2])[None, None, :, None]

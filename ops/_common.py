@@ -46,6 +46,21 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, allow_no
         raise arg_error(name, describe(t), f"of dtype {names}", kind=TypeError)
 
 
+def check_attn_mask(attn_mask, full: tuple, device: torch.device, *, device_owner: str, dims: str) -> None:
+    """An attention mask: None, or a bool / floating tensor on ``device`` (named ``device_owner`` in
+    errors) broadcastable to ``full`` (named ``dims``, e.g. "[B, H, Sq, Sk]")."""
+    if attn_mask is None:
+        return
+    check_tensor("attn_mask", attn_mask)
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise arg_error("attn_mask", describe(attn_mask), "a bool or floating-point tensor", kind=TypeError)
+    if attn_mask.device != device:
+        raise arg_error("attn_mask", describe(attn_mask), f"on {device_owner}'s device {device}")
+    # Explicit comparisons (not `n in (1, f)`): Dynamo evaluates them on symbolic sizes.
+    if attn_mask.dim() > 4 or any(n != 1 and n != f for n, f in zip(reversed(attn_mask.shape), reversed(full))):
+        raise arg_error("attn_mask", describe(attn_mask), f"broadcastable to {dims} = {list(full)}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Fallbacks: a slower path is allowed only when logged with its reason; the report shows them.
 # ----------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kda_compile.bench.common import format_table, row, time_quantiles
+from kda_compile.bench.common import format_table, rel_error, row, time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.attention")
 
@@ -78,10 +78,6 @@ def _causal_flops(b, t, dqk, dv, mode) -> float:
     return fwd * (3.5 if mode == "fwd+bwd" else 1.0)  # backward: 2.5x the forward (recomputes QK^T)
 
 
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def _bench_shape(providers, b, t, dqk, dv, mode, rows, table):
     shape = f"{b}x{t}x{HEADS}xd{dqk}/{dv}"
     q, k, v = _inputs(b, t, dqk, dv, requires_grad=(mode == "fwd+bwd"))
@@ -112,12 +108,12 @@ def _bench_shape(providers, b, t, dqk, dv, mode, rows, table):
         torch.cuda.empty_cache()
     reference = outputs.get("sdpa")
     for name, out in outputs.items():
-        err = _rel(out, reference) if reference is not None else float("nan")
+        err = rel_error(out, reference) if reference is not None else float("nan")
         rows.append(row("attention", name, mode, shape, "rel_err_vs_sdpa", "1", (err, err, err)))
     for name, ms in medians.items():
         base = medians.get("sdpa")
         table.append([mode, shape, name, ms, flops / (ms * 1e-3) / 1e12, "" if base is None else f"{base / ms:.2f}x",
-                      f"{_rel(outputs[name], reference):.1e}" if reference is not None else "-"])
+                      f"{rel_error(outputs[name], reference):.1e}" if reference is not None else "-"])
 
 
 def run(args) -> list[dict]:

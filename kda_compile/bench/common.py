@@ -47,6 +47,11 @@ def cuda_graph_time(fn, *, rep_ms: int = 200) -> tuple[float, float, float]:
     return time_quantiles(graph.replay, rep_ms=rep_ms)
 
 
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp32: the accuracy column printed beside every timing."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
 def row(op, provider, mode, shape, metric, unit, values) -> dict:
     p20, p50, p80 = values
     return {"op": op, "provider": provider, "mode": mode, "shape": shape, "metric": metric, "unit": unit,

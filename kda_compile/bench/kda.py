@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, format_table, row, time_quantiles
+from kda_compile.bench.common import cuda_graph_time, format_table, rel_error, row, time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.kda")
 
@@ -53,10 +53,6 @@ def _prefill_inputs(B, T, H, device, requires_grad):
                 initial_state=torch.randn(B, H, K, V, device=device) * 0.1)
 
 
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def _bench_prefill(providers, gate, modes, shapes, device, rows, table):
     for B, T, H in shapes:
         shape = f"{B}x{T}x{H}"
@@ -80,7 +76,7 @@ def _bench_prefill(providers, gate, modes, shapes, device, rows, table):
                 results[name] = time_quantiles(fn)
                 rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name]))
                 torch.cuda.empty_cache()
-            err = _rel(outputs["kda_compile"], outputs["fla"])
+            err = rel_error(outputs["kda_compile"], outputs["fla"])
             rows.append(row("chunk_kda", "kda_compile", mode, shape, "rel_err_vs_fla", "1", (err, err, err)))
             fla_ms, ours_ms = results["fla"][1], results["kda_compile"][1]
             table.append([mode, shape, fla_ms, ours_ms, fla_ms / ours_ms, f"{err:.1e}"])
@@ -128,7 +124,7 @@ def _bench_decode(providers, gate, batches, device, rows, table):
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", gpu[name]))
             bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bw))
-        err = _rel(outputs["kda_compile"], outputs["fla"])
+        err = rel_error(outputs["kda_compile"], outputs["fla"])
         table.append([f"decode (host, per call)", shape, host["fla"][1], host["kda_compile"][1],
                       host["fla"][1] / host["kda_compile"][1],
                       f"{err:.1e}; +{1e3 * (host['kda_compile'][1] - host['fla'][1]):.1f} us per call"])

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, format_table, row, time_quantiles
+from kda_compile.bench.common import cuda_graph_time, format_table, rel_error, row, time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.mla")
 
@@ -116,10 +116,6 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float, float]:
     return tuple(2 * nbytes / (t * 1e-3) / 1e12 for t in reversed(ms))
 
 
-def _rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 # ----------------------------------------------------------------------------------------------
 # Modes.
 # ----------------------------------------------------------------------------------------------
@@ -159,7 +155,7 @@ def _bench_decode(shapes, compile_hf, copy_bw, rows, table, verdicts):
             if compiled:
                 rows.append(row("mla_decode", "kda_compile", "decode", shape, "speedup_vs_hf_compiled", "x",
                                 (speedup, speedup, speedup)))
-            err = _rel(outputs["kda_compile"], outputs["hf_eager"]) if "hf_eager" in outputs else float("nan")
+            err = rel_error(outputs["kda_compile"], outputs["hf_eager"]) if "hf_eager" in outputs else float("nan")
             if "hf_eager" in outputs:
                 rows.append(row("mla_decode", "kda_compile", "decode", shape, "rel_err_vs_hf_eager", "1",
                                 (err, err, err)))

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from kda_compile.ops._common import arg_error, check_tensor, describe
+from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe
 from kda_compile.ops.attention import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.attention_*)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -108,16 +108,7 @@ def _check_arguments(query, key, value, attn_mask, is_causal, scale, softcap, si
     if sq == 0 or sk == 0 or dqk == 0 or value.shape[3] == 0:
         raise arg_error("query/key/value", f"shapes {list(query.shape)}, {list(key.shape)}, {list(value.shape)}",
                         "non-empty sequence and head dimensions")
-    if attn_mask is not None:
-        check_tensor("attn_mask", attn_mask)
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise arg_error("attn_mask", describe(attn_mask), "a bool or floating-point tensor", kind=TypeError)
-        if attn_mask.device != query.device:
-            raise arg_error("attn_mask", describe(attn_mask), f"on the query's device {query.device}")
-        full = (b, h, sq, sk)
-        # Explicit comparisons (not `n in (1, f)`): Dynamo evaluates them on symbolic sizes.
-        if attn_mask.dim() > 4 or any(n != 1 and n != f for n, f in zip(reversed(attn_mask.shape), reversed(full))):
-            raise arg_error("attn_mask", describe(attn_mask), f"broadcastable to [B, H, Sq, Sk] = {list(full)}")
+    check_attn_mask(attn_mask, (b, h, sq, sk), query.device, device_owner="the query", dims="[B, H, Sq, Sk]")
     if not isinstance(is_causal, bool):
         raise arg_error("is_causal", repr(is_causal), "a bool", kind=TypeError)
     # int(): a symbolic head dim (dynamic=True) is specialised; head dims do not vary between calls.

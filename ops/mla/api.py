@@ -11,7 +11,7 @@ import numbers
 
 import torch
 
-from kda_compile.ops._common import arg_error, check_tensor, describe
+from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe
 from kda_compile.ops.mla import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.mla_attention_*)
 from kda_compile.ops.mla.path_choice import PATHS, PathCost, choose_path, estimate
 
@@ -107,16 +107,7 @@ def _check_arguments(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn
     if kv_b_weight.shape[1] != r or rows % h != 0 or rows // h <= dn:
         raise arg_error("kv_b_weight", describe(kv_b_weight),
                         f"[H * (Dn + Dv), R] with H = {h}, Dn = {dn}, Dv >= 1 and R = {r} (kv_latent's last dim)")
-    if attn_mask is not None:
-        check_tensor("attn_mask", attn_mask)
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise arg_error("attn_mask", describe(attn_mask), "a bool or floating-point tensor", kind=TypeError)
-        if attn_mask.device != q_nope.device:
-            raise arg_error("attn_mask", describe(attn_mask), f"on q_nope's device {q_nope.device}")
-        full = (b, h, sq, t_len)
-        # Explicit comparisons (not `n in (1, f)`): Dynamo evaluates them on symbolic sizes.
-        if attn_mask.dim() > 4 or any(n != 1 and n != f for n, f in zip(reversed(attn_mask.shape), reversed(full))):
-            raise arg_error("attn_mask", describe(attn_mask), f"broadcastable to [B, H, Sq, T] = {list(full)}")
+    check_attn_mask(attn_mask, (b, h, sq, t_len), q_nope.device, device_owner="q_nope", dims="[B, H, Sq, T]")
     if not isinstance(is_causal, bool):
         raise arg_error("is_causal", repr(is_causal), "a bool", kind=TypeError)
     if not isinstance(path, str) or path not in PATHS:

@@ -22,6 +22,16 @@ class Config:
         attention_mask_to_flags: when the graph proves an attention mask is the causal mask (or
             causal + sliding window, possibly with key padding), pass ``is_causal`` /
             ``sliding_window`` (and a ``[B, 1, 1, Sk]`` padding mask) instead of the T x T mask.
+        kda_substitution: trace-time substitution of the known KDA entry points (FLA's
+            ``chunk_kda`` / ``fused_recurrent_kda``, Hugging Face's ``chunk_kimi_delta_attention`` /
+            ``recurrent_kimi_delta_attention``) by ``kda_compile.ops``; the environment variable
+            ``KDA_COMPILE_SUBSTITUTION=0`` turns it off process-wide.
+        kda_recurrence: collapse a token-by-token delta-rule recurrence written inline (and
+            unrolled by Dynamo) into one KDA op call.
+        kda_prologue: fold the gate (softplus / lower-bound form), the beta sigmoid and the q/k
+            L2 norm computed right before a KDA op into the op's in-kernel options.
+        mla_absorb: rewrite Hugging Face's MLA expand-then-attend (``kv_b_proj`` over the latent
+            cache, then attention) into ``kda_compile.ops.mla_attention`` (absorbed decode).
         compiler: what runs the rewritten graph: ``"inductor"`` (default; takes ``mode`` and
             ``options`` from torch.compile), ``"aot_eager"`` (AOTAutograd without code
             generation: quick, for debugging and tests) or ``"eager"`` (the rewritten graph as is).
@@ -29,6 +39,10 @@ class Config:
 
     softmax_attention: bool = True
     attention_mask_to_flags: bool = True
+    kda_substitution: bool = True
+    kda_recurrence: bool = True
+    kda_prologue: bool = True
+    mla_absorb: bool = True
     compiler: str = "inductor"
 
     def __post_init__(self) -> None:

@@ -6,7 +6,10 @@ fastest registered backend that supports the call. A backend is a small object w
 - ``unsupported_reason(device, dtype, K, V, opts) -> str | None``: ``None`` when it can serve the call;
 - ``residual_meta(q, k, v, opts, save)``: the shapes/dtypes of what its forward saves for its backward
   (at most ``MAX_RESIDUALS`` tensors); used by the fake implementation, so it must be exact;
-- ``chunk_forward(...)``, ``chunk_backward(...)`` and ``recurrent_forward(...)``.
+- ``chunk_forward(...)``, ``chunk_backward(...)`` and ``recurrent_forward(...)``;
+- optionally ``serves``: which of ``"chunk_kda"`` (forward, its fake and its backward: the backend
+  chosen for a forward also runs that call's backward, possibly by delegating) and
+  ``"fused_recurrent_kda"`` it implements; a backend without it implements both.
 
 Backends, best first: FLA's Triton kernels on CUDA when fla-core 0.6 is importable
 (``fla_backend.py``), then the reference math (any device). Our own fused kernels (a later issue)
@@ -15,7 +18,9 @@ reference, the reason is logged once and recorded for the rewrite report (``reco
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -109,10 +114,35 @@ def registered_backends() -> list[str]:
     return [backend.name for _, backend in _registry]
 
 
+_restriction = threading.local()
+
+
+@contextlib.contextmanager
+def only_backends(*names: str):
+    """Within the block (this thread), only the named backends (and the reference) may serve calls:
+    e.g. ``only_backends("fla")`` measures the FLA path while faster backends are registered."""
+    known = registered_backends()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"names must be registered KDA backends ({', '.join(known)}), got {unknown}")
+    previous = getattr(_restriction, "names", None)
+    _restriction.names = frozenset(names) | {REFERENCE.name}
+    try:
+        yield
+    finally:
+        _restriction.names = previous
+
+
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions):
     """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
     reasons = []
+    allowed = getattr(_restriction, "names", None)
     for _, backend in _registry:
+        if allowed is not None and backend.name not in allowed:
+            continue
+        serves = getattr(backend, "serves", None)
+        if serves is not None and op not in serves:
+            continue
         reason = backend.unsupported_reason(device, dtype, K, V, opts)
         if reason is None:
             if backend is REFERENCE and device.type == "cuda":

@@ -146,6 +146,12 @@ def explain_dispatch(query, key, value, *, attn_mask=None, is_causal=False, soft
 # ----------------------------------------------------------------------------------------------
 # Forward.
 # ----------------------------------------------------------------------------------------------
+def _mask_rows_alive(attn_mask, shape):
+    """[B, H, Sq] bool: rows whose (broadcastable) mask lets at least one key through."""
+    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    return keep.any(dim=-1).expand(shape)
+
+
 def cuda_forward(q, k, v, attn_mask, sinks, scale, softcap, dropout_p, is_causal, sliding_window, rng):
     """out [B, H, Sq, Dv] (BSHD storage), lse [B, H, Sq] float32 (scores only, -inf for empty rows)."""
     impl, why, trimmed = _plan(q, k, v, attn_mask, softcap, dropout_p, is_causal, sliding_window,
@@ -170,6 +176,8 @@ def cuda_forward(q, k, v, attn_mask, sinks, scale, softcap, dropout_p, is_causal
     if m2 is not None or (causal2 and q.shape[2] > k2.shape[2]):
         # Rows with nothing to attend: 0 output, lse -inf (the kernels differ: NaN, +inf, a fill value).
         alive = (lse > sdpa.empty_row_threshold(impl, m2)) & (lse < float("inf"))
+        if m2 is not None:  # the memory-efficient kernel returns a finite lse for rows its mask empties
+            alive &= _mask_rows_alive(m2, lse.shape)
         out = out.masked_fill_(~alive[..., None], 0.0)
         lse = torch.where(alive, lse, torch.full_like(lse, float("-inf")))
     if sinks is not None:

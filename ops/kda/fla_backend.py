@@ -61,6 +61,26 @@ def _contiguous(*tensors):
     return [t.contiguous() if t is not None else None for t in tensors]
 
 
+def _zero_above_diagonal(blocks, cu_seqlens, chunk_size: int) -> None:
+    """Zero the entries above the diagonal of FLA's per-chunk ``[B, T, HV, chunk]`` matrices, in place.
+
+    FLA writes only the lower triangle of ``Aqk`` / ``Akk`` (its backward never reads the rest), so
+    the rest is whatever the allocator held: outputs of our op must not depend on that (opcheck
+    compares two runs). Chunks restart at every packed sequence's start.
+    """
+    T, device = blocks[0].shape[1], blocks[0].device
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        row = t % chunk_size
+    else:
+        starts = cu_seqlens.to(device=device, dtype=torch.long)
+        seq = torch.searchsorted(starts[1:], t, right=True).clamp_(max=starts.numel() - 2)
+        row = (t - starts[seq]) % chunk_size
+    above = torch.arange(chunk_size, device=device)[None, :] > row[:, None]  # [T, chunk]
+    for block in blocks:
+        block.masked_fill_(above[None, :, None, :], 0)
+
+
 class FLABackend:
     name = "fla"
 
@@ -110,6 +130,7 @@ class FLABackend:
         residuals = []
         if save:
             g_saved = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum
+            _zero_above_diagonal((Aqk, Akk), cu_seqlens, opts.chunk_size)
             residuals = [g_saved, Aqk, Akk]
         return o.to(q.dtype), final, residuals
 

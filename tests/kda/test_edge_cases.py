@@ -58,7 +58,9 @@ def test_very_negative_in_kernel_gate(op, dtype, device):
     # The exact dA_log = sum(dg * g) is ~1e-94 here (dg ~ exp(g)); the op's dg is the fp32 leftover
     # of cancelling O(1) terms (~1e-8), multiplied by |g| ~ 1e3 over T * K terms: an absolute
     # ~4e-5 against the 1.4e-3 floor. 5e-2 of the floor still fails any real gradient error.
-    OPS[op](args, tolerances=dict(A_log=5e-2))
+    # On CUDA, FLA's TF32/bf16 products leave dg noise ~10x larger (measured 0.11-0.25 of the floor on
+    # an H200), still far below a real error (|sum dg * g| with |g| ~ 1e3).
+    OPS[op](args, tolerances=dict(A_log=5e-2 if device.type == "cpu" else 5e-1))
 
 
 @pytest.mark.parametrize("op", OPS, ids=str)
@@ -97,9 +99,15 @@ def test_identical_keys(run_length, beta, op, dtype, device):
     k[:, start : start + run_length] = k[:, start : start + 1]
     args["k"] = k
     args["q"] = k.clone()  # read back what was written
+    tolerances = None
     if beta is not None:
         args["beta"] = torch.full_like(args["beta"], beta)
-    OPS[op](args)
+        if device.type == "cuda":
+            # beta = 1 overwrites the state along the repeated key, so dh0 along it is 0 by exact
+            # cancellation; FLA's TF32/bf16 solve leaves RMS noise of 1e-5..2e-5 there (measured on an
+            # H200: 8e-3 / 2e-2 of the grad floor). Other gradients keep their tolerances.
+            tolerances = dict(initial_state=5e-2)
+    OPS[op](args, tolerances=tolerances)
 
 
 @pytest.mark.parametrize("T", [1, 5, 63, 64, 65])

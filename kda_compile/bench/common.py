@@ -72,3 +72,11 @@ def format_table(headers: list[str], lines: list[list]) -> str:
     out = ["| " + " | ".join(text[0]) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(line) + " |" for line in text[1:]]
     return "\n".join(out)
+
+
+def measure_copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float, float]:
+    """Device-to-device copy bandwidth in TB/s (bytes read + written), p20/p50/p80."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_quantiles(lambda: dst.copy_(src))
+    return tuple(2 * nbytes / (t * 1e-3) / 1e12 for t in reversed(ms))

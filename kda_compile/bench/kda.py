@@ -12,7 +12,8 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, format_table, rel_error, row, time_quantiles
+from kda_compile.bench.common import (cuda_graph_time, format_table, measure_copy_bandwidth, rel_error, row,
+                                      time_quantiles)
 
 logger = logging.getLogger("kda_compile.bench.kda")
 
@@ -102,6 +103,8 @@ def _host_time_per_call(fn, calls: int = 500) -> tuple[float, float, float]:
 
 def _bench_decode(providers, gate, batches, device, rows, table):
     H = 32
+    copy_bw = measure_copy_bandwidth()
+    rows.append(row("copy", "torch", "decode", "1 GiB", "copy_bandwidth", "TB/s", copy_bw))
     for B in batches:
         shape = f"{B}x1x{H}"
         dt = torch.bfloat16
@@ -140,8 +143,11 @@ def _bench_decode(providers, gate, batches, device, rows, table):
                           host["fla"][1] / host[name][1],
                           f"{err:.1e}; {1e3 * (host[name][1] - host['fla'][1]):+.1f} us per call"])
             bw_ours = state_bytes / (gpu[name][1] * 1e-3) / 1e12
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "fraction_of_copy_bandwidth", "1",
+                            tuple(b / copy_bw[1] for b in bw)))
             table.append([f"decode GPU (graph): {name}", shape, gpu["fla"][1], gpu[name][1],
-                          gpu["fla"][1] / gpu[name][1], f"state {bw_ours:.2f} TB/s"])
+                          gpu["fla"][1] / gpu[name][1],
+                          f"state {bw_ours:.2f} TB/s = {100 * bw_ours / copy_bw[1]:.0f}% of copy {copy_bw[1]:.2f}"])
 
 
 def run(args) -> list[dict]:

@@ -23,7 +23,8 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, format_table, rel_error, row, time_quantiles
+from kda_compile.bench.common import (cuda_graph_time, format_table, measure_copy_bandwidth, rel_error, row,
+                                      time_quantiles)
 
 logger = logging.getLogger("kda_compile.bench.mla")
 
@@ -103,17 +104,6 @@ def _hf_fits(batch: int, cache: int, heads: int) -> bool:
     need = 1.5 * batch * cache * heads * 2 * (256 + 192 + 128)
     free, _ = torch.cuda.mem_get_info()
     return need < 0.8 * free
-
-
-# ----------------------------------------------------------------------------------------------
-# Timing helpers.
-# ----------------------------------------------------------------------------------------------
-def measure_copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float, float]:
-    """Device-to-device copy bandwidth in TB/s (bytes read + written), p20/p50/p80."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_quantiles(lambda: dst.copy_(src))
-    return tuple(2 * nbytes / (t * 1e-3) / 1e12 for t in reversed(ms))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -74,12 +74,27 @@ def _mask4d(attn_mask):
     return m
 
 
+_BIAS_FLOOR = -1e30  # finite, and still finite after the kernels' scaling by log2(e)
+
+
+def _finite_floor(bias):
+    """Raise finite entries below -1e30 (Hugging Face pads with ``finfo.min``) to -1e30, keep -inf.
+
+    The kernels scale the bias by log2(e) in float32: ``finfo.min`` of float32 / bfloat16 becomes -inf
+    there, and a row padded with it would come back empty (output 0) instead of eager's uniform
+    average. At -1e30 every score is still absorbed (ulp(1e30) ~ 1e23), so nothing else changes.
+    float16's finfo.min (-65504) is safe already (and -1e30 does not exist in float16)."""
+    if bias.dtype not in (torch.float32, torch.bfloat16):
+        return bias
+    return bias.masked_fill((bias < _BIAS_FLOOR) & (bias > float("-inf")), _BIAS_FLOOR)
+
+
 def cudnn_bias(attn_mask, dtype):
     """The additive bias cuDNN gets: 4-D, in the query dtype, broadcast dims kept at size 1."""
     m = _mask4d(attn_mask)
     if m.dtype == torch.bool:
         return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, _CUDNN_BOOL_FILL)
-    return m.to(dtype)
+    return _finite_floor(m.to(dtype))
 
 
 def efficient_bias(attn_mask, dtype, b: int, h: int, sq: int, sk: int):
@@ -90,7 +105,7 @@ def efficient_bias(attn_mask, dtype, b: int, h: int, sq: int, sk: int):
     if m.dtype == torch.bool:
         m = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(~m, float("-inf"))
     else:
-        m = m.to(dtype)
+        m = _finite_floor(m.to(dtype))
     aligned = m.stride(-1) == 1 and m.shape[-1] % 16 == 0 and all(
         st % 16 == 0 for st, n in zip(m.stride()[:-1], m.shape[:-1]) if n > 1)
     if not aligned:

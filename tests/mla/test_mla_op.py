@@ -57,7 +57,11 @@ def check_against_naive(case, dtype, device, path, *, grads=True, seed=0):
     ref.backward(g.to(device))
     for name, a, leaf in zip(("dq_nope", "dq_rope", "dkv_latent", "dk_rope", "dkv_b_weight"), args, leaves):
         assert a.grad is not None and a.grad.shape == a.shape, name
-        assert_rel_close(a.grad, leaf.grad, _tol(GRAD_TOL, dtype, device), name=f"{name} ({path})")
+        # A gradient that is 0 by construction (one cached key: the softmax is constant, dq = 0) comes
+        # back as rounding noise (~1e-7 on CUDA): divide by an RMS floor of 1e-2, far below the O(1)
+        # RMS of the real gradients here.
+        assert_rel_close(a.grad, leaf.grad, _tol(GRAD_TOL, dtype, device), name=f"{name} ({path})",
+                         floor=1e-2 * a.numel() ** 0.5)
 
 
 @pytest.mark.parametrize("path", PATHS)

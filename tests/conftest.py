@@ -1,14 +1,29 @@
-"""Test configuration: hypothesis profiles and the CUDA marker.
+"""Test configuration: hypothesis profiles, the CUDA marker, Triton's interpreter on CPU.
 
 Profiles (select with HYPOTHESIS_PROFILE):
 - ``ci`` (default): few examples, fits the CPU CI budget;
 - ``thorough``: many examples, run on the GPU box.
 """
+import importlib.util
 import os
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+
+def _interpret_triton_without_cuda() -> None:
+    """Without CUDA, our Triton kernels run under the Triton interpreter (small shapes, fp32/fp16,
+    one fixed launch config; compile.md: bf16 dots are unreliable there), so CI checks them too.
+    Must happen before any kernel module is imported (``triton.jit`` reads the variable then);
+    ``TRITON_INTERPRET=0`` in the environment opts out."""
+    if "TRITON_INTERPRET" in os.environ or torch.cuda.is_available():
+        return
+    if importlib.util.find_spec("triton") is not None:
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_without_cuda()
 
 settings.register_profile(
     "ci",

@@ -2,7 +2,12 @@
 
 Prefill (``chunk_kda``): forward in inference mode and forward+backward, bf16, K = V = 128, the
 in-kernel q/k L2 norm, gate and beta sigmoid, an fp32 initial state, on the shapes of the project's
-anchors (B x T x H). Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
+anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: "ours (own kernels)"
+(the op's automatic choice: our Triton prefill), "ours (FLA path)" (the op forced onto FLA's kernels
+with ``only_backends("fla")``) and "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the
+speedup over FLA per shape (needs matplotlib; otherwise the log says why there is none).
+``KDA_COMPILE_PREFILL_SEGMENTS=P`` forces the scan's segment count (tuning).
+Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
 1 / 64 / 256, with the state bytes moved per second. Each shape also records the relative error of
 our output against FLA's (same kernels underneath: it should be ~0).
 """
@@ -20,7 +25,10 @@ logger = logging.getLogger("kda_compile.bench.kda")
 PREFILL_SHAPES = [  # (B, T, H): anchors.md (H100 table, then the H200 FLA-vs-FlashKDA table)
     (1, 8192, 32), (8, 4096, 32), (1, 32768, 32),
     (8, 1024, 32), (1, 8192, 64), (8, 1024, 64), (1, 8192, 96), (8, 1024, 96), (16, 2048, 32),
+    (1, 65536, 16),  # one long sequence with few heads: the case the segmented scan is for
 ]
+PREFILL_PROVIDERS = ("ours (own kernels)", "ours (FLA path)", "FLA")
+PREFILL_TARGET = 1.7  # issue 6: inference forward at least 1.7x FLA on every anchor shape
 DECODE_BATCHES = (1, 64, 256)
 K = V = 128
 
@@ -54,7 +62,38 @@ def _prefill_inputs(B, T, H, device, requires_grad):
                 initial_state=torch.randn(B, H, K, V, device=device) * 0.1)
 
 
-def _bench_prefill(providers, gate, modes, shapes, device, rows, table):
+def _prefill_providers():
+    """name -> (chunk_kda function, context factory) for the prefill providers."""
+    import contextlib
+
+    from fla.ops.kda import chunk_kda as fla_chunk
+
+    from kda_compile.ops import chunk_kda
+    from kda_compile.ops.kda.backends import only_backends
+
+    return {
+        "ours (own kernels)": (chunk_kda, contextlib.nullcontext),
+        "ours (FLA path)": (chunk_kda, lambda: only_backends("fla")),
+        "FLA": (fla_chunk, contextlib.nullcontext),
+    }
+
+
+def _log_prefill_backend(device) -> None:
+    """Say which backend "ours (own kernels)" runs on (a fallback would make the row meaningless)."""
+    from kda_compile.ops.kda.backends import KDAOptions, select_backend
+
+    chosen = select_backend("chunk_kda", torch.device(device), torch.bfloat16, K, V, KDAOptions(scale=K ** -0.5))
+    if chosen.name != "triton_chunk":
+        logger.warning("ours (own kernels) runs on the %s backend, not triton_chunk (see the fallback log)", chosen.name)
+    else:
+        logger.info("ours (own kernels) runs on the triton_chunk backend")
+
+
+def _bench_prefill(gate, modes, shapes, device, rows) -> list[list]:
+    """Time every prefill provider on every shape and mode; returns the table lines."""
+    providers = _prefill_providers()
+    _log_prefill_backend(device)
+    table = []
     for B, T, H in shapes:
         shape = f"{B}x{T}x{H}"
         common = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
@@ -63,25 +102,67 @@ def _bench_prefill(providers, gate, modes, shapes, device, rows, table):
             inputs = _prefill_inputs(B, T, H, device, requires_grad=(mode == "fwd+bwd"))
             do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
             results, outputs = {}, {}
-            for name, (chunk, _) in providers.items():
+            for name, (chunk, context) in providers.items():
                 if mode == "fwd":
-                    def fn(chunk=chunk):
-                        with torch.inference_mode():
+                    def fn(chunk=chunk, context=context):
+                        with torch.inference_mode(), context():
                             return chunk(**inputs, **common)[0]
                 else:
-                    def fn(chunk=chunk):
-                        o = chunk(**inputs, **common)[0]
-                        o.backward(do)
+                    def fn(chunk=chunk, context=context):
+                        with context():  # the backward too: it must run on the same backend
+                            o = chunk(**inputs, **common)[0]
+                            o.backward(do)
                         return o
-                outputs[name] = fn().detach()
+                outputs[name] = fn().detach()  # also compiles and autotunes before timing
                 results[name] = time_quantiles(fn)
                 rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name]))
                 torch.cuda.empty_cache()
-            err = rel_error(outputs["kda_compile"], outputs["fla"])
-            rows.append(row("chunk_kda", "kda_compile", mode, shape, "rel_err_vs_fla", "1", (err, err, err)))
-            fla_ms, ours_ms = results["fla"][1], results["kda_compile"][1]
-            table.append([mode, shape, fla_ms, ours_ms, fla_ms / ours_ms, f"{err:.1e}"])
-            logger.info("%s %s: fla %.3f ms, ours %.3f ms", mode, shape, fla_ms, ours_ms)
+            errors = {}
+            for name in PREFILL_PROVIDERS[:2]:
+                errors[name] = rel_error(outputs[name], outputs["FLA"])
+                rows.append(row("chunk_kda", name, mode, shape, "rel_err_vs_fla", "1", (errors[name],) * 3))
+            fla_ms, own_ms, path_ms = (results[n][1] for n in ("FLA", "ours (own kernels)", "ours (FLA path)"))
+            table.append([mode, shape, fla_ms, path_ms, own_ms, fla_ms / path_ms, fla_ms / own_ms,
+                          f"{errors['ours (own kernels)']:.1e}"])
+            logger.info("%s %s: FLA %.3f ms, ours (FLA path) %.3f ms, ours (own kernels) %.3f ms",
+                        mode, shape, fla_ms, path_ms, own_ms)
+    return table
+
+
+PREFILL_HEADERS = ["mode", "B x T x H", "FLA", "ours (FLA path)", "ours (own kernels)", "FLA / FLA path",
+                   "FLA / own", "own rel. err vs FLA"]
+
+
+def _plot_prefill_speedup(table: list[list], path) -> None:
+    """A PNG of the speedup over FLA per shape (one panel per mode, one bar per provider of ours)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        logger.warning("no prefill speedup PNG: matplotlib is not importable (%s); pip install matplotlib", exc)
+        return
+    modes = [m for m in ("fwd", "fwd+bwd") if any(line[0] == m for line in table)]
+    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.6 * len(modes)), squeeze=False)
+    for ax, mode in zip(axes[:, 0], modes):
+        lines = [line for line in table if line[0] == mode]
+        x = range(len(lines))
+        for offset, (label, col) in zip((-0.2, 0.2), (("ours (FLA path)", 5), ("ours (own kernels)", 6))):
+            ax.bar([i + offset for i in x], [line[col] for line in lines], width=0.4, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        if mode == "fwd":
+            ax.axhline(PREFILL_TARGET, color="red", linestyle="--", linewidth=0.8, label=f"target {PREFILL_TARGET}x")
+        ax.set_xticks(list(x), [line[1] for line in lines], rotation=20)
+        ax.set_ylabel("speedup over FLA")
+        ax.set_title(f"KDA prefill {'forward (inference)' if mode == 'fwd' else 'forward + backward'}, "
+                     f"bf16, K = V = {K}")
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    logger.info("prefill speedup plot written to %s", path)
 
 
 def _host_time_per_call(fn, calls: int = 500) -> tuple[float, float, float]:
@@ -159,7 +240,11 @@ def run(args) -> list[dict]:
     shapes = PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES
     batches = DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES
     rows, table = [], []
-    _bench_prefill(providers, args.gate, modes, shapes, "cuda", rows, table)
+    prefill_table = _bench_prefill(args.gate, modes, shapes, "cuda", rows)
+    if prefill_table:
+        print(f"\nKDA prefill, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
+        print(format_table(PREFILL_HEADERS, prefill_table))
+        _plot_prefill_speedup(prefill_table, args.csv.with_name(args.csv.stem + "_prefill_speedup.png"))
     if "decode" in modes:
         _bench_decode(providers, args.gate, batches, "cuda", rows, table)
     print(f"\nKDA, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")

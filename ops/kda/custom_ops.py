@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
+from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
 from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, select_backend
 

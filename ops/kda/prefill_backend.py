@@ -1,0 +1,111 @@
+"""Our fused Triton prefill (``triton_chunk.py``) as a KDA backend for ``chunk_kda``.
+
+Registered above FLA (priority 20 > 10) for the chunked op only (its forward, fake and backward).
+Inference runs our two-to-three-launch forward. Training (the op saves residuals) depends on FLA's
+backward kernels, which the forward must feed in FLA's formats:
+
+- FLA usable and ``chunk_size == 64``: our forward also writes FLA's residuals (chunk-local gate
+  cumsum, ``Aqk``, ``Akk = (I + A_kk)^-1``, chunk 64); the backward runs FLA's ``chunk_kda_bwd``.
+- FLA usable, ``chunk_size`` 32: FLA's residuals depend on its chunk size, so FLA's own forward runs
+  (logged through ``record_fallback`` with the reason); the backward is FLA's.
+- FLA unusable (not installed, wrong version): our forward saves nothing and the backward is the
+  reference's (autograd through the reference math; logged).
+
+``unsupported_reason`` has no ``save`` argument, so these choices are made inside the backend, from
+the same inputs at forward, fake and backward time. Calls the kernels cannot serve at all (not CUDA,
+float64, K or V > 256, triton missing) say why; ``select_backend`` then tries FLA, then the reference.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+from functools import cache
+
+import torch
+
+from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops.kda.backends import REFERENCE, KDAOptions, register_backend
+from kda_compile.ops.kda.fla_backend import FLABackend
+
+logger = logging.getLogger("kda_compile.ops.kda")
+
+KERNEL_MODULE = "kda_compile.ops.kda.triton_chunk"
+PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # the scan keeps a [next_pow2(K), BV] fp32 state tile on chip
+CHUNK = 64  # the chunk of our prepare kernel, hence of the FLA residuals it can write
+
+OWN_RESIDUALS, FLA_FORWARD, REFERENCE_BACKWARD = "own", "fla", "reference"
+_FLA = FLABackend()
+
+
+@cache
+def _kernel_unusable() -> str | None:
+    return module_unusable(KERNEL_MODULE)
+
+
+@cache
+def _launcher():
+    return importlib.import_module(KERNEL_MODULE).chunk_kda_prefill
+
+
+def training_path(device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions) -> tuple[str, str]:
+    """How a call that saves for the backward runs: ``(path, reason)``, path one of
+    ``OWN_RESIDUALS`` (our forward + FLA's backward), ``FLA_FORWARD``, ``REFERENCE_BACKWARD``."""
+    fla_reason = _FLA.unsupported_reason(device, dtype, K, V, opts)
+    if fla_reason is not None:
+        return REFERENCE_BACKWARD, f"the backward needs FLA's kernels: {fla_reason}"
+    if opts.chunk_size != CHUNK:
+        return FLA_FORWARD, (f"training with chunk_size={opts.chunk_size}: FLA's backward needs residuals of its "
+                             f"chunk size and our forward writes them for chunk_size={CHUNK} only")
+    return OWN_RESIDUALS, ""
+
+
+class TritonChunkBackend:
+    """``chunk_kda`` on CUDA through our fused Triton prefill forward."""
+
+    name = "triton_chunk"
+    serves = frozenset({"chunk_kda"})
+
+    def unsupported_reason(self, device, dtype, K, V, opts: KDAOptions) -> str | None:
+        if device.type != "cuda":
+            return f"needs CUDA, got {device.type}"
+        if dtype not in PREFILL_DTYPES:
+            return f"the prefill kernels take float16/bfloat16/float32 inputs, got {dtype}"
+        if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+            return f"the prefill kernels keep K, V <= {MAX_HEAD_DIM} on chip, got K={K}, V={V}"
+        return _kernel_unusable()
+
+    def residual_meta(self, q, k, v, opts, save):
+        if not save:
+            return []
+        path, _ = training_path(q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
+        return [] if path == REFERENCE_BACKWARD else _FLA.residual_meta(q, k, v, opts, save)
+
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+        """``(o, final state or None, residuals)``; inputs as the op got them (any strides)."""
+        path = None
+        if save:
+            path, reason = training_path(q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
+            if path == FLA_FORWARD:
+                record_fallback("chunk_kda", "fla", reason)
+                return _FLA.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
+                                          output_final_state, save)
+            if path == REFERENCE_BACKWARD:
+                record_fallback("chunk_kda_backward", REFERENCE.name, reason)
+        kwargs = dict(
+            scale=opts.scale, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_gate_in_kernel=opts.use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+            lower_bound=opts.lower_bound, save_residuals=path == OWN_RESIDUALS,
+        )
+        with torch.cuda.device(q.device):  # Triton launches on the current device
+            o, final, residuals = _launcher()(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
+        return o, final, residuals or []
+
+    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
+        if residuals:  # FLA's formats, from our forward or FLA's
+            return _FLA.chunk_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts)
+        return REFERENCE.chunk_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts)
+
+
+register_backend(TritonChunkBackend(), priority=20)

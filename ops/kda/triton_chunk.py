@@ -1,0 +1,245 @@
+"""Our fused KDA prefill forward in Triton: launchers for the prepare kernel
+(``triton_chunk_prepare.py``) and the recurrence / affine-segment scan (``triton_chunk_scan.py``).
+
+``chunk_kda_prefill`` computes ``chunk_kda``'s forward (FLA contract, kda.md section 3) in two
+launches (three when the scan is split into segments):
+
+1. prepare, grid (chunks, HV): q/k L2 norm, gate, beta sigmoid, chunk cumsum, the intra-chunk
+   ``A`` blocks and their triangular inverse on chip; writes ``w, u, qg, kd, A_qk, decay``;
+2. (segments only) summaries ``[M | C]`` of every segment but the last, grid (columns, HV, N, P - 1);
+3. scan, grid (V blocks, HV, N, P): the fp32 state walks the chunks and writes ``o`` and the final state.
+
+The number of segments ``P`` comes from the SM count at run time (``choose_segments``): one long
+sequence with few heads is cut into pieces so that the scan fills the GPU. ``KDA_COMPILE_PREFILL_SEGMENTS``
+overrides it (tuning and benchmarks).
+
+Device-agnostic (no ``torch.cuda`` calls beyond the SM count), so the same launchers run on CPU tensors
+under ``TRITON_INTERPRET=1`` with one fixed small config; on CUDA a short autotune list per kernel.
+Intermediates are in the input dtype (fp32 for fp32 inputs); bf16 inputs take bf16 tensor-core
+products with fp32 accumulation (as FLA), fp16 and fp32 inputs take fp32 operands (TF32 on CUDA).
+"""
+from __future__ import annotations
+
+import math
+import os
+from functools import cache
+
+import torch
+import triton
+
+from kda_compile.ops.kda.triton_chunk_prepare import kda_prepare_kernel
+from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
+
+CHUNK = 64  # BT: fixed by the prepare kernel (four 16-row sub-blocks)
+MAX_HEAD_DIM = 256
+SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
+GATE_PRECOMPUTED, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch configurations
+# ------------------------------------------------------------------------------------------------
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _state_block(K: int, V: int) -> int:
+    """BV of the scan: the fp32 state tile ``[pow2(K), BV]`` stays at <= 32 KiB (64 regs/thread at 4 warps)."""
+    if _interpreted():
+        return min(32, _pow2(V))
+    return min(_pow2(V), 64 if _pow2(K) <= 128 else 32)
+
+
+@cache
+def _tuned(kernel_name: str):
+    """The CUDA kernels wrapped in a small autotuner (compile time matters: 3 configs each).
+
+    tests/conftest.py makes every autotuner run only the first config during tests, so each list
+    starts with a safe default."""
+    if kernel_name == "prepare":
+        configs = [triton.Config({"BKC": 32, "BVC": 32}, num_warps=4, num_stages=1),
+                   triton.Config({"BKC": 64, "BVC": 64}, num_warps=4, num_stages=1),
+                   triton.Config({"BKC": 32, "BVC": 64}, num_warps=8, num_stages=1)]
+        return triton.autotune(configs, key=["H", "HV", "K", "V", "GATE", "L2NORM", "SAVE_AKK"])(kda_prepare_kernel)
+    stages = [triton.Config({}, num_warps=4, num_stages=2), triton.Config({}, num_warps=8, num_stages=2),
+              triton.Config({}, num_warps=4, num_stages=3)]
+    kernel = kda_chunk_scan_kernel if kernel_name == "scan" else kda_segment_summary_kernel
+    return triton.autotune(stages, key=["HV", "K", "V", "BV" if kernel_name == "scan" else "BX"])(kernel)
+
+
+def _precisions(dtype: torch.dtype):
+    """(DOT_BF16, dot precision, solve precision, combine precision) for the input dtype."""
+    if _interpreted():
+        return dtype == torch.bfloat16, "ieee", "ieee", "ieee"
+    # fp32 products of the chunk algorithm run as TF32 (FLA does the same); the 16 x 16 solve merges
+    # stay exact fp32 (cheap, and they carry the ill-conditioned cases); the segment combine uses
+    # 3xTF32, about fp32 accuracy on tensor cores.
+    return dtype == torch.bfloat16, "tf32", "ieee", "tf32x3"
+
+
+@cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None,
+                    *, resident: int = 2, max_segments: int = 16, min_chunks: int = 8) -> int:
+    """How many segments to cut each sequence into (1 = the plain recurrence).
+
+    A cost model in units of one chunk step of the scan (4 products of ``[64, K] x [K, BV]``): a
+    summary step costs about half of one (2 products), applying one earlier segment's summary about
+    one. Programs run in waves of ``sm_count * resident``. Segments shorter than ``min_chunks`` chunks
+    are not worth their summaries.
+    """
+    if sm_count is None or chunks <= min_chunks:
+        return 1
+    slots = sm_count * resident
+
+    def cost(P: int) -> float:
+        per = math.ceil(chunks / P)
+        scan = math.ceil(num_seqs * heads * v_blocks * P / slots) * (per + (P - 1))
+        summary = math.ceil(num_seqs * heads * x_blocks * (P - 1) / slots) * per * 0.5 if P > 1 else 0.0
+        return scan + summary
+
+    candidates = [P for P in range(1, max_segments + 1) if P == 1 or math.ceil(chunks / P) >= min_chunks]
+    return min(candidates, key=lambda P: (cost(P), P))
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher
+# ------------------------------------------------------------------------------------------------
+def _chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``[N + 1]`` int32: the first chunk slot of each sequence (its chunks are numbered densely)."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    offsets = torch.zeros(cu_seqlens.shape[0], dtype=torch.int32, device=cu_seqlens.device)
+    torch.cumsum((lengths + CHUNK - 1) // CHUNK, 0, out=offsets[1:])
+    return offsets
+
+
+def chunk_kda_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, *, scale: float, output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, lower_bound: float | None = None,
+    save_residuals: bool = False, segments: int | None = None,
+):
+    """KDA prefill forward (FLA's ``chunk_kda`` semantics) with our Triton kernels.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]`` (log decay, or the raw gate
+            projection with ``use_gate_in_kernel``); beta: ``[B, T, HV]``. float16 / bfloat16 /
+            float32, K and V <= 256, HV a multiple of H. Any strides (non-contiguous inputs are copied).
+        A_log: ``[HV]``, dt_bias: ``[HV * K]`` for the in-kernel gate (softplus form, or lower-bound
+            form when ``lower_bound`` is given).
+        initial_state: ``[N, HV, K, V]`` fp32, any strides; N = B, or the number of sequences with
+            ``cu_seqlens`` (``[N + 1]`` offsets of sequences packed along T, B = 1, empty ones allowed).
+        save_residuals: also return FLA 0.6's backward residuals for chunk size 64.
+        segments: force the number of scan segments (default: ``choose_segments`` on CUDA, 1 elsewhere).
+    Returns:
+        ``(o, final_state, residuals)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state``
+        ``[N, HV, K, V]`` fp32 or None; ``residuals`` None or ``[g_cumsum, Aqk, Akk]`` as FLA's forward
+        returns them: ``g_cumsum`` ``[B, T, HV, K]`` fp32 chunk-local cumsum in log2 units (empty with
+        ``use_gate_in_kernel``: FLA's backward recomputes it), ``Aqk`` (scaled, lower triangular per
+        chunk) and ``Akk`` (``(I + A_kk)^-1``) ``[B, T, HV, 64]`` in k's dtype.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"K and V must be <= {MAX_HEAD_DIM} for the Triton prefill kernels, got K={K}, V={V}")
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    device, dtype = q.device, q.dtype
+    TT = B * T
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if TT == 0 or N == 0:  # no tokens (no launch): the states pass through unchanged
+        final = None
+        if output_final_state:
+            final = (initial_state.float().clone() if initial_state is not None
+                     else q.new_zeros(N, HV, K, V, dtype=torch.float32))
+        empty = [q.new_empty(0, dtype=torch.float32), q.new_empty(B, T, HV, CHUNK, dtype=k.dtype),
+                 q.new_empty(B, T, HV, CHUNK, dtype=k.dtype)]
+        return q.new_empty(B, T, HV, V), final, (empty if save_residuals else None)
+    varlen = cu_seqlens is not None
+    if varlen:
+        chunk_offsets = _chunk_offsets(cu_seqlens)
+        slots = triton.cdiv(T, CHUNK) + N  # an upper bound on the total chunk count: no host sync
+    else:
+        chunk_offsets = cu_seqlens = q.new_empty(0, dtype=torch.int32)
+        slots = B * triton.cdiv(T, CHUNK)
+    dot_bf16, dot_precision, solve_precision, combine_precision = _precisions(dtype)
+
+    w = q.new_empty(TT, HV, K)
+    qg = q.new_empty(TT, HV, K)
+    kd = q.new_empty(TT, HV, K)
+    u = q.new_empty(TT, HV, V)
+    a_qk = q.new_empty(B, T, HV, CHUNK)
+    decay = q.new_empty(max(slots, 1), HV, K, dtype=torch.float32)
+    save_g = save_residuals and not use_gate_in_kernel
+    a_kk = q.new_empty(B, T, HV, CHUNK, dtype=k.dtype) if save_residuals else q.new_empty(1)
+    g_cumsum = q.new_empty(B, T, HV, K, dtype=torch.float32) if save_g else q.new_empty(1, dtype=torch.float32)
+    gate = GATE_PRECOMPUTED
+    if use_gate_in_kernel:
+        gate = GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
+    dummy = q.new_empty(1, dtype=torch.float32)
+    A_log_arg = A_log.reshape(-1).contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
+    dt_bias_arg = dt_bias.reshape(-1).contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
+
+    prepare_args = dict(
+        T=T, N=N, scale=float(scale), beta_scale=2.0 if allow_neg_eigval else 1.0,
+        lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+        H=H, HV=HV, K=K, V=V, SEARCH_STEPS=max(1, math.ceil(math.log2(N + 1)) + 1), IS_VARLEN=varlen,
+        L2NORM=use_qk_l2norm_in_kernel, GATE=gate, HAS_A_LOG=A_log_arg is not dummy,
+        HAS_DT_BIAS=dt_bias_arg is not dummy, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
+        SAVE_AKK=save_residuals, SAVE_G=save_g, DOT_BF16=dot_bf16, A_PRECISION=dot_precision,
+        SOLVE_PRECISION=solve_precision,
+    )
+    prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
+                       cu_seqlens, chunk_offsets)
+    if _interpreted():
+        kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),
+                                        BVC=min(64, _pow2(V)), num_warps=1)
+    else:
+        _tuned("prepare")[(slots, HV)](*prepare_tensors, **prepare_args)
+
+    # ---- the recurrence ---------------------------------------------------------------------------
+    BK, BV = _pow2(K), _state_block(K, V)
+    BX = BV
+    v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BX)
+    if segments is None and os.environ.get(SEGMENTS_ENV):
+        segments = int(os.environ[SEGMENTS_ENV])
+    if segments is None:
+        sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+        chunks_per_sequence = triton.cdiv(T, CHUNK * N) if varlen else triton.cdiv(T, CHUNK)
+        segments = choose_segments(N, HV, v_blocks, x_blocks, chunks_per_sequence, sm_count)
+    P = max(1, int(segments))
+    # Tokens past cu_seqlens[-1] belong to no sequence and read 0 (as in the reference); which tokens
+    # those are is on the device, so varlen output starts zeroed.
+    o = q.new_zeros(B, T, HV, V) if varlen else q.new_empty(B, T, HV, V)
+    final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else dummy
+    h0 = initial_state if initial_state is not None else dummy
+    h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    summary = scratch = dummy
+    common = dict(HV=HV, K=K, V=V, BT=CHUNK, BK=BK, IS_VARLEN=varlen, DOT_BF16=dot_bf16,
+                  DOT_PRECISION=dot_precision)
+    fixed = dict(num_warps=1) if _interpreted() else {}
+    if P > 1:
+        summary = q.new_empty(N * P, HV, K, K + V, dtype=torch.float32)
+        scratch = q.new_empty(v_blocks * HV * N * P, BK, BV, dtype=torch.float32)
+        grid = (x_blocks * HV * N * (P - 1),)
+        kernel = kda_segment_summary_kernel if _interpreted() else _tuned("summary")
+        kernel[grid](w, u, kd, decay, summary, cu_seqlens, chunk_offsets, T, P, BX=BX, **common, **fixed)
+    kernel = kda_chunk_scan_kernel if _interpreted() else _tuned("scan")
+    kernel[(v_blocks * HV * N * P,)](
+        w, u, qg, kd, a_qk, decay, o, h0, final, summary, scratch, cu_seqlens, chunk_offsets, T, P,
+        *h0_strides, BV=BV, BKM=min(32, BK), HAS_H0=initial_state is not None,
+        STORE_HT=output_final_state, COMBINE_PRECISION=combine_precision, **common, **fixed)
+    residuals = None
+    if save_residuals:
+        a_qk_res = a_qk if a_qk.dtype == k.dtype else a_qk.to(k.dtype)
+        residuals = [g_cumsum if save_g else q.new_empty(0, dtype=torch.float32), a_qk_res, a_kk]
+    return o, (final if output_final_state else None), residuals

@@ -1,0 +1,189 @@
+"""Kernel 2 of our fused KDA prefill: the inter-chunk recurrence, plain or as an affine-segment scan.
+
+Triton only (``triton_chunk.py`` launches it). Inputs come from the prepare kernel
+(``triton_chunk_prepare.py``): ``w, qg, kd`` ``[TT, HV, K]``, ``u`` ``[TT, HV, V]``, ``A_qk``
+``[TT, HV, BT]`` and ``decay = 2^G_last`` ``[chunks, HV, K]``. Per chunk, with the fp32 state
+``S [K, BV]`` on chip (kda.md section 4)::
+
+    v_new = u - w S
+    o     = qg S + A_qk v_new
+    S     = diag(decay) S + kd^T v_new
+
+One long sequence with few heads gives ``N * HV * cdiv(V, BV)`` programs: too few to fill the GPU
+(kda.md section 8). The state update over a stretch of chunks is affine in the incoming state,
+``S_out = M S_in + C``, so each sequence is cut into ``P`` segments of whole chunks:
+
+1. ``kda_segment_summary_kernel``: every segment but the last composes its chunks' ``(M, C)`` in
+   parallel. ``X = [M | C]`` ``[K, K + V]`` obeys the same update as the state with ``u = 0`` in the M
+   columns, starting from ``[I | 0]``; programs split the K + V columns like value blocks.
+2. ``kda_chunk_scan_kernel`` with ``P > 1``: the program of segment p first applies the summaries of
+   segments 0..p-1 to the initial state (p small ``K x K`` products, fp32 with ``COMBINE_PRECISION``),
+   then runs its own chunks and writes their outputs. Only the last segment writes the final state.
+
+With ``P = 1`` the scan kernel is the plain recurrence (no summaries). The products inside the chunk
+loop take the state rounded to the input dtype for bf16 inputs (as FLA does), fp32 operands
+(``DOT_PRECISION``) otherwise. No atomics: every output element has one writer, so repeated runs are
+bitwise identical.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sequence(cu_seqlens, chunk_offsets, n, T, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """(first token, length, first chunk slot) of sequence ``n``."""
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        seq_len = tl.load(cu_seqlens + n + 1).to(tl.int64) - bos
+        first_chunk = tl.load(chunk_offsets + n).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        seq_len = bos * 0 + T
+        first_chunk = n.to(tl.int64) * tl.cdiv(T, BT)
+    return bos, seq_len, first_chunk
+
+
+@triton.jit
+def _segment(seq_len, p, P, BT: tl.constexpr):
+    """Chunks ``[c0, c1)`` of segment ``p`` out of ``P`` (equal shares, the last ones may be empty)."""
+    chunks = tl.cdiv(seq_len, BT)
+    per = tl.cdiv(chunks, P)
+    c0 = tl.minimum(p * per, chunks)
+    c1 = tl.minimum(c0 + per, chunks)
+    return c0, c1
+
+
+@triton.jit
+def _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, slot, kcols, HV: tl.constexpr, K: tl.constexpr):
+    """``w``, ``kd`` ``[BT, BK]`` and ``decay`` ``[BK]`` of one chunk."""
+    kok = kcols < K
+    ok = rows_ok[:, None] & kok[None, :]
+    offs = (tok * HV + hv)[:, None] * K + kcols[None, :]
+    w = tl.load(W + offs, mask=ok, other=0.0)
+    kd = tl.load(KD + offs, mask=ok, other=0.0)
+    decay = tl.load(DECAY + (slot * HV + hv) * K + kcols, mask=kok, other=0.0)
+    return w, kd, decay
+
+
+@triton.jit
+def _operand(x, DOT_BF16: tl.constexpr):
+    """A dot operand: bf16 inputs keep bf16 (tensor cores at full rate), others go through fp32."""
+    if DOT_BF16:
+        return x.to(tl.bfloat16)
+    return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T", "P"])
+def kda_segment_summary_kernel(
+    W, U, KD, DECAY, SUMMARY, cu_seqlens, chunk_offsets,
+    T, P,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BX: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """``SUMMARY[n * P + p, hv] = [M | C]`` ``[K, K + V]`` fp32 of segment p (< P - 1) of sequence n.
+
+    Grid ``(cdiv(K + V, BX) * HV * N * (P - 1),)``: column block fastest, then head, then segment.
+    """
+    pid = tl.program_id(0)
+    num_x = tl.cdiv(K + V, BX)
+    ix = pid % num_x
+    rest = pid // num_x
+    hv = rest % HV
+    rest = rest // HV
+    p = rest % (P - 1)
+    n = rest // (P - 1)
+    bos, seq_len, first_chunk = _sequence(cu_seqlens, chunk_offsets, n, T, IS_VARLEN, BT)
+    c0, c1 = _segment(seq_len, p, P, BT)
+
+    kcols = tl.arange(0, BK)
+    xcols = ix * BX + tl.arange(0, BX)  # columns of [M | C]: < K is M, >= K is C
+    ucols = xcols - K
+    uok = (xcols >= K) & (ucols < V)
+    X = tl.where(kcols[:, None] == xcols[None, :], 1.0, 0.0)  # [I | 0]
+    rows = tl.arange(0, BT)
+    for c in range(c0, c1):
+        tok = bos + c * BT + rows
+        rows_ok = c * BT + rows < seq_len
+        w, kd, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
+        u = tl.load(U + (tok * HV + hv)[:, None] * V + ucols[None, :], mask=rows_ok[:, None] & uok[None, :],
+                    other=0.0).to(tl.float32)
+        v_new = u - tl.dot(_operand(w, DOT_BF16), _operand(X, DOT_BF16), input_precision=DOT_PRECISION)
+        X = X * decay[:, None] + tl.dot(_operand(tl.trans(kd), DOT_BF16), _operand(v_new, DOT_BF16),
+                                        input_precision=DOT_PRECISION)
+    base = SUMMARY + ((n * P + p).to(tl.int64) * HV + hv) * K * (K + V)
+    tl.store(base + kcols[:, None] * (K + V) + xcols[None, :], X,
+             mask=(kcols < K)[:, None] & (xcols < K + V)[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "P"])
+def kda_chunk_scan_kernel(
+    W, U, QG, KD, AQK, DECAY, O, H0, HT, SUMMARY, SCRATCH, cu_seqlens, chunk_offsets,
+    T, P, stride_h0_n, stride_h0_h, stride_h0_k, stride_h0_v,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, BKM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+    STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    COMBINE_PRECISION: tl.constexpr,
+):
+    """``o`` ``[TT, HV, V]`` for the chunks of segment p of sequence n; the last segment stores the
+    final state ``HT [N, HV, K, V]``. Grid ``(cdiv(V, BV) * HV * N * P,)``: value block fastest (the
+    programs of one head read the same ``w / qg / kd`` tiles), then head, then segment."""
+    pid = tl.program_id(0)
+    num_v = tl.cdiv(V, BV)
+    iv = pid % num_v
+    rest = pid // num_v
+    hv = rest % HV
+    rest = rest // HV
+    p = rest % P
+    n = rest // P
+    bos, seq_len, first_chunk = _sequence(cu_seqlens, chunk_offsets, n, T, IS_VARLEN, BT)
+    c0, c1 = _segment(seq_len, p, P, BT)
+
+    kcols = tl.arange(0, BK)
+    vcols = iv * BV + tl.arange(0, BV)
+    kok = kcols < K
+    vok = vcols < V
+    state_ok = kok[:, None] & vok[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S += tl.load(H0 + n.to(tl.int64) * stride_h0_n + hv * stride_h0_h + kcols[:, None] * stride_h0_k
+                     + vcols[None, :] * stride_h0_v, mask=state_ok, other=0.0).to(tl.float32)
+
+    # Segments before this one: S <- M_s S + C_s. S passes through this program's scratch tile so
+    # that M can be read in column slices (a full [K, K] fp32 operand would not fit in registers).
+    scratch = SCRATCH + pid.to(tl.int64) * BK * BV + kcols[:, None] * BV + tl.arange(0, BV)[None, :]
+    for s in range(0, p):
+        summary = SUMMARY + ((n * P + s).to(tl.int64) * HV + hv) * K * (K + V)
+        tl.store(scratch, S)
+        tl.debug_barrier()
+        acc = tl.load(summary + kcols[:, None] * (K + V) + K + vcols[None, :], mask=state_ok, other=0.0)
+        for m0 in range(0, BK, BKM):
+            mcols = m0 + tl.arange(0, BKM)
+            m = tl.load(summary + kcols[:, None] * (K + V) + mcols[None, :],
+                        mask=kok[:, None] & (mcols < K)[None, :], other=0.0)
+            part = tl.load(SCRATCH + pid.to(tl.int64) * BK * BV + mcols[:, None] * BV + tl.arange(0, BV)[None, :])
+            acc += tl.dot(m, part, input_precision=COMBINE_PRECISION)
+        tl.debug_barrier()  # every thread has read the scratch tile before the next store
+        S = acc
+
+    rows = tl.arange(0, BT)
+    for c in range(c0, c1):
+        tok = bos + c * BT + rows
+        rows_ok = c * BT + rows < seq_len
+        w, kd, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
+        qg = tl.load(QG + (tok * HV + hv)[:, None] * K + kcols[None, :], mask=rows_ok[:, None] & kok[None, :],
+                     other=0.0)
+        a_qk = tl.load(AQK + (tok * HV + hv)[:, None] * BT + rows[None, :], mask=rows_ok[:, None], other=0.0)
+        u = tl.load(U + (tok * HV + hv)[:, None] * V + vcols[None, :], mask=rows_ok[:, None] & vok[None, :],
+                    other=0.0).to(tl.float32)
+        S_op = _operand(S, DOT_BF16)
+        v_new = u - tl.dot(_operand(w, DOT_BF16), S_op, input_precision=DOT_PRECISION)
+        v_op = _operand(v_new, DOT_BF16)
+        o = tl.dot(_operand(qg, DOT_BF16), S_op, input_precision=DOT_PRECISION)
+        o += tl.dot(_operand(a_qk, DOT_BF16), v_op, input_precision=DOT_PRECISION)
+        tl.store(O + (tok * HV + hv)[:, None] * V + vcols[None, :], o.to(O.dtype.element_ty),
+                 mask=rows_ok[:, None] & vok[None, :])
+        S = S * decay[:, None] + tl.dot(_operand(tl.trans(kd), DOT_BF16), v_op, input_precision=DOT_PRECISION)
+
+    if STORE_HT:
+        if p == P - 1:
+            tl.store(HT + ((n.to(tl.int64) * HV + hv) * K + kcols[:, None]) * V + vcols[None, :], S, mask=state_ok)

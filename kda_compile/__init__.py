@@ -23,4 +23,8 @@ from kda_compile.backend import register_if_unknown as _register_backend  # noqa
 
 _register_backend()
 
+from kda_compile.passes.kda_substitution import install as _install_kda_substitution  # noqa: E402
+
+_install_kda_substitution()  # Dynamo traces kda_compile.ops for FLA's / HF's KDA functions
+
 __all__ = ["ops", "__version__", "Config", "optimize", "report"]

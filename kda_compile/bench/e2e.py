@@ -1,5 +1,8 @@
 """End to end: a Hugging Face decoder's prefill forward in four configurations, side by side.
 
+``--model kimi_linear``: a Kimi-Linear-shaped model, prefill tokens/s and decode ms per token with
+HF eager (FLA kernels / torch fallback), Inductor and kda_compile; see e2e_kimi.py.
+
 ``--model llama`` (default): a Llama-style model of about 1B parameters (hidden 2048, 16 layers,
 32 heads / 8 KV heads, MLP 8192), random weights, bf16, batch 1, the decoder body without the LM
 head (as in the project's anchors), prompts of 1k / 4k / 8k tokens, in:
@@ -12,9 +15,11 @@ head (as in the project's anchors), prompts of 1k / 4k / 8k tokens, in:
 Metrics: forward latency (ms), tokens per second and peak memory (GiB) per prompt length. Compiled
 configurations mark the sequence dimension dynamic, so each compiles once for all prompt lengths.
 The forward runs as inference prefill does (``use_cache`` left at its default, as in ``generate()``).
-With ``--no-cache`` (``use_cache=False``, as in training) transformers 5.23 builds a packed-sequence
-mask from ``position_ids`` that kda_compile does not yet prove causal: the op then reads the T x T
-mask tensor (correct, slower at long prompts; the rewrite report says so).
+With ``--no-cache`` (``use_cache=False``, as in training) transformers adds packed-sequence terms
+computed from ``position_ids`` to the mask; with no ``position_ids`` given (as here) they are made in
+the graph from ``arange`` and kda_compile proves the mask is still the causal one, so the op runs on
+flags as with the cache. Only ``position_ids`` passed in by the caller (really packed sequences) keep
+the T x T mask tensor (correct, slower at long prompts; the rewrite report says so).
 """
 from __future__ import annotations
 
@@ -31,12 +36,24 @@ CONFIGURATIONS = ("hf_eager", "hf_sdpa", "inductor", "kda_compile")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", choices=("llama",), default="llama")
-    parser.add_argument("--prompts", default="1024,4096,8192", help="comma-separated prompt lengths")
-    parser.add_argument("--configs", default=",".join(CONFIGURATIONS), help="comma-separated subset of " +
-                        ", ".join(CONFIGURATIONS))
-    parser.add_argument("--layers", type=int, default=16, help="decoder layers (16 gives about 1B parameters)")
-    parser.add_argument("--no-cache", action="store_true", help="forward with use_cache=False (training-style mask)")
+    parser.add_argument("--model", choices=("llama", "kimi_linear"), default="llama")
+    parser.add_argument("--prompts", default=None,
+                        help="comma-separated prompt lengths (llama: 1024,4096,8192; kimi_linear: 1024,4096)")
+    parser.add_argument("--configs", default=None, help="comma-separated subset of the configurations (llama: " +
+                        ", ".join(CONFIGURATIONS) + "; kimi_linear: hf_eager_fla, hf_eager_torch, inductor, "
+                        "kda_compile)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (llama: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="llama: forward with use_cache=False (training-style mask)")
+    kimi = parser.add_argument_group("kimi_linear")
+    kimi.add_argument("--decode-prompt", type=int, default=512, help="prompt before the timed decode loop")
+    kimi.add_argument("--new-tokens", type=int, default=32, help="single-token forwards timed per decode loop")
+    kimi.add_argument("--decode-repeats", type=int, default=5, help="decode loops timed (median reported)")
+    kimi.add_argument("--torch-max-prompt", type=int, default=1024,
+                      help="longest prompt run on HF's torch fallback (its chunk path is memory-hungry)")
+    kimi.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled configurations")
+    kimi.add_argument("--smoke", action="store_true", help="tiny widths on CPU: check the wiring, not the speed")
 
 
 def _llama_body(attn_implementation: str, layers: int):
@@ -66,11 +83,18 @@ def _forward(model, input_ids, use_cache):
 
 
 def run(args) -> list[dict]:
+    if args.model == "kimi_linear":
+        from kda_compile.bench import e2e_kimi
+
+        return e2e_kimi.run(args)
+    if args.smoke:
+        raise SystemExit("--smoke is offered for --model kimi_linear only")
     if not torch.cuda.is_available():
         raise SystemExit("the end-to-end benchmark needs a CUDA device")
-    prompts = [int(p) for p in args.prompts.split(",")]
+    args.layers = args.layers or 16
+    prompts = [int(p) for p in (args.prompts or "1024,4096,8192").split(",")]
     use_cache = None if not args.no_cache else False  # None: the model's default (True for inference)
-    configs = args.configs.split(",")
+    configs = (args.configs or ",".join(CONFIGURATIONS)).split(",")
     rows, results, outputs = [], {}, {}
     for name in configs:
         model = _build(name, args.layers)

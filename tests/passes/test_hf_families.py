@@ -11,8 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda_compile.config import Config
+
 from .families import FAMILIES, KIMI_WITH_KDA, VOCAB, build_model
 from .graph_capture import GraphCapture
+
+# This file checks the softmax-attention rewrite; the MLA layers of deepseek_v3 / kimi_linear would
+# otherwise become mla_attention (tests/models/test_mla_models.py covers that).
+SOFTMAX_ONLY = Config(compiler="aot_eager", mla_absorb=False)
 
 NAMES = sorted(FAMILIES)
 OTHER_SOFTMAXES = {"gpt_oss": 2}  # MoE router softmaxes: not attention, not candidates
@@ -51,7 +57,7 @@ def assert_rewritten(cap: GraphCapture, name: str, graph: int = -1) -> None:
 @pytest.mark.parametrize("name", NAMES)
 def test_fp32_logits_match_and_lengths_reuse_the_graph(name):
     model = build_model(name)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     compiled = torch.compile(model, backend=cap, dynamic=True, fullgraph=True)
     with torch.no_grad():
         for i, length in enumerate((5, 9, 13)):
@@ -65,7 +71,7 @@ def test_fp32_logits_match_and_lengths_reuse_the_graph(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bf16_logits_match(name):
     model = build_model(name, dtype=torch.bfloat16)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     ids = prompt(8)
     with torch.no_grad():
         out = torch.compile(model, backend=cap, fullgraph=True)(ids).logits
@@ -79,7 +85,7 @@ def test_bf16_logits_match(name):
 def test_training_step_gradients_match(name):
     model = build_model(name).train()
     ids = prompt(8)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     torch.compile(model, backend=cap, fullgraph=True)(ids, labels=ids).loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -94,7 +100,7 @@ def test_training_step_gradients_match(name):
 def test_attention_dropout_in_training_reaches_the_op():
     model = build_model("qwen2", attention_dropout=0.2).train()
     ids = prompt(8)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     compiled = torch.compile(model, backend=cap, fullgraph=True)
     losses = [compiled(ids, labels=ids).loss for _ in range(2)]
     losses[0].backward()
@@ -112,7 +118,7 @@ def test_generate_gives_eager_tokens(name):
     ids = prompt(6)
     ones = torch.ones_like(ids)
     expected = model.generate(ids, attention_mask=ones, max_new_tokens=3, do_sample=False)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     model.forward = torch.compile(model.forward, backend=cap, dynamic=True, fullgraph=True)
     try:
         got = model.generate(ids, attention_mask=ones, max_new_tokens=3, do_sample=False)
@@ -132,13 +138,13 @@ def test_no_graph_break(name):
 
 def test_kimi_linear_mla_layer_beside_a_kda_layer():
     model = build_model(KIMI_WITH_KDA.name)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     ids = prompt(8)
     with torch.no_grad():
         out = torch.compile(model, backend=cap, fullgraph=True)(ids).logits
         assert rel_err(out, model(ids).logits) < FP32_TOL
     assert cap.attention_calls() == 1 and cap.softmaxes() == 0
-    (site,) = cap.reports[-1].rewritten
+    (site,) = [r for r in cap.reports[-1].rewritten if r.rewrite == "softmax_attention"]
     assert site.site == "model.layers.1.self_attn" and site.details["heads"] == "2/2"
 
 
@@ -146,7 +152,7 @@ def test_kimi_linear_mla_layer_beside_a_kda_layer():
 def test_output_attentions_is_left_alone_and_reported(name):
     model = build_model(name)
     ids = prompt(7)
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     with torch.no_grad():  # (HF breaks the graph to collect the attentions: no fullgraph)
         out = torch.compile(model, backend=cap)(ids, output_attentions=True)
         ref = model(ids, output_attentions=True)
@@ -166,7 +172,7 @@ def test_left_padded_batch_uses_a_key_padding_mask(name):
     ids = prompt(9)
     padding = torch.ones_like(ids)
     padding[0, :4] = 0
-    cap = GraphCapture()
+    cap = GraphCapture(SOFTMAX_ONLY)
     with torch.no_grad():
         out = torch.compile(model, backend=cap, fullgraph=True)(ids, attention_mask=padding).logits
         ref = model(ids, attention_mask=padding).logits

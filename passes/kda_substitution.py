@@ -1,0 +1,534 @@
+"""Trace-time substitution: Dynamo traces ``kda_compile.ops`` wherever model code calls a known
+KDA entry point.
+
+Hugging Face's Kimi-Linear (models/kimi_linear/modeling_kimi_linear.py, transformers 5.17 to
+5.23) writes::
+
+    core_attn_out, last_recurrent_state = chunk_kimi_delta_attention(       # prefill, training
+        query, key, value, g=g, beta=beta, initial_state=recurrent_state,
+        output_final_state=cache_params is not None, use_qk_l2norm_in_kernel=True, **kwargs)
+    core_attn_out, last_recurrent_state = recurrent_kimi_delta_attention(   # decode: one token, a cache
+        query, key, value, g=g, beta=beta, initial_state=recurrent_state, ...same keywords...)
+
+Each name holds HF's wrapper (``use_kernel_func_from_hub_with_fallback``), which bound at import
+either FLA's ``chunk_kda`` / ``fused_recurrent_kda`` (when ``fla`` was importable: a graph break
+at every call, FLA marks them ``torch.compiler.disable``) or the torch reference kept as
+``wrapper.__wrapped__`` (Dynamo unrolls its chunk loop, specialised on the length). Once
+kda_compile is imported, Dynamo traces instead::
+
+    core_attn_out, last_recurrent_state = kda_compile.ops.chunk_kda(           # or fused_recurrent_kda
+        query, key, value, g, beta, initial_state=recurrent_state.float(),
+        output_final_state=cache_params is not None, use_qk_l2norm_in_kernel=True)
+
+Entry points substituted (each object once; an alias is the same object):
+
+- FLA's ``chunk_kda`` / ``fused_recurrent_kda`` (``fla.ops.kda`` and its submodules, ``fla.ops``,
+  ``fla``) -> ``chunk_kda`` / ``fused_recurrent_kda`` with the same arguments.
+- HF's ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` torch references
+  (``wrapper.__wrapped__``) -> ``chunk_kda`` / ``fused_recurrent_kda``: pre-activated g and beta,
+  scale ``K ** -0.5``, ``chunk_size`` kept when 16/32/64 (any other size is the same math: 64), the
+  initial state cast to float32 as HF does, HF's extra keywords ignored as HF ignores them.
+- HF's gated-delta-rule torch references ``torch_chunk_gated_delta_rule`` /
+  ``torch_recurrent_gated_delta_rule`` (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, qwen4_exp)
+  -> the same ops, the per-head GDN gate ``g [B, T, HV]`` broadcast over the K channels (a stride-0
+  view): exactly the GDN recurrence; grouped value heads read q/k head ``h // (HV // H)``, as HF's
+  ``repeat_interleave`` does.
+- HF's wrappers (the module-level names) -> what the wrapper bound, mapped as above, after HF's
+  filtering of the keywords. A GDN wrapper bound to FLA is left alone: FLA's GDN kernels exploit
+  the per-head gate, ours would do per-channel work (measure before substituting them).
+
+Returns are the entry points': ``(o in q's dtype, float32 final state, or None unless
+output_final_state)``. FLA arguments given by position are bound by FLA's own parameter order, so
+a FLA release that reorders parameters is still mapped by name; a FLA argument kda_compile does
+not take, at a value other than its default, makes the call trace the original (a logged graph
+break).
+
+Switches:
+
+- ``KDA_COMPILE_SUBSTITUTION=0`` (or false/off/no) when kda_compile is imported: nothing is
+  registered; Dynamo traces every entry point as it would without kda_compile.
+- ``Config(kda_substitution=False)``: registration is process-wide (Dynamo has no per-compile
+  registry), so each substitute asks, while Dynamo traces, which backend the graph is being
+  compiled for. For a ``kda_compile`` backend (``optimize()``, ``KdaCompileBackend``) whose config
+  has the switch off, the substitute calls the original function (an unregistered copy of it),
+  so Dynamo traces exactly the original code. No extra guard or recompilation: Dynamo's cache
+  entries are already per backend. Any other backend (Inductor, aot_eager, ``explain``) gets the
+  substitution.
+
+Eager execution is never changed: substitution only tells Dynamo what to trace.
+
+Modules imported after kda_compile (``fla``, the HF modeling modules above) are registered as soon
+as they finish executing, through an import hook that watches only those module names.
+
+The backend lookup reads Dynamo internals (the tracer's ``output.compiler_fn`` and the
+``_torchdynamo_orig_backend`` / ``compiler_fn`` wrappers, present in torch 2.1 to 2.13); when they
+are missing it answers "no kda_compile config" and the substitution stays on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import inspect
+import logging
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from kda_compile.ops import chunk_kda, fused_recurrent_kda
+
+logger = logging.getLogger("kda_compile.passes.kda_substitution")
+
+ENV_SWITCH = "KDA_COMPILE_SUBSTITUTION"
+_OFF_VALUES, _ON_VALUES = ("0", "false", "off", "no"), ("", "1", "true", "on", "yes")
+
+FLA_MODULES = ("fla.ops.kda", "fla.ops.kda.chunk", "fla.ops.kda.fused_recurrent", "fla.ops", "fla")
+HF_KIMI_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
+
+CHUNK_SIZES = (16, 32, 64)
+_OURS_PARAMS = {fn: frozenset(n for n, p in inspect.signature(fn).parameters.items()
+                              if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
+                for fn in (chunk_kda, fused_recurrent_kda)}
+
+
+def substitution_enabled_by_env() -> bool:
+    """Whether ``KDA_COMPILE_SUBSTITUTION`` allows registering the substitutes (default: yes)."""
+    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if value in _OFF_VALUES:
+        return False
+    if value not in _ON_VALUES:
+        logger.warning("%s must be one of %s (off) or %s (on), got %r; substitution stays on", ENV_SWITCH,
+                       "/".join(_OFF_VALUES), "/".join(v for v in _ON_VALUES if v), value)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Trace-time decisions (run as plain Python while Dynamo traces; their results are constants)
+# ----------------------------------------------------------------------------------------------
+def _compiling_config():
+    """The kda_compile Config of the backend Dynamo is tracing for, or None (another backend, or
+    not tracing). Follows Dynamo's wrappers of the backend (debug wrapper, torch.compile wrapper)."""
+    from kda_compile.config import Config
+
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        backend = tx.output.compiler_fn
+    except Exception:  # noqa: BLE001  (not tracing, or a Dynamo without these internals)
+        return None
+    for _ in range(8):
+        config = getattr(backend, "config", None)
+        if isinstance(config, Config):
+            return config
+        inner = getattr(backend, "_torchdynamo_orig_backend", None) or getattr(backend, "compiler_fn", None)
+        if inner is None or inner is backend:
+            return None
+        backend = inner
+    return None
+
+
+@torch._dynamo.assume_constant_result
+def _substituting(entry_point: str) -> bool:
+    """Whether the graph being traced takes kda_compile's op for ``entry_point``."""
+    config = _compiling_config()
+    if config is not None and not config.kda_substitution:
+        logger.debug("%s: traced as written (Config(kda_substitution=False))", entry_point)
+        return False
+    return True
+
+
+@torch._dynamo.assume_constant_result
+def _declined(entry_point: str, reason: str) -> bool:
+    logger.warning("%s traced as written (graph break at FLA's function): %s", entry_point, reason)
+    return True
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    if value is default:
+        return True
+    return not isinstance(value, torch.Tensor) and not isinstance(default, torch.Tensor) and value == default
+
+
+# ----------------------------------------------------------------------------------------------
+# The substitutes. One factory per kind of entry point, so every substitute's frame name (seen
+# in the graph's stack traces, read by kda_sites.py) says which entry point it stands for.
+# ----------------------------------------------------------------------------------------------
+def _copy_of(fn: Callable) -> Callable:
+    """An unregistered function object with ``fn``'s code, closure and attributes: calling it
+    makes Dynamo trace the original code (or, for a disabled function, break the graph as the
+    original does) without meeting the substitute again."""
+    twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    twin.__kwdefaults__ = fn.__kwdefaults__
+    twin.__dict__.update(fn.__dict__)
+    twin.__qualname__ = fn.__qualname__
+    return twin
+
+
+def _fla_signature(fn: Callable) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """FLA's positional parameter names (in order) and every parameter's default."""
+    params = inspect.signature(fn).parameters.values()  # follows __wrapped__ through torch.compiler.disable
+    positional = tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    return positional, defaults
+
+
+def _serve_fla_call(entry: str, ours: Callable, original: Callable, positional: tuple, defaults: dict,
+                    args: tuple, kwargs: dict):
+    """Our function called with FLA's arguments bound by name, or the original when it cannot be."""
+    if not _substituting(entry):
+        return original(*args, **kwargs)
+    if len(args) > len(positional):
+        _declined(entry, f"{len(args)} positional arguments, FLA's function takes {len(positional)}")
+        return original(*args, **kwargs)
+    call = dict(zip(positional, args))
+    call.update(kwargs)
+    foreign = tuple(name for name, value in call.items()
+                    if name not in _OURS_PARAMS[ours] and not _is_default(value, defaults.get(name)))
+    if foreign:
+        _declined(entry, f"argument(s) {', '.join(foreign)} that kda_compile does not take")
+        return original(*args, **kwargs)
+    return ours(**{name: value for name, value in call.items() if name in _OURS_PARAMS[ours]})
+
+
+def _fla_chunk_substitute(entry: str, original: Callable) -> Callable:
+    twin, (positional, defaults) = _copy_of(original), _fla_signature(original)
+
+    def fla_chunk_kda(*args, **kwargs):
+        return _serve_fla_call(entry, chunk_kda, twin, positional, defaults, args, kwargs)
+
+    return fla_chunk_kda
+
+
+def _fla_recurrent_substitute(entry: str, original: Callable) -> Callable:
+    twin, (positional, defaults) = _copy_of(original), _fla_signature(original)
+
+    def fla_fused_recurrent_kda(*args, **kwargs):
+        return _serve_fla_call(entry, fused_recurrent_kda, twin, positional, defaults, args, kwargs)
+
+    return fla_fused_recurrent_kda
+
+
+def _as_state(initial_state):
+    # HF: `initial_state.to(value)` with value already float32.
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        initial_state = initial_state.to(torch.float32)
+    return initial_state
+
+
+def _hf_chunk_substitute(entry: str, original: Callable) -> Callable:
+    twin = _copy_of(original)
+
+    def hf_chunk_kimi_delta_attention(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                      output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        if not _substituting(entry):
+            return twin(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, **kwargs)
+        return chunk_kda(query, key, value, g, beta, initial_state=_as_state(initial_state),
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
+
+    return hf_chunk_kimi_delta_attention
+
+
+def _hf_recurrent_substitute(entry: str, original: Callable) -> Callable:
+    twin = _copy_of(original)
+
+    def hf_recurrent_kimi_delta_attention(query, key, value, g, beta, initial_state, output_final_state,
+                                          use_qk_l2norm_in_kernel=False, **kwargs):
+        if not _substituting(entry):
+            return twin(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        **kwargs)
+        return fused_recurrent_kda(query, key, value, g, beta, initial_state=_as_state(initial_state),
+                                   output_final_state=output_final_state,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    return hf_recurrent_kimi_delta_attention
+
+
+def _per_channel(g, key):
+    # GDN decays once per head ([B, T, HV]); KDA per key channel ([B, T, HV, K]): the same decay on
+    # every channel is GDN exactly (a stride-0 view, no copy here).
+    return g.unsqueeze(-1).expand(*g.shape, key.shape[-1])
+
+
+def _hf_gdn_chunk_substitute(entry: str, original: Callable) -> Callable:
+    twin = _copy_of(original)
+
+    def hf_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                  output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+        if not _substituting(entry):
+            return twin(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, **kwargs)
+        return chunk_kda(query, key, value, _per_channel(g, key), beta, initial_state=_as_state(initial_state),
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                         chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
+
+    return hf_chunk_gated_delta_rule
+
+
+def _hf_gdn_recurrent_substitute(entry: str, original: Callable) -> Callable:
+    twin = _copy_of(original)
+
+    def hf_recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                                      use_qk_l2norm_in_kernel=False, **kwargs):
+        if not _substituting(entry):
+            return twin(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        **kwargs)
+        return fused_recurrent_kda(query, key, value, _per_channel(g, key), beta,
+                                   initial_state=_as_state(initial_state), output_final_state=output_final_state,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+
+    return hf_recurrent_gated_delta_rule
+
+
+def _hf_wrapper_substitute(entry: str, wrapper: Callable, serve: Callable, applicable_params: tuple,
+                           torch_bound: bool) -> Callable:
+    """HF's wrapper: keep the keywords its bound implementation takes (as HF does), then call
+    ``serve`` (the substitute of that implementation). Packed sequences with the torch fallback
+    bound go through HF's own code, which refuses them."""
+    twin = _copy_of(wrapper)
+
+    def hf_kda_wrapper(*args, **kwargs):
+        if not _substituting(entry) or (torch_bound and (kwargs.get("cu_seqlens") is not None
+                                                         or kwargs.get("seq_idx") is not None)):
+            return twin(*args, **kwargs)
+        return serve(*args, **{k: v for k, v in kwargs.items() if k in applicable_params})
+
+    return hf_kda_wrapper
+
+
+# The frame name of each substitute -> the entry point it stands for (read by kda_sites.py).
+SUBSTITUTE_FRAMES = {
+    "fla_chunk_kda": "fla chunk_kda",
+    "fla_fused_recurrent_kda": "fla fused_recurrent_kda",
+    "hf_chunk_kimi_delta_attention": "transformers chunk_kimi_delta_attention",
+    "hf_recurrent_kimi_delta_attention": "transformers recurrent_kimi_delta_attention",
+    "hf_chunk_gated_delta_rule": "transformers torch_chunk_gated_delta_rule (GDN gate broadcast)",
+    "hf_recurrent_gated_delta_rule": "transformers torch_recurrent_gated_delta_rule (GDN gate broadcast)",
+    "hf_kda_wrapper": "transformers use_kernel_func_from_hub_with_fallback wrapper",
+}
+
+
+@dataclass(frozen=True)
+class HfFamily:
+    """A transformers modeling module whose chunk / recurrent delta-rule functions we substitute."""
+
+    module: str
+    chunk: str
+    recurrent: str
+    substitutes: tuple[Callable, Callable]  # factories for (chunk, recurrent)
+    gated_per_head: bool  # GDN: FLA's kernels for it are not KDA's, so a FLA-bound wrapper is left alone
+
+
+_GDN_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp")
+HF_FAMILIES = (
+    HfFamily(HF_KIMI_MODULE, "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention",
+             (_hf_chunk_substitute, _hf_recurrent_substitute), False),
+    *(HfFamily(f"transformers.models.{m}.modeling_{m}", "torch_chunk_gated_delta_rule",
+               "torch_recurrent_gated_delta_rule", (_hf_gdn_chunk_substitute, _hf_gdn_recurrent_substitute), True)
+      for m in _GDN_MODELS),
+)
+# HF's torch references, traced as written when not substituted (kda_sites.py reports them).
+HF_REFERENCE_FUNCTIONS = tuple(sorted({f.chunk for f in HF_FAMILIES} | {f.recurrent for f in HF_FAMILIES}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Registered:
+    """One substituted object: the entry point it is, its substitute, and every module attribute
+    it was found at (aliases are the same object, registered once)."""
+
+    entry_point: str
+    original: Callable
+    substitute: Callable
+    found_at: tuple[str, ...]
+
+
+_registered: dict[int, Registered] = {}  # id(original) -> entry; keeps the originals alive
+_lock = threading.RLock()
+
+
+def _register(entry: str, found_at: str, original: Any, make: Callable[[], Callable]) -> Callable | None:
+    """Register ``make()`` as the substitute of ``original`` (once per object); its substitute."""
+    if not isinstance(original, types.FunctionType):
+        logger.debug("%s at %s is a %s, not a function: not substituted", entry, found_at, type(original).__name__)
+        return None
+    with _lock:
+        known = _registered.get(id(original))
+        if known is not None:
+            if found_at not in known.found_at:
+                _registered[id(original)] = dataclasses.replace(known, found_at=known.found_at + (found_at,))
+            return known.substitute
+        substitute = make()
+        try:
+            torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(substitute)
+        except (TypeError, ValueError) as exc:  # already claimed by another polyfill
+            logger.warning("%s at %s is not substituted: %s", entry, found_at, exc)
+            return None
+        _registered[id(original)] = Registered(entry, original, substitute, (found_at,))
+        logger.debug("substituting %s (%s)", entry, found_at)
+        return substitute
+
+
+def _register_fla() -> None:
+    makers = {"chunk_kda": _fla_chunk_substitute, "fused_recurrent_kda": _fla_recurrent_substitute}
+    for module_name in FLA_MODULES:
+        module = sys.modules.get(module_name)
+        for name, make in makers.items():
+            fn = getattr(module, name, None) if module is not None else None
+            if fn is not None:
+                entry = f"fla {name}"
+                _register(entry, f"{module_name}.{name}", fn, lambda make=make, fn=fn, entry=entry: make(entry, fn))
+
+
+_CHUNK_PARAMETERS = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
+                     "use_qk_l2norm_in_kernel", "kwargs")
+_RECURRENT_PARAMETERS = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state",
+                         "use_qk_l2norm_in_kernel", "kwargs")
+_HF_DEFAULTS = {"chunk_size": 64, "initial_state": None, "output_final_state": False,
+                "use_qk_l2norm_in_kernel": False}
+
+
+def _closure_values(fn: Callable) -> dict[str, Any]:
+    cells = fn.__closure__ or ()
+    values = {}
+    for name, cell in zip(fn.__code__.co_freevars, cells):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return values
+
+
+def _expected_signature(fn: Callable, parameters: tuple[str, ...], where: str) -> bool:
+    params = inspect.signature(fn).parameters
+    defaults = {n: p.default for n, p in params.items() if p.default is not p.empty}
+    if tuple(params) == parameters and all(defaults.get(k, v) == v for k, v in _HF_DEFAULTS.items()):
+        return True
+    logger.warning("%s has parameters %s, expected %s: not substituted", where, tuple(params), parameters)
+    return False
+
+
+def _register_hf_function(family: HfFamily, name: str, make: Callable, parameters: tuple[str, ...]) -> None:
+    module = sys.modules.get(family.module)
+    wrapper = getattr(module, name, None)
+    torch_function = inspect.unwrap(wrapper) if callable(wrapper) else None
+    where = f"{family.module}.{name}"
+    if not isinstance(torch_function, types.FunctionType) or not _expected_signature(torch_function, parameters,
+                                                                                       where):
+        return
+    entry = f"transformers {name}"
+    serve_torch = _register(entry, f"{where}.__wrapped__", torch_function,
+                            lambda: make(entry, torch_function))
+    if wrapper is torch_function:
+        return
+    # The wrapper: substituted only when it is HF's, whose closure says what it bound.
+    bound = _closure_values(wrapper)
+    implementation, applicable = bound.get("implementation"), bound.get("applicable_params")
+    if bound.get("torch_function") is not torch_function or implementation is None or applicable is None:
+        logger.debug("%s: unknown wrapper; Dynamo traces it and meets the functions it calls", where)
+        return
+    if implementation is torch_function:
+        serve = serve_torch
+    elif family.gated_per_head:
+        logger.debug("%s is bound to %s (FLA's GDN kernels): left to FLA", where, implementation)
+        return
+    else:
+        fla_name = "chunk_kda" if name == family.chunk else "fused_recurrent_kda"
+        fla_make = _fla_chunk_substitute if name == family.chunk else _fla_recurrent_substitute
+        serve = _register(f"fla {fla_name}", f"{where} (bound by the wrapper)", implementation,
+                          lambda: fla_make(f"fla {fla_name}", implementation))
+    if serve is not None:
+        _register(f"{entry} (HF wrapper)", where, wrapper,
+                  lambda: _hf_wrapper_substitute(entry, wrapper, serve, tuple(applicable),
+                                                 implementation is torch_function))
+
+
+def _register_hf() -> None:
+    for family in HF_FAMILIES:
+        if family.module in sys.modules:
+            _register_hf_function(family, family.chunk, family.substitutes[0], _CHUNK_PARAMETERS)
+            _register_hf_function(family, family.recurrent, family.substitutes[1], _RECURRENT_PARAMETERS)
+
+
+def register_loaded_entry_points() -> None:
+    """Register the substitutes of every known entry point whose module is imported."""
+    with _lock:
+        _register_fla()
+        _register_hf()
+
+
+def registered() -> tuple[Registered, ...]:
+    """What is substituted in this process (for tests and diagnostics)."""
+    with _lock:
+        return tuple(_registered.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules imported later
+# ----------------------------------------------------------------------------------------------
+class _NotifyingLoader(importlib.abc.Loader):
+    """Runs the real loader, gives the module its real loader back, then registers."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            module.__loader__ = self._loader
+            if getattr(module, "__spec__", None) is not None:
+                module.__spec__.loader = self._loader
+        try:
+            register_loaded_entry_points()
+        except Exception:  # noqa: BLE001  (never break the user's import)
+            logger.exception("registering the KDA substitutes after importing %s failed", module.__name__)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _WatchKdaModules(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it asks the finders after it and wraps the loader."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in WATCHED_MODULES:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _NotifyingLoader(spec.loader)
+                return spec
+        return None
+
+
+WATCHED_MODULES = frozenset(FLA_MODULES + tuple(f.module for f in HF_FAMILIES))
+_watcher = _WatchKdaModules()
+
+
+def install() -> bool:
+    """Register the substitutes (now, and for the watched modules when they are imported), unless
+    ``KDA_COMPILE_SUBSTITUTION`` turns substitution off. Idempotent. Returns whether it is on."""
+    if not substitution_enabled_by_env():
+        logger.info("%s is off: KDA entry points are traced as written", ENV_SWITCH)
+        return False
+    with _lock:
+        if _watcher not in sys.meta_path:
+            sys.meta_path.insert(0, _watcher)
+        register_loaded_entry_points()
+    return True

@@ -7,6 +7,8 @@ They run on the Dynamo FX graph inside the ``kda_compile`` backend, before Induc
 - ``manager.py``: the rewrite registry, the pass manager and the report entries;
 - one file per rewrite (``softmax_attention.py``; ``attention_mask.py`` reads eager masks for it).
 """
+from kda_compile.passes import kda_recurrence  # noqa: F401  (registers the rewrite; runs first)
+from kda_compile.passes import kda_prologue  # noqa: F401  (registers the rewrite; runs after kda_recurrence)
 from kda_compile.passes import kda_sites  # noqa: F401  (registers the kda_substitution report; after kda_prologue)
 from kda_compile.passes import softmax_attention  # noqa: F401  (registers the rewrite)
 from kda_compile.passes import mla_absorb  # noqa: F401  (registers the rewrite; runs after softmax_attention)

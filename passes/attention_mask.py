@@ -10,13 +10,31 @@ Hugging Face builds the eager mask with index arithmetic (transformers/masking_u
     allowed = allowed & padding_mask[batch_idx, kv_idx]          # padding_mask_function (2-D mask given)
     mask = torch.where(allowed.expand(B, -1, q_length, kv_length), zeros(()), finfo(dtype).min)
 
+Without a cache and a 2-D mask (``use_cache=False``, training), 5.17 to 5.23 also add the
+packed-sequence terms while tracing, computed from ``position_ids``
+(``find_packed_sequence_indices``, ``packed_sequence_compatibility_function``)::
+
+    position_ids = (torch.arange(S) + past_seen_tokens).unsqueeze(0)     # the model, when none is given
+    rows = position_ids.expand(B, -1)
+    diff = torch.diff(rows, prepend=rows[:, :1] - 1, dim=-1)
+    packed = (diff != 1).cumsum(-1)                                      # sequence index of each token
+    allowed = allowed & (packed[batch_idx, q_idx] == packed[batch_idx, kv_idx])
+    # 5.23 only: the mask function sees remapped positions
+    q_idx, kv_idx = rows[batch_idx, q_idx], rows[batch_idx, kv_idx]
+
+When ``position_ids`` comes from ``arange`` in the graph, ``diff`` is 1 everywhere, ``packed`` is 0
+everywhere, the sequence-equality term is all-true and drops out of the ``&``, and the remapped
+positions are positions again: the mask is the plain causal one. When ``position_ids`` is a graph
+input (the caller packed sequences) its values are unknown and the mask is not understood.
+
 :func:`read_additive_mask` interprets that subgraph abstractly (positions as ``arange + offset``
-laid along an axis, comparisons as bounds on ``kv_position - q_position``) and returns
+laid along an axis, tables whose rows are all ``arange + offset``, tensors holding one value
+everywhere, comparisons as bounds on ``kv_position - q_position``) and returns
 :class:`MaskMeaning`: whether the mask is exactly the bottom-right aligned causal mask of the
 attention it feeds, its sliding window, and the ``[B, 1, 1, Sk]`` key-padding tensor, if any.
 Proofs hold for every value of the symbolic sizes (``statically_known_true``), so they are valid
-under ``dynamic=True``. Anything else (a custom 4-D mask, vmap-built masks, packed sequences)
-is not understood, and the caller keeps the mask tensor.
+under ``dynamic=True``. Anything else (a custom 4-D mask, vmap-built masks, really packed
+sequences) is not understood, and the caller keeps the mask tensor.
 """
 from __future__ import annotations
 
@@ -28,29 +46,39 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import describe_node, example_value, known_equal, static_int
+from kda_compile.passes.graph_tools import describe_node, example_value, is_last_dim, known_equal, static_int
 from kda_compile.passes.matching import ADD, EXPAND, GETITEM, SUB, family
 
 ARANGE = family("arange", ("end",), functions=(torch.arange,),
                 defaults={"dtype": None, "device": None, "layout": None, "pin_memory": False,
                           "requires_grad": False})
+ARANGE_RANGE = family("arange", ("start", "end", "step"), functions=(torch.arange,),
+                      defaults={"step": 1, "dtype": None, "device": None, "layout": None, "pin_memory": False,
+                                "requires_grad": False})
 COMPARE = {
     op: family(name, ("input", "other"), functions=(op, torch_fn), methods=(name, f"__{name}__"))
     for name, op, torch_fn in [("le", operator.le, torch.le), ("lt", operator.lt, torch.lt),
-                               ("ge", operator.ge, torch.ge), ("gt", operator.gt, torch.gt)]
+                               ("ge", operator.ge, torch.ge), ("gt", operator.gt, torch.gt),
+                               ("eq", operator.eq, torch.eq), ("ne", operator.ne, torch.ne)]
 }
 AND = family("and", ("input", "other"), functions=(operator.and_, torch.logical_and, torch.bitwise_and),
              methods=("__and__", "logical_and", "bitwise_and"))
+CUMSUM = family("cumsum", ("input", "dim"), functions=(torch.cumsum,), methods=("cumsum",),
+                defaults={"dtype": None})
+DIFF = family("diff", ("input", "n", "dim", "prepend", "append"), functions=(torch.diff,), methods=("diff",),
+              defaults={"n": 1, "dim": -1, "prepend": None, "append": None})
 NEW_ONES = family("new_ones", ("input", "*size"), methods=("new_ones",),
                   defaults={"dtype": None, "device": None, "requires_grad": False})
 TO = family("to", ("input", "*args"), methods=("to",),
             defaults={"device": None, "dtype": None, "non_blocking": False, "copy": False})
+UNSQUEEZE = family("unsqueeze", ("input", "dim"), functions=(torch.unsqueeze,), methods=("unsqueeze",))
 WHERE = family("where", ("condition", "input", "other"), functions=(torch.where,))
 ZEROS = family("zeros", ("*size",), functions=(torch.zeros,),
                defaults={"dtype": None, "device": None, "layout": None, "pin_memory": False,
                          "requires_grad": False})
 
 AXES = ("b", "h", "q", "kv")  # the 4 dims of a [B, H, Sq, Sk] mask
+ALL = slice(None, None, None)
 
 
 @dataclass(frozen=True)
@@ -60,6 +88,22 @@ class Positions:
     length: Any
     offset: Any = 0
     axis: str | None = None
+
+
+@dataclass(frozen=True)
+class PositionRows:
+    """A 2-D ``[R, length]`` table whose every row is ``arange(length) + offset`` (``position_ids``
+    made in the graph, ``.unsqueeze(0)`` and ``.expand(B, -1)``)."""
+
+    length: Any
+    offset: Any = 0
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """A tensor holding ``value`` (a Python int or bool) in every element."""
+
+    value: int | bool
 
 
 @dataclass(frozen=True)
@@ -97,10 +141,10 @@ def read_additive_mask(mask: Any, q_length: Any, kv_length: Any) -> MaskMeaning 
         return f"the mask is not built by torch.where(allowed, 0, min) (found {describe_node(mask)})"
     try:
         _check_fill(where, mask)
-        allowed = _evaluate(where["condition"], {})
+        allowed = _as_allowed(_evaluate(where["condition"], {}))
     except NotUnderstood as exc:
         return f"the mask construction is not understood: {exc}"
-    if not isinstance(allowed, Allowed):
+    if allowed is None:
         return "the mask condition is not a comparison of query and key positions"
     for name, have, want in (("query", allowed.q_length, q_length), ("key", allowed.kv_length, kv_length)):
         if have is not None and not known_equal(have, want):
@@ -144,16 +188,37 @@ def _is_zero(value: Any) -> bool:
     return bound is not None and tuple(bound["size"]) in ((), ((),))
 
 
+def _known(condition: Any) -> bool:
+    """True only when ``condition`` (a bool or SymBool) holds for every value of its symbols."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return bool(statically_known_true(condition))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _as_allowed(value: Any) -> Allowed | None:
+    """An all-true tensor is the mask that allows everything."""
+    if isinstance(value, Uniform) and value.value is True:
+        return Allowed()
+    return value if isinstance(value, Allowed) else None
+
+
 def _evaluate(node: Any, memo: dict) -> Any:
-    """Abstract value of ``node``: a :class:`Positions`, an :class:`Allowed`, or a constant."""
+    """Abstract value of ``node``: :class:`Positions`, :class:`PositionRows`, :class:`Uniform`,
+    :class:`Allowed`, or an integer."""
     if not isinstance(node, torch.fx.Node):
-        if isinstance(node, (int, torch.SymInt)) and not isinstance(node, bool):
+        if _is_int(node):
             return node
         raise NotUnderstood(f"constant {node!r}")
     if node in memo:
         return memo[node]
     if isinstance(example_value(node), (int, torch.SymInt)):
         return example_value(node)  # a size computed from symbols (the cache length, a max(...))
+    if node.op == "placeholder":
+        raise NotUnderstood(f"{node.name} is a graph input, its values are unknown")
     for fam, rule in _RULES:
         bound = fam.bind(node)
         if bound is not None:
@@ -170,7 +235,7 @@ def _scalar(value: Any, memo: dict) -> Any:
         if isinstance(val, (int, torch.SymInt)):
             return val
     result = _evaluate(value, memo)
-    if isinstance(result, (int, torch.SymInt)):
+    if _is_int(result):
         return result
     raise NotUnderstood(f"{describe_node(value)} is not an integer")
 
@@ -179,46 +244,126 @@ def _arange(node, b, memo):
     return Positions(_scalar(b["end"], memo))
 
 
+def _arange_range(node, b, memo):
+    """``torch.arange(start, end)``: ``arange(end - start) + start``."""
+    if b["step"] != 1:
+        return None
+    start, end = _scalar(b["start"], memo), _scalar(b["end"], memo)
+    return Positions(end - start, offset=start) if _known(start <= end) else None
+
+
 def _shift(sign):
     def rule(node, b, memo):
         left, right = _evaluate(b["input"], memo), _evaluate(b["other"], memo)
-        if isinstance(left, Positions) and isinstance(right, (int, torch.SymInt)):
+        if isinstance(left, (Positions, PositionRows)) and _is_int(right):
             return replace(left, offset=left.offset + sign * right)
-        if sign > 0 and isinstance(right, Positions) and isinstance(left, (int, torch.SymInt)):
+        if sign > 0 and isinstance(right, (Positions, PositionRows)) and _is_int(left):
             return replace(right, offset=right.offset + left)
-        if isinstance(left, (int, torch.SymInt)) and isinstance(right, (int, torch.SymInt)):
+        if _is_int(left) and _is_int(right):
             return example_value(node)
         return None
     return rule
 
 
-def _place(node, b, memo):
-    """``positions[None, None, :, None]`` puts a 1-D position vector on one axis of a 4-D mask."""
+def _unsqueeze(node, b, memo):
+    """``positions.unsqueeze(0)``: a table of one row."""
+    source = _evaluate(b["input"], memo)
+    if isinstance(source, Positions) and source.axis is None and b["dim"] in (0, -2):
+        return PositionRows(source.length, source.offset)
+    return None
+
+
+def _index(node, b, memo):
     index = b["index"]
     if isinstance(index, tuple) and len(index) == 2 and all(isinstance(i, torch.fx.Node) for i in index):
-        return _key_padding(node, b["input"], index, memo)
+        return _gather(node, b["input"], index, memo)
     source = _evaluate(b["input"], memo)
-    if isinstance(source, Positions) and source.axis is None and isinstance(index, tuple) and len(index) == 4:
-        full = [i for i, item in enumerate(index) if item == slice(None, None, None)]
+    if isinstance(source, Positions) and source.axis is None:
+        return _place(source, index)
+    if isinstance(source, PositionRows) and isinstance(index, tuple) and len(index) == 2 and index[0] == ALL:
+        return _slice_columns(source, index[1])
+    return None
+
+
+def _place(source: Positions, index: Any) -> Positions | PositionRows | None:
+    """``positions[None, None, :, None]`` puts a 1-D position vector on one axis of a 4-D mask;
+    ``positions[None, :]`` makes a table of one row."""
+    if index in ((None, ALL), (None,), None):
+        return PositionRows(source.length, source.offset)
+    if isinstance(index, tuple) and len(index) == 4:
+        full = [i for i, item in enumerate(index) if item == ALL]
         if len(full) == 1 and all(item is None for i, item in enumerate(index) if i != full[0]):
             return replace(source, axis=AXES[full[0]])
     return None
 
 
-def _key_padding(node, padding, index, memo):
-    """``padding_mask[batch_idx, kv_idx]``: a [B, 1, 1, Sk] bool tensor (depends on batch and key only)."""
-    rows, cols = (_evaluate(i, memo) for i in index)
-    val = example_value(padding)
-    if not (isinstance(rows, Positions) and rows.axis == "b" and known_equal(rows.offset, 0)
-            and isinstance(cols, Positions) and cols.axis == "kv"
-            and isinstance(val, torch.Tensor) and val.dtype == torch.bool and val.dim() == 2):
+def _slice_columns(rows: PositionRows, columns: Any) -> PositionRows | None:
+    """``rows[:, start:stop]`` with non-negative constant bounds inside the table."""
+    if not isinstance(columns, slice) or columns.step not in (None, 1):
         return None
-    return Allowed(key_padding=node, kv_length=cols.length)
+    start = 0 if columns.start is None else columns.start
+    stop = rows.length if columns.stop is None else columns.stop
+    if not (_is_int(start) and _is_int(stop) and _known(start >= 0) and _known(start < stop)
+            and _known(stop <= rows.length)):
+        return None
+    return PositionRows(stop - start, rows.offset + start)
+
+
+def _gather(node, source, index, memo):
+    """``table[batch_idx, col_idx]`` with index vectors laid along the mask's axes: a key-padding
+    term when ``table`` is the 2-D bool padding mask; positions again when ``table`` is a
+    :class:`PositionRows` (the rows are all alike, so the batch index does not matter); the value
+    of a :class:`Uniform` table. The indices must provably stay inside the table."""
+    rows, cols = (_evaluate(i, memo) for i in index)
+    val = example_value(source)
+    if not (isinstance(rows, Positions) and rows.axis == "b" and known_equal(rows.offset, 0)
+            and isinstance(cols, Positions) and cols.axis in ("q", "kv")
+            and isinstance(val, torch.Tensor) and val.dim() == 2):
+        return None
+    if val.dtype == torch.bool and cols.axis == "kv":
+        return Allowed(key_padding=node, kv_length=cols.length)
+    table = _evaluate(source, memo)
+    inside = (_known(rows.length <= val.shape[0]) and _known(cols.offset >= 0)
+              and _known(cols.offset + cols.length <= val.shape[1]))
+    if not inside:
+        raise NotUnderstood(f"{describe_node(node)} may index outside {describe_node(source)}")
+    if isinstance(table, PositionRows):
+        return Positions(cols.length, table.offset + cols.offset, cols.axis)
+    if isinstance(table, Uniform):
+        return table
+    return None
+
+
+def _diff(node, b, memo):
+    """``torch.diff(rows, prepend=p, dim=-1)`` of a position table whose ``prepend`` continues
+    into it (its last column is one less than the table's first): 1 everywhere."""
+    source = _evaluate(b["input"], memo)
+    if not (isinstance(source, PositionRows) and b["n"] == 1 and is_last_dim(b["dim"], 2)
+            and b["append"] is None):
+        return None
+    if b["prepend"] is not None:
+        before = _evaluate(b["prepend"], memo)
+        if not (isinstance(before, PositionRows) and known_equal(before.offset + before.length, source.offset)):
+            return None
+    return Uniform(1)
+
+
+def _cumsum(node, b, memo):
+    """A running sum of zeros is zero."""
+    source = _evaluate(b["input"], memo)
+    return Uniform(0) if isinstance(source, Uniform) and source.value == 0 else None
 
 
 def _compare(op):
     def rule(node, b, memo):
         left, right = _evaluate(b["input"], memo), _evaluate(b["other"], memo)
+        if any(isinstance(x, Uniform) for x in (left, right)):
+            if all(isinstance(x, Uniform) or (_is_int(x) and static_int(x) is not None) for x in (left, right)):
+                values = [x.value if isinstance(x, Uniform) else static_int(x) for x in (left, right)]
+                return Uniform(bool(op(*values)))
+            return None
+        if op in (operator.eq, operator.ne):
+            return None
         if not (isinstance(left, Positions) and isinstance(right, Positions)):
             return None
         if {left.axis, right.axis} != {"q", "kv"}:
@@ -241,8 +386,9 @@ def _ones(node, b, memo):
 
 
 def _and(node, b, memo):
-    left, right = _evaluate(b["input"], memo), _evaluate(b["other"], memo)
-    if not (isinstance(left, Allowed) and isinstance(right, Allowed)):
+    """Intersect two masks; an all-true operand drops out."""
+    left, right = (_as_allowed(_evaluate(b[k], memo)) for k in ("input", "other"))
+    if left is None or right is None:
         return None
     merged = {}
     for name in ("upper", "lower", "key_padding", "q_length", "kv_length"):
@@ -263,16 +409,20 @@ def _to_device(node, b, memo):
     if isinstance(source, Allowed) and source.key_padding is not None and source.upper is None \
             and source.lower is None:
         return replace(source, key_padding=node)
-    return source if isinstance(source, (Allowed, Positions)) else None
+    return source if isinstance(source, (Allowed, Positions, PositionRows, Uniform)) else None
 
 
 def _expand(node, b, memo):
     source = _evaluate(b["input"], memo)
-    return source if isinstance(source, Allowed) else None
+    if isinstance(source, PositionRows):  # more rows alike: .expand(B, -1)
+        sizes = b["sizes"]
+        return source if len(sizes) == 2 and (sizes[1] == -1 or known_equal(sizes[1], source.length)) else None
+    return source if isinstance(source, (Allowed, Uniform)) else None
 
 
 _RULES = [
-    (ARANGE, _arange), (ADD, _shift(+1)), (SUB, _shift(-1)), (GETITEM, _place),
+    (ARANGE, _arange), (ARANGE_RANGE, _arange_range), (ADD, _shift(+1)), (SUB, _shift(-1)),
+    (UNSQUEEZE, _unsqueeze), (GETITEM, _index), (DIFF, _diff), (CUMSUM, _cumsum),
     *[(fam, _compare(op)) for op, fam in COMPARE.items()],
     (NEW_ONES, _ones), (AND, _and), (TO, _to_device), (EXPAND, _expand),
 ]

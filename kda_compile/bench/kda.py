@@ -72,7 +72,7 @@ def _prefill_providers():
     from kda_compile.ops.kda.backends import only_backends
 
     return {
-        "ours (own kernels)": (chunk_kda, contextlib.nullcontext),
+        "ours (own kernels)": (chunk_kda, lambda: only_backends("triton_chunk")),  # opt-in (below FLA); its backward is FLA's
         "ours (FLA path)": (chunk_kda, lambda: only_backends("fla")),
         "FLA": (fla_chunk, contextlib.nullcontext),
     }
@@ -82,7 +82,8 @@ def _log_prefill_backend(device) -> None:
     """Say which backend "ours (own kernels)" runs on (a fallback would make the row meaningless)."""
     from kda_compile.ops.kda.backends import KDAOptions, select_backend
 
-    chosen = select_backend("chunk_kda", torch.device(device), torch.bfloat16, K, V, KDAOptions(scale=K ** -0.5))
+    with only_backends("triton_chunk"):
+        chosen = select_backend("chunk_kda", torch.device(device), torch.bfloat16, K, V, KDAOptions(scale=K ** -0.5))
     if chosen.name != "triton_chunk":
         logger.warning("ours (own kernels) runs on the %s backend, not triton_chunk (see the fallback log)", chosen.name)
     else:

@@ -1,6 +1,11 @@
 """Our fused Triton prefill (``triton_chunk.py``) as a KDA backend for ``chunk_kda``.
 
-Registered above FLA (priority 20 > 10) for the chunked op only (its forward, fake and backward).
+Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fake and backward): its
+speed on the GPU is not measured yet (it compiles for sm_90 and its first CUDA tests ran, but the prepare
+kernel spills registers), so FLA keeps serving CUDA where it is installed; without FLA this backend
+serves CUDA instead of the reference. Opt in with ``only_backends("triton_chunk")``
+(``kda_compile.ops.kda.backends``); raise the priority once ``python -m kda_compile.bench kda`` shows
+it faster.
 Inference runs our two-to-three-launch forward. Training (the op saves residuals) depends on FLA's
 backward kernels, which the forward must feed in FLA's formats:
 
@@ -36,11 +41,28 @@ CHUNK = 64  # the chunk of our prepare kernel, hence of the FLA residuals it can
 
 OWN_RESIDUALS, FLA_FORWARD, REFERENCE_BACKWARD = "own", "fla", "reference"
 _FLA = FLABackend()
+_failed_variants: dict[tuple, str] = {}  # call variants whose kernels did not compile -> the reason
 
 
 @cache
 def _kernel_unusable() -> str | None:
     return module_unusable(KERNEL_MODULE)
+
+
+@cache
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """Triton's compile-time failures (compiler front end, ptxas, resources, autotuner with no valid config)."""
+    import triton.compiler.errors as compiler_errors
+    import triton.runtime.errors as runtime_errors
+
+    names = [(compiler_errors, "CompilationError"), (runtime_errors, "OutOfResources"),
+             (runtime_errors, "PTXASError"), (runtime_errors, "AutotunerError")]
+    return tuple(getattr(module, name) for module, name in names if hasattr(module, name))
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
 
 
 @cache
@@ -98,8 +120,28 @@ class TritonChunkBackend:
             use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
             lower_bound=opts.lower_bound, save_residuals=path == OWN_RESIDUALS,
         )
-        with torch.cuda.device(q.device):  # Triton launches on the current device
-            o, final, residuals = _launcher()(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
+        # What selects the kernels' compile-time constants (all but the sequence length).
+        variant = (q.device, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
+                   cu_seqlens is not None and cu_seqlens.dtype, h0 is not None and h0.dtype, output_final_state,
+                   A_log is not None, dt_bias is not None, path, opts)
+        reason = _failed_variants.get(variant)
+        if reason is None:
+            try:
+                with torch.cuda.device(q.device):  # Triton launches on the current device
+                    o, final, residuals = _launcher()(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
+                return o, final, residuals or []
+            except _compile_errors() as error:
+                # A kernel that does not compile for this GPU / configuration is our bug, not the user's.
+                # Nothing was written yet (compilation precedes each kernel's first launch); later calls
+                # of this variant skip the failing compile.
+                reason = f"our Triton prefill kernels failed to compile: {type(error).__name__}: {_first_line(error)}"
+                _failed_variants[variant] = reason
+        # Serve the call as the backend order would have without us: FLA, else the reference.
+        fallback = _FLA if path != REFERENCE_BACKWARD and _FLA.unsupported_reason(
+            q.device, q.dtype, q.shape[-1], v.shape[-1], opts) is None else REFERENCE
+        record_fallback("chunk_kda", fallback.name, reason)
+        o, final, residuals = fallback.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
+                                                     output_final_state, save)
         return o, final, residuals or []
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
@@ -108,4 +150,4 @@ class TritonChunkBackend:
         return REFERENCE.chunk_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts)
 
 
-register_backend(TritonChunkBackend(), priority=20)
+register_backend(TritonChunkBackend(), priority=5)  # below FLA: see the module docstring

@@ -67,10 +67,15 @@ def _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, slot, kcols, HV: tl.constexpr, 
 
 @triton.jit
 def _operand(x, DOT_BF16: tl.constexpr):
-    """A dot operand: bf16 inputs keep bf16 (tensor cores at full rate), others go through fp32."""
+    """A dot operand: bf16 inputs keep bf16 (tensor cores at full rate), others go through fp32.
+
+    One return statement: the compiler (unlike the interpreter) checks every return of a function
+    for one type, even those behind a constexpr ``if``."""
     if DOT_BF16:
-        return x.to(tl.bfloat16)
-    return x.to(tl.float32)
+        y = x.to(tl.bfloat16)
+    else:
+        y = x.to(tl.float32)
+    return y
 
 
 @triton.jit(do_not_specialize=["T", "P"])

@@ -9,7 +9,9 @@ new call on the example values under the graph's fake mode.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import operator
+import os
 import re
 from typing import Any, Callable, Iterable, Sequence
 
@@ -67,9 +69,11 @@ def is_inplace(node: torch.fx.Node) -> bool:
     if node.op == "call_method":
         name = node.target
     elif node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
         if node.target in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem):
             return True
+        if getattr(node.target, "__module__", None) in ("_operator", "operator"):
+            return False  # operator.and_ / or_ / not_ are pure; its in-place forms are listed above
+        name = getattr(node.target, "__name__", "")
     else:
         return False
     return name.endswith("_") and not name.endswith("__")
@@ -204,10 +208,21 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 def source_line(node: torch.fx.Node) -> str:
-    """``file.py:line`` of the model code that produced a node (the innermost frame)."""
+    """``file.py:line`` of the model code that produced a node: the innermost frame outside
+    kda_compile (a call Dynamo traced through our substitutes or ops points at the model)."""
     trace = node.meta.get("stack_trace") or ""
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    if not found:
+    outside = [(path, line) for path, line in found if not _is_our_file(path)]
+    if not (outside or found):
         return ""
-    path, line = found[-1]
+    path, line = (outside or found)[-1]
     return f"{path.rsplit('/', 1)[-1]}:{line}"
+
+
+def _is_our_file(path: str) -> bool:
+    return os.path.abspath(path).startswith(_OUR_DIRS)
+
+
+_OUR_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (
+    importlib.import_module("kda_compile"), importlib.import_module("kda_compile.ops"),
+    importlib.import_module("kda_compile.passes")))

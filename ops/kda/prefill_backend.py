@@ -95,6 +95,8 @@ class TritonChunkBackend:
             return f"the prefill kernels take float16/bfloat16/float32 inputs, got {dtype}"
         if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
             return f"the prefill kernels keep K, V <= {MAX_HEAD_DIM} on chip, got K={K}, V={V}"
+        if dtype == torch.float32 and K > 128:  # measured on an H200: the scan's fp32 tiles overflow shared memory
+            return f"float32 inputs with K > 128 need more shared memory than the scan kernel has, got K={K}"
         return _kernel_unusable()
 
     def residual_meta(self, q, k, v, opts, save):

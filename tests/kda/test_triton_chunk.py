@@ -115,6 +115,8 @@ def test_matches_recurrence(case, dtype):
     name, shape, cu_seqlens, options = case
     if INTERPRETED and dtype != torch.float32 and name not in HALF_CASES:
         pytest.skip("interpreted runs check float16 on a subset")
+    if not INTERPRETED and dtype == torch.float32 and shape.key_dim > 128:
+        pytest.skip("float32 with K > 128 exceeds the scan's shared memory on sm_90; the backend declines it")
     check(_args(shape, dtype, cu_seqlens=cu_seqlens, **options))
 
 

@@ -24,8 +24,11 @@ class Config:
             ``sliding_window`` (and a ``[B, 1, 1, Sk]`` padding mask) instead of the T x T mask.
         kda_substitution: trace-time substitution of the known KDA entry points (FLA's
             ``chunk_kda`` / ``fused_recurrent_kda``, Hugging Face's ``chunk_kimi_delta_attention`` /
-            ``recurrent_kimi_delta_attention``) by ``kda_compile.ops``; the environment variable
-            ``KDA_COMPILE_SUBSTITUTION=0`` turns it off process-wide.
+            ``recurrent_kimi_delta_attention``) by ``kda_compile.ops``. The substitutes are
+            registered process-wide on import; each decides at trace time from the backend Dynamo
+            compiles for, so with ``False`` this backend traces the original code (FLA's functions
+            then break the graph) while other backends keep the substitution. The environment
+            variable ``KDA_COMPILE_SUBSTITUTION=0`` registers nothing at all.
         kda_recurrence: collapse a token-by-token delta-rule recurrence written inline (and
             unrolled by Dynamo) into one KDA op call.
         kda_prologue: fold the gate (softplus / lower-bound form), the beta sigmoid and the q/k

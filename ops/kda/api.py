@@ -69,8 +69,9 @@ def chunk_kda(
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` or None.
 
     Differentiable w.r.t. q, k, v, g, beta, initial_state, A_log and dt_bias. On CUDA the work runs in
-    FLA's kernels when fla-core 0.6 is installed; otherwise (and on CPU) in the reference math, with a
-    one-time warning on CUDA naming the reason.
+    FLA's kernels when fla-core 0.6 is installed, otherwise in our Triton prefill forward (backward by the
+    reference math); on CPU in the reference math. Which backend serves a call, and why a faster one
+    could not, is logged once and shown by the rewrite report (``kda_compile.ops.kda.backends``).
     """
     reject_unsupported_kwargs("chunk_kda", {"return_intermediate_states": return_intermediate_states, **kwargs},
                               _CHUNK_ONLY_DEFAULTS)
@@ -102,9 +103,9 @@ def fused_recurrent_kda(
     r"""Kimi Delta Attention token by token, for decode (small T). Same math and arguments as
     :func:`chunk_kda` (note FLA's order: ``A_log`` and ``dt_bias`` come before ``scale``).
 
-    Inference runs FLA's fused recurrent kernel on CUDA (the reference elsewhere). When gradients
-    are needed (grad mode on and an input requires grad), the call takes the differentiable chunked
-    op instead: same result, with a backward.
+    Inference runs our fused Triton decode step on CUDA (FLA's kernel, then the reference, for what it
+    cannot serve; the reference on CPU). When gradients are needed (grad mode on and an input requires
+    grad), the call takes the differentiable chunked op instead: same result, with a backward.
     """
     reject_unsupported_kwargs("fused_recurrent_kda", kwargs, {})
     return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,

@@ -212,14 +212,15 @@ def source_line(node: torch.fx.Node) -> str:
     kda_compile (a call Dynamo traced through our substitutes or ops points at the model)."""
     trace = node.meta.get("stack_trace") or ""
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
-    outside = [(path, line) for path, line in found if not _is_our_file(path)]
+    outside = [(path, line) for path, line in found if not is_our_file(path)]
     if not (outside or found):
         return ""
     path, line = (outside or found)[-1]
     return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
-def _is_our_file(path: str) -> bool:
+def is_our_file(path: str) -> bool:
+    """Whether ``path`` (a stack-trace frame's file) belongs to kda_compile, its ops or its passes."""
     return os.path.abspath(path).startswith(_OUR_DIRS)
 
 

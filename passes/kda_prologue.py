@@ -37,9 +37,6 @@ import inspect
 import logging
 import math
 import operator
-import os
-import re
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -107,20 +104,6 @@ SUM_OF_SQUARES = Call(SUM, dim=LAST_DIM, keepdim=True, input=OneOf(
 DENOMINATOR = Call(ADD, commutative=True, input=SUM_OF_SQUARES, other=Const("eps"))
 L2NORM = OneOf(Call(DIV, input=X, other=Call(SQRT, input=DENOMINATOR)),
                Call(MUL, commutative=True, input=X, other=Call(RSQRT, input=DENOMINATOR)))
-
-
-def call_site(node: torch.fx.Node) -> str:
-    """``file.py:line`` of the model code that called KDA: the innermost frame outside kda_compile
-    (a traced op node's innermost frames are our public API and, for a substituted entry point,
-    the substitute)."""
-    ours = tuple(os.path.dirname(sys.modules[name].__file__) + os.sep
-                 for name in ("kda_compile", "kda_compile.ops", "kda_compile.passes") if name in sys.modules)
-    frames = re.findall(r'File "([^"]+)", line (\d+)', node.meta.get("stack_trace") or "")
-    outside = [(path, line) for path, line in frames if not path.startswith(ours)]
-    if not outside:
-        return source_line(node)
-    path, line = outside[-1]
-    return f"{path.rsplit('/', 1)[-1]}:{line}"
 
 
 def first_match(pattern, node) -> Bindings | None:
@@ -377,7 +360,7 @@ class KDAPrologueRewrite(GraphRewrite):
         graph = gm.graph
         rewritten = 0
         for call in [c for n in graph.nodes if (c := kda_call(n)) is not None]:
-            where = (module_path(call.node), call_site(call.node))
+            where = (module_path(call.node), source_line(call.node))
             fold = Fold()
             if not call.args["use_gate_in_kernel"]:
                 fold_gate(call, graph, fold)

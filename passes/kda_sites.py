@@ -27,8 +27,6 @@ so an unsubstituted FLA call is a graph break between two graphs, and no graph h
 """
 from __future__ import annotations
 
-import functools
-import importlib
 import inspect
 import os
 import re
@@ -40,7 +38,7 @@ import torch.fx
 
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
 from kda_compile.passes import kda_substitution
-from kda_compile.passes.graph_tools import example_value, module_path, source_line, tensor_of
+from kda_compile.passes.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 
 KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent"}
@@ -53,20 +51,9 @@ _SUBSTITUTION_FILE = os.path.abspath(kda_substitution.__file__)
 _WRAPPER_DIRS = (os.sep + os.path.join("transformers", "integrations") + os.sep,)
 
 
-@functools.cache
-def _our_dirs() -> tuple[str, ...]:
-    """The folders of kda_compile's three installed packages (public API, ops, passes)."""
-    return tuple(os.path.dirname(os.path.abspath(importlib.import_module(name).__file__)) + os.sep
-                 for name in ("kda_compile", "kda_compile.ops", "kda_compile.passes"))
-
-
 def _frames(node: torch.fx.Node) -> list[tuple[str, int, str]]:
     """(file, line, function) of each frame of a node's stack trace, outermost first."""
     return [(path, int(line), fn) for path, line, fn in _FRAME.findall(node.meta.get("stack_trace") or "")]
-
-
-def _ours(path: str) -> bool:
-    return os.path.abspath(path).startswith(_our_dirs())
 
 
 def kda_call(node: torch.fx.Node) -> tuple[str, dict[str, Any]] | None:
@@ -94,7 +81,7 @@ def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
     frames = _frames(node)
     substitutes = [fn for path, _, fn in frames
                    if os.path.abspath(path) == _SUBSTITUTION_FILE and fn in kda_substitution.SUBSTITUTE_FRAMES]
-    first_ours = next((i for i, (path, _, _) in enumerate(frames) if _ours(path)), None)
+    first_ours = next((i for i, (path, _, _) in enumerate(frames) if is_our_file(path)), None)
     if first_ours is None:  # inserted by a rewrite, with the model node's metadata
         function = _reference_function(frames)
         unrolled = f" (transformers {function} unrolled, then collapsed)" if function else ""
@@ -127,7 +114,7 @@ def site_details(node: torch.fx.Node, kind: str, arguments: dict[str, Any], entr
 
 def _reference_function(frames: list[tuple[str, int, str]]) -> str | None:
     """The HF torch KDA reference a node was traced in (not through a substitute), or None."""
-    if any(_ours(path) for path, _, _ in frames):
+    if any(is_our_file(path) for path, _, _ in frames):
         return None
     names = [fn for _, _, fn in frames if fn in kda_substitution.HF_REFERENCE_FUNCTIONS]
     return names[-1] if names else None

@@ -19,6 +19,7 @@ cache 4k. HF shapes whose expanded K/V would not fit in free memory are skipped 
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -33,7 +34,9 @@ BATCHES, CACHES, HEADS = (1, 8, 64), (1024, 4096, 16384), (32, 64, 128)
 QUICK = ((1, 64), (4096,), (32, 128))
 TARGET = dict(batch=64, cache=4096, bandwidth_fraction=0.70, speedup=10.0)
 CROSSOVER_QUERIES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-KERNEL_CONFIGS = ((16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2))
+KERNEL_CONFIGS = ((16, 64, 4, 2), (32, 32, 8, 2), (32, 64, 8, 2), (32, 64, 8, 3), (64, 32, 8, 2), (64, 64, 8, 2),
+                  (32, 32, 4, 3), (32, 32, 8, 4), (16, 32, 4, 4), (64, 32, 8, 3), (32, 16, 4, 4))
+SPLIT_COUNTS = (None, 2, 4, 8, 16, 32)  # None: the launcher's choice
 
 
 def add_arguments(parser) -> None:
@@ -196,11 +199,12 @@ def _bench_configs(heads_list, copy_bw, rows, table):
         make = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
         q_lat, q_rope = make(batch, heads, 1, LATENT), make(batch, heads, 1, ROPE)
         latent, k_rope = make(batch, cache, LATENT), make(batch, cache, ROPE)
-        for cfg in [None, *(DecodeConfig(*c) for c in KERNEL_CONFIGS)]:
+        for cfg, splits in itertools.product([None, *(DecodeConfig(*c) for c in KERNEL_CONFIGS)], SPLIT_COUNTS):
             name = "default" if cfg is None else f"m{cfg.block_m}_n{cfg.block_n}_w{cfg.num_warps}_s{cfg.num_stages}"
+            name += "" if splits is None else f"_split{splits}"
             try:
-                fn = lambda cfg=cfg: mla_decode_attention(q_lat, q_rope, latent, k_rope, None, 0.1, False,  # noqa: E731
-                                                          config=cfg)
+                fn = lambda cfg=cfg, splits=splits: mla_decode_attention(  # noqa: E731
+                    q_lat, q_rope, latent, k_rope, None, 0.1, False, config=cfg, num_splits=splits)
                 gpu = cuda_graph_time(fn)
             except Exception as exc:  # a config may exceed shared memory or registers on this GPU
                 logger.info("config %s at H=%d failed: %s", name, heads, exc)

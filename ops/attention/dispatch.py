@@ -192,6 +192,33 @@ def _mask_grad(dmask_full, attn_mask):
     return dmask_full.sum_to_size(attn_mask.shape).to(attn_mask.dtype).contiguous()
 
 
+FLOOR_ROWS_REASON = ("a row sees only keys masked by a huge finite bias (e.g. finfo.min padding): its forward is "
+                     "the uniform average, and the memory-efficient backward cannot rebuild those probabilities "
+                     "from a float32 lse of about -1e30 (log(#keys) is below its rounding)")
+
+
+def _has_floor_biased_rows(attn_mask, is_causal: bool, sliding_window: int, sq: int) -> bool:
+    """Whether some row's visible keys all carry a finite bias at or below ``sdpa.FLOOR_ROW_BIAS``.
+
+    Such rows (Hugging Face pads with ``finfo.min``; the kernels see -1e30) attend uniformly in the
+    forward, as eager does, but their lse rounds to the bias and loses ``log(#keys)``, so the
+    memory-efficient backward would weigh every key 1 instead of 1 / #keys. Checked from the mask
+    alone (one reduction over it, one host sync); float16 masks cannot hold such biases."""
+    if attn_mask is None or attn_mask.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    m = attn_mask.float()
+    sk = m.shape[-1]
+    if is_causal:  # keys the causal / sliding-window rule hides do not count (bottom-right aligned)
+        i = torch.arange(sq, device=m.device)[:, None] + (sk - sq)
+        j = torch.arange(sk, device=m.device)[None, :]
+        hidden = j > i
+        if sliding_window > 0:
+            hidden |= j <= i - sliding_window
+        m = m.masked_fill(hidden, float("-inf"))
+    row_max = m.amax(dim=-1)
+    return bool(((row_max <= sdpa.FLOOR_ROW_BIAS) & (row_max > float("-inf"))).any())
+
+
 def _row_delta(out, grad_out):
     if not triton_unavailable():
         from kda_compile.ops.attention.triton_attention import triton_row_delta
@@ -235,6 +262,11 @@ def cuda_backward(grad_out, grad_lse, q, k, v, out, lse, rng, attn_mask, sinks, 
         # 1 - a as sigmoid(sink - lse): no cancellation when a is close to 1.
         dsinks = (-(torch.sigmoid(sink_logit - lse) * _row_delta(out, grad_out)).sum(dim=(0, 2))).to(sinks.dtype)
         grad_out = as_bshd((grad_out * a[..., None]).to(grad_out.dtype))  # scaled in float32
+    if impl == "efficient" and _has_floor_biased_rows(m2, causal2, window2, q.shape[2]):
+        record_fallback("attention_backward", "reference", FLOOR_ROWS_REASON)
+        dq, dk, dv, _, dsinks = reference_backward(grad_out, grad_lse, q, k, v, attn_mask, sinks, scale, softcap,
+                                                   dropout_p, is_causal, sliding_window, rng, mask_needs_grad)
+        return as_bshd(dq), as_bshd(dk), as_bshd(dv), None, dsinks
     lse_k = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)
     dq, dk, dv = sdpa.sdpa_backward(impl, grad_out, q2, k2, v2, out, lse_k, m2, scale, causal2, window2)
     if kv_start > 0:  # keys trimmed off for the window get zero gradient

@@ -75,6 +75,8 @@ def _mask4d(attn_mask):
 
 
 _BIAS_FLOOR = -1e30  # finite, and still finite after the kernels' scaling by log2(e)
+#: A row whose best visible bias is at or below this attends uniformly (every score is absorbed).
+FLOOR_ROW_BIAS = -1e29
 
 
 def _finite_floor(bias):

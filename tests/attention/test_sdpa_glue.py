@@ -167,3 +167,32 @@ def test_as_bshd_copies_only_when_memory_order_differs():
     bhsd = torch.randn(2, 3, 5, 4)
     fixed = dispatch.as_bshd(bhsd)
     assert fixed.stride() == dispatch.bshd_strides(bhsd.shape) and torch.equal(fixed, bhsd)
+
+
+def test_floor_biased_rows_are_detected_from_the_mask():
+    """Rows whose visible keys all carry finfo.min (HF left padding under causal masking) send the
+    memory-efficient backward to the reference: their lse cannot carry log(#keys) (dispatch.py)."""
+    sq = sk = 6
+    lo = torch.finfo(torch.float32).min
+    causal = torch.ones(sq, sk, dtype=torch.bool).tril()
+    pad = torch.tensor([[False, False, True, True, True, True]])  # two left-padded keys
+    mask = torch.where(causal & pad, 0.0, lo)[None, None]  # [1, 1, Sq, Sk], rows 0 and 1 all padding
+    assert dispatch._has_floor_biased_rows(mask, False, 0, sq)
+    bf16_mask = torch.where(causal & pad, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)[None, None]
+    assert dispatch._has_floor_biased_rows(bf16_mask, False, 0, sq)
+    assert not dispatch._has_floor_biased_rows(mask.to(torch.float16), False, 0, sq)  # -65504: representable
+    no_pad = torch.where(causal, 0.0, lo)[None, None]
+    assert not dispatch._has_floor_biased_rows(no_pad, False, 0, sq)
+    # Causal hiding counts: a row whose only unmasked keys lie in its future is a floor row.
+    future = torch.full((1, 1, sq, sk), lo)
+    future[..., -1] = 0.0
+    assert not dispatch._has_floor_biased_rows(future, False, 0, sq)
+    assert dispatch._has_floor_biased_rows(future, True, 0, sq)
+    # ... and so does a sliding window: row 5 sees keys 4..5 only.
+    window = torch.zeros(1, 1, sq, sk)
+    window[..., :4] = lo
+    window[..., 4:] = torch.where(torch.arange(sq)[:, None] >= 4, 0.0, lo)
+    assert dispatch._has_floor_biased_rows(window, True, 2, sq)
+    assert not dispatch._has_floor_biased_rows(window[..., 4:, :], True, 2, 2)
+    # Rows with nothing visible at all (-inf) are empty rows, handled elsewhere.
+    assert not dispatch._has_floor_biased_rows(torch.full((1, 1, 2, 3), float("-inf")), False, 0, 2)

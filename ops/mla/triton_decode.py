@@ -197,8 +197,8 @@ def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeCo
     heads, and M = 64 lets Triton use Hopper's warpgroup MMA (the kernel nears the compute ridge at
     128 heads). The [64, R] fp32 accumulator is 128 registers per thread over 8 warps; the 64-row
     fp16/bf16 query (64 KB) plus two 64 KB latent stages fit an H100's shared memory, fp32 ones do
-    not (32 rows there). BLOCK_N makes one latent tile ~64 KB. Not yet tuned on hardware:
-    ``python -m kda_compile.bench mla --modes configs`` times the alternatives.
+    not (32 rows there). BLOCK_N makes one latent tile ~64 KB. Stages and split counts follow the
+    H200 sweep of ``python -m kda_compile.bench mla --modes configs`` (results/README.md).
     """
     if interpreted():
         return INTERPRET_CONFIG
@@ -208,15 +208,32 @@ def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeCo
         block_m = 16 if rows <= 16 else 32
     tokens = 64 * 1024 // (latent_block * (4 if dtype == torch.float32 else 2))
     block_n = max(16, min(64, 1 << (max(1, tokens).bit_length() - 1)))  # a power of two <= tokens
-    return DecodeConfig(block_m, block_n, 4 if block_m == 16 else 8, 2)
+    # Three stages for 32-row half blocks: 0.116 vs 0.145 ms at batch 64 / cache 4k / 32 heads (H200 sweep).
+    stages = 3 if block_m == 32 and dtype != torch.float32 else 2
+    return DecodeConfig(block_m, block_n, 4 if block_m == 16 else 8, stages)
+
+
+SPLIT_COST_TILES = 0.1  # one split's partial write and merge share, in units of one latent tile
 
 
 def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min_tiles_per_split: int) -> int:
-    """KV splits so that programs fill the GPU about twice over, keeping >= min_tiles_per_split
-    tiles per split (a split's fixed cost is one partial write and its share of the merge)."""
-    wanted = triton.cdiv(2 * num_sms, max(1, programs_per_split))
-    most = max(1, num_tiles // max(1, min_tiles_per_split))
-    return max(1, min(wanted, most, MAX_SPLITS))
+    """KV splits minimising a wave model of the kernel's time, keeping >= min_tiles_per_split tiles
+    per split.
+
+    The half-precision configs use most of an SM's shared memory (one resident program per SM), so
+    programs run in waves of ``num_sms`` and a split count that leaves a last wave nearly empty costs
+    a whole wave (measured on an H200 at batch 64 / cache 4k / 32 heads: 5 splits 0.177 ms, 4 splits
+    0.150 ms, 2 splits 0.145 ms with the same tiles). Time ~ waves x tiles per split, plus a small
+    per-split cost; ties go to fewer splits. Two full waves without splitting stay unsplit."""
+    if programs_per_split >= 2 * num_sms:  # splitting would only add merges
+        return 1
+    most = max(1, min(MAX_SPLITS, num_tiles // max(1, min_tiles_per_split)))
+
+    def cost(splits: int) -> float:
+        waves = triton.cdiv(max(1, programs_per_split) * splits, max(1, num_sms))
+        return waves * triton.cdiv(num_tiles, splits) + SPLIT_COST_TILES * (splits - 1)
+
+    return min(range(1, most + 1), key=lambda s: (cost(s), s))
 
 
 @functools.lru_cache(maxsize=None)

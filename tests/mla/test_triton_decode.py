@@ -157,8 +157,10 @@ def test_absorbed_form_with_kernel_matches_expansion_oracle(case, dtype):
 
 @pytest.mark.parametrize("programs, tiles, sms, least, expected", [
     (1, 64, 132, 4, 16),  # batch 1: split as far as 4 tiles per split allows
-    (1, 1000, 132, 4, 64),  # capped at MAX_SPLITS
-    (256, 64, 132, 4, 2),  # batch 64 x 4 head blocks: about two waves already
+    (1, 1000, 132, 4, 63),  # bounded by MAX_SPLITS (64 splits would also take 16 tiles each)
+    (64, 64, 132, 4, 2),  # batch 64, one head block: two splits still fit one wave
+    (64, 64, 100, 4, 3),  # on 100 SMs two splits already take two waves: three make them shorter
+    (256, 64, 132, 4, 1),  # batch 64 x 4 head blocks: about two waves already
     (512, 64, 132, 4, 1),
     (8, 3, 132, 4, 1),  # a short cache is never split below the minimum
 ])

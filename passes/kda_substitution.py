@@ -192,6 +192,11 @@ def _serve_fla_call(entry: str, ours: Callable, original: Callable, positional: 
     if foreign:
         _declined(entry, f"argument(s) {', '.join(foreign)} that kda_compile does not take")
         return original(*args, **kwargs)
+    state = call.get("initial_state")
+    if ours is fused_recurrent_kda and state is not None and state.dtype != torch.float32:
+        # FLA's recurrent kernel reads any state dtype in fp32 and returns an fp32 final state (its chunk
+        # entry asserts fp32); our op takes fp32 states only: the upcast is exact.
+        call["initial_state"] = state.float()
     return ours(**{name: value for name, value in call.items() if name in _OURS_PARAMS[ours]})
 
 

@@ -3,8 +3,11 @@
 The model: three decoder layers, KDA / MLA (full attention) / KDA as the released model
 interleaves them, hidden 64, 2 heads of 16 (KDA) and 2 MLA heads (kv_lora 32, nope 16, rope 8,
 v 16), a MoE MLP with 4 experts (2 active) on the MLA layer (dense MLPs for the training test).
-Without flash-linear-attention, HF runs its torch references, which kda_compile substitutes at
-trace time (passes/kda_substitution.py).
+The model runs HF's torch path whatever is installed (the ``hf_torch_path`` fixture: an installed
+flash-linear-attention binds HF's KDA functions to FLA's Triton kernels, which need CUDA tensors);
+kda_compile substitutes HF's torch references at trace time (passes/kda_substitution.py). Where
+HF bound FLA, prefill is also compiled as installed (FLA's entry points substituted) and checked
+against the torch path.
 
 Checked: prefill logits match eager (relative error < 1e-5: both sides compute KDA in fp32, the
 chunked algorithms differ only in rounding); ``generate()`` gives eager's tokens with prefill and
@@ -24,10 +27,15 @@ import kda_compile
 from kda_compile import Config, optimize
 from kda_compile.backend import KdaCompileBackend
 from kda_compile.testing import rel_error
+from hf_kda_binding import binding, torch_bound, torch_path
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "KimiLinearConfig"):
     pytest.skip(f"transformers {transformers.__version__} has no KimiLinear", allow_module_level=True)
+from transformers.models.kimi_linear import modeling_kimi_linear as modeling  # noqa: E402
+
+KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+CONV_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update")  # causal-conv1d's CUDA kernels when installed
 
 VOCAB = 128
 LAYERS = ("linear_attention", "full_attention", "linear_attention")
@@ -36,6 +44,15 @@ FP32_TOL, GRAD_TOL = 1e-5, 1e-4
 QUICK = Config(compiler="aot_eager")
 KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent"}
 UNROLLED_CHUNK_LOOP = ("torch.eye", "torch.triu")  # in the traced code of HF's chunk reference only
+
+
+@pytest.fixture
+def hf_torch_path():
+    """HF's torch path for the test's duration, whatever is installed: each of the modeling
+    module's KDA and causal-conv names whose wrapper bound FLA / causal-conv1d (CUDA-only kernels)
+    points at HF's torch reference; wrappers bound to the reference stay (tests/hf_kda_binding.py)."""
+    with torch_path(modeling, *KDA_FUNCTIONS, *CONV_FUNCTIONS):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -95,22 +112,33 @@ def assert_no_unrolled_loop(cap: GraphCapture, graph: int = -1) -> None:
     assert not any(marker in code for marker in UNROLLED_CHUNK_LOOP), code
 
 
-def test_prefill_logits_match_and_report_lists_the_kda_sites():
+@pytest.mark.parametrize("compiled_binding", ["torch", "installed"])
+def test_prefill_logits_match_and_report_lists_the_kda_sites(compiled_binding):
+    """Compiled on HF's torch path, or as installed when HF bound FLA (FLA's entry points
+    substituted); the eager reference is HF's torch path."""
+    wrapper = modeling.chunk_kimi_delta_attention
+    if compiled_binding == "installed" and torch_bound(wrapper):
+        pytest.skip(f"HF's chunk_kimi_delta_attention is bound to {binding(wrapper)}: the torch case covers it")
     model = build_model()
     ids = prompt(9)
     compiled = optimize(model, QUICK, fullgraph=True)
     with torch.no_grad():
-        out, ref = compiled(ids).logits, model(ids).logits
+        with torch_path(modeling, *CONV_FUNCTIONS, *(KDA_FUNCTIONS if compiled_binding == "torch" else ())):
+            out = compiled(ids).logits
+        with torch_path(modeling, *KDA_FUNCTIONS, *CONV_FUNCTIONS):
+            ref = model(ids).logits
     assert rel_error(out, ref) < FP32_TOL
+    entry = ("transformers chunk_kimi_delta_attention" if compiled_binding == "torch"
+             else "fla chunk_kda via HF wrapper")
     sites = [r for r in kda_compile.report(compiled).rewritten if r.rewrite == "kda_substitution"]
     assert [s.site for s in sites] == ["model.layers.0.self_attn", "model.layers.2.self_attn"], sites
     for site in sites:
         assert site.details["kind"] == "chunk" and site.details["heads"] == "2/2"
-        assert site.details["entry"].startswith("transformers chunk_kimi_delta_attention")
+        assert site.details["entry"].startswith(entry), site.details["entry"]
         assert site.source.startswith("modeling_kimi_linear.py:")
 
 
-def test_graph_holds_our_ops_and_no_unrolled_loop():
+def test_graph_holds_our_ops_and_no_unrolled_loop(hf_torch_path):
     model = build_model()
     cap = GraphCapture()
     with torch.no_grad():
@@ -120,7 +148,7 @@ def test_graph_holds_our_ops_and_no_unrolled_loop():
     assert_no_unrolled_loop(cap)
 
 
-def test_generate_gives_eager_tokens_with_chunk_and_recurrent_ops():
+def test_generate_gives_eager_tokens_with_chunk_and_recurrent_ops(hf_torch_path):
     model = build_model()
     ids = prompt(6)
     ones = torch.ones_like(ids)
@@ -138,7 +166,7 @@ def test_generate_gives_eager_tokens_with_chunk_and_recurrent_ops():
         assert_no_unrolled_loop(cap, graph)
 
 
-def test_optimize_forward_for_generate():
+def test_optimize_forward_for_generate(hf_torch_path):
     model = build_model()
     ids = prompt(5, batch=1)
     expected = model.generate(ids, max_new_tokens=4, do_sample=False)
@@ -153,7 +181,7 @@ def test_optimize_forward_for_generate():
     assert kinds == {"chunk", "recurrent"}, report
 
 
-def test_training_step_gradients_match():
+def test_training_step_gradients_match(hf_torch_path):
     # Dense MLPs: under torch.compile, transformers 5.17's MoE backward (integrations/moe.py,
     # _grouped_mm_fallback_backward) guards on a data-dependent size and fails, KDA or not.
     model = build_model(mlp=("dense",) * len(LAYERS)).train()
@@ -169,7 +197,7 @@ def test_training_step_gradients_match():
             assert rel_error(got[name], p.grad) < GRAD_TOL, name
 
 
-def test_no_graph_break_for_prefill_and_decode():
+def test_no_graph_break_for_prefill_and_decode(hf_torch_path):
     model = build_model()
     ids = prompt(7)
     explanation = torch._dynamo.explain(model)(ids)
@@ -186,7 +214,7 @@ def test_no_graph_break_for_prefill_and_decode():
     assert graph_code.count("kda_compile.fused_recurrent_kda_fwd") == KDA_LAYERS
 
 
-def test_three_prompt_lengths_compile_at_most_once_after_the_first():
+def test_three_prompt_lengths_compile_at_most_once_after_the_first(hf_torch_path):
     model = build_model()
     cap = GraphCapture()
     compiled = torch.compile(model, backend=cap, fullgraph=True)  # dynamic=None: automatic dynamic shapes
@@ -206,14 +234,16 @@ def test_benchmark_smoke_run_on_cpu():
     from kda_compile.bench import e2e_kimi
 
     opts = e2e_kimi.smoke_options()
-    rows, failures, summary = e2e_kimi.measure(opts)
+    with torch_path(modeling, *CONV_FUNCTIONS):  # the benchmark switches only the KDA functions
+        rows, failures, summary = e2e_kimi.measure(opts)
     measured = {(r["op"], r["provider"]) for r in rows if r["p50"] > 0}
     for config in ("hf_eager_torch", "kda_compile"):
         assert {("kimi_linear_prefill", config), ("kimi_linear_decode", config)} <= measured, failures
     assert summary["tokens"]["kda_compile"] == summary["tokens"]["hf_eager_torch"]
     (T,) = opts.prompts
     assert rel_error(summary["logits"]["kda_compile"][T], summary["logits"]["hf_eager_torch"][T]) < FP32_TOL
-    fla_bound = e2e_kimi.bound_kda_implementation().startswith("fla.")
-    assert ("hf_eager_fla" in failures) != fla_bound
-    if not fla_bound:
+    # hf_eager_fla runs FLA's Triton kernels, which need CUDA tensors: on CPU it records a failure,
+    # naming the missing FLA where HF did not bind it (kda_compile above ran HF as installed)
+    assert "hf_eager_fla" in failures, failures
+    if not e2e_kimi.bound_kda_implementation().startswith("fla."):
         assert "flash-linear-attention was not importable" in failures["hf_eager_fla"]

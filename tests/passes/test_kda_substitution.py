@@ -12,6 +12,12 @@ with positional arguments bound by FLA's own order; an argument kda_compile does
 the call to FLA (a logged graph break); eager calls run the original code; the environment
 switch registers nothing and ``Config(kda_substitution=False)`` traces the original code; the
 report names each site, its entry point and source line, and lists an unsubstituted reference.
+
+Where flash-linear-attention is installed, HF's wrappers bound FLA's functions at import, whose
+Triton kernels need CUDA tensors: eager references here are always HF's torch references
+(``wrapper.__wrapped__``, tests/hf_kda_binding.py); the ``wrapper`` cases then test the FLA-bound
+wrapper under compile (our op against the torch reference) and expect the report entry of the
+actual binding; a GDN wrapper bound to FLA is checked to be left to FLA.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from kda_compile.passes import kda_substitution
 from kda_compile.passes.kda_sites import KdaSites
 from kda_compile.passes.manager import REWRITES, RewriteLog
 from kda_compile.testing import rel_error
+from hf_kda_binding import FLA_NAMES, binding, torch_bound, torch_entry, torch_path, torch_reference
 
 from .graph_capture import GraphCapture
 
@@ -71,6 +78,17 @@ def compile_call(fn, *args, config=QUICK, **kwargs):
     return out, cap
 
 
+def wrapper_entry(name: str) -> str:
+    """The report's entry for a call of HF's Kimi wrapper ``name``: what the wrapper bound."""
+    wrapper = getattr(hf, name)
+    bound = f"transformers {name}" if torch_bound(wrapper) else f"fla {FLA_NAMES[name]}"
+    return f"{bound} via HF wrapper"
+
+
+def kda_sites(cap: GraphCapture) -> list:
+    return [r for r in cap.reports[-1].rewritten if r.rewrite == "kda_substitution"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Hugging Face's torch references
 # ----------------------------------------------------------------------------------------------
@@ -80,16 +98,21 @@ def compile_call(fn, *args, config=QUICK, **kwargs):
 @pytest.mark.parametrize("through", ["wrapper", "__wrapped__"])
 @pytest.mark.parametrize("with_state", [True, False])
 def test_hf_reference_becomes_our_op(name, op, T, through, with_state):
-    fn = getattr(hf, name) if through == "wrapper" else getattr(hf, name).__wrapped__
+    """Through HF's wrapper (bound to the torch reference, or to FLA where FLA is installed) and
+    the torch reference called directly; the eager reference is HF's torch function."""
+    wrapper = getattr(hf, name)
+    fn = wrapper if through == "wrapper" else wrapper.__wrapped__
     (q, k, v, g, beta), h0 = inputs(T=T, state=with_state)
 
-    def call(q, k, v, g, beta, h0):  # as KimiLinearDeltaAttention.forward calls it (plus a stray kwarg)
+    def call(q, k, v, g, beta, h0, fn=fn):  # as KimiLinearDeltaAttention.forward calls it (plus a stray kwarg)
         return fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=with_state,
                   use_qk_l2norm_in_kernel=True, position_ids=None)
 
     (o, state), cap = compile_call(call, q, k, v, g, beta, h0)
-    o_ref, state_ref = call(q, k, v, g, beta, h0)
+    o_ref, state_ref = call(q, k, v, g, beta, h0, fn=torch_reference(wrapper))
     assert kda_ops(cap) == [op], cap.before[-1].code
+    (site,) = kda_sites(cap)
+    assert site.details["entry"] == (wrapper_entry(name) if through == "wrapper" else f"transformers {name}")
     assert "cumsum" not in cap.before[-1].code and "eye" not in cap.before[-1].code
     assert o.dtype == torch.float32 and rel_error(o, o_ref) < FP32_TOL
     if with_state:
@@ -99,13 +122,22 @@ def test_hf_reference_becomes_our_op(name, op, T, through, with_state):
 
 
 @pytest.mark.parametrize("name", ["chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"])
-def test_hf_bf16_outputs_and_states(name):
+@pytest.mark.parametrize("through", ["wrapper", "__wrapped__"])
+def test_hf_bf16_outputs_and_states(name, through):
+    """bf16 inputs: bf16 outputs, float32 states, close to HF's torch reference in fp32. HF's torch
+    reference takes a bf16 initial state (it casts it); FLA's functions take float32 states only
+    (FLA's chunk_kda asserts it; HF hands them its float32 cache), so a wrapper bound to FLA gets
+    a float32 one."""
     (q, k, v, g, beta), h0 = inputs(T=20)
-    fn = getattr(hf, name)
-    call = lambda *a: fn(*a[:3], g=a[3], beta=a[4], initial_state=a[5], output_final_state=True,  # noqa: E731
-                         use_qk_l2norm_in_kernel=True)
-    (o, state), cap = compile_call(call, *(x.bfloat16() for x in (q, k, v, g, beta)), h0.bfloat16())
-    o_ref, state_ref = call(q, k, v, g, beta, h0)  # fp32 reference
+    wrapper = getattr(hf, name)
+    fn = wrapper if through == "wrapper" else wrapper.__wrapped__
+    state_dtype = torch.bfloat16 if through == "__wrapped__" or torch_bound(wrapper) else torch.float32
+
+    def call(q, k, v, g, beta, h0, fn=fn):
+        return fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+    (o, state), cap = compile_call(call, *(x.bfloat16() for x in (q, k, v, g, beta)), h0.to(state_dtype))
+    o_ref, state_ref = call(q, k, v, g, beta, h0, fn=torch_reference(wrapper))  # fp32 reference
     assert kda_ops(cap)
     assert o.dtype == torch.bfloat16 and state.dtype == torch.float32
     assert rel_error(o, o_ref) < BF16_TOL and rel_error(state, state_ref) < BF16_TOL
@@ -135,12 +167,22 @@ class RecordOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_eager_calls_run_the_original_code():
+@pytest.mark.parametrize("through", ["wrapper", "__wrapped__"])
+def test_eager_calls_run_the_original_code(through):
+    """Both substituted objects run HF's torch code eagerly. A wrapper bound to FLA runs FLA's
+    function eagerly, whose kernels need CUDA: that case is checked with a fake FLA
+    (test_hf_wrapper_bound_to_fla_is_substituted) and skipped here."""
+    chunk, recurrent = hf.chunk_kimi_delta_attention, hf.recurrent_kimi_delta_attention
+    if through == "wrapper" and not (torch_bound(chunk) and torch_bound(recurrent)):
+        pytest.skip(f"HF's Kimi wrappers are bound to {binding(chunk)} / {binding(recurrent)} (FLA's kernels "
+                    "need CUDA tensors)")
+    if through == "__wrapped__":
+        chunk, recurrent = chunk.__wrapped__, recurrent.__wrapped__
     (q, k, v, g, beta), h0 = inputs(T=9)
     with RecordOps() as rec:
-        hf.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
-        hf.recurrent_kimi_delta_attention(q[:, :1], k[:, :1], v[:, :1], g=g[:, :1], beta=beta[:, :1],
-                                          initial_state=h0, output_final_state=True)
+        chunk(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
+        recurrent(q[:, :1], k[:, :1], v[:, :1], g=g[:, :1], beta=beta[:, :1], initial_state=h0,
+                  output_final_state=True)
     assert rec.ops and not any("kda_compile" in op for op in rec.ops)
     assert any("cumsum" in op for op in rec.ops)  # HF's chunk reference ran
 
@@ -155,23 +197,36 @@ qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_
                                        ("torch_recurrent_gated_delta_rule", "fused_recurrent_kda_fwd", 1)])
 @pytest.mark.parametrize("value_heads", [2, 4])
 def test_hf_gated_delta_rule_becomes_our_op(name, op, T, value_heads):
-    fn = getattr(qwen3_next, name)
-    if value_heads != 2 and "repeat_interleave" not in inspect.getsource(fn.__wrapped__):
+    """HF's torch reference, through HF's wrapper when the wrapper bound it; a wrapper bound to
+    FLA's GDN kernels is left to FLA (test_hf_gdn_wrapper_bound_to_fla_is_left_to_fla)."""
+    fn = torch_entry(getattr(qwen3_next, name))
+    if value_heads != 2 and "repeat_interleave" not in inspect.getsource(torch_reference(fn)):
         pytest.skip(f"transformers {transformers_version()}'s {name} has no grouped value heads")
     (q, k, v, g, beta), h0 = inputs(T=T, H=value_heads)
     q, k = q[:, :, :2], k[:, :, :2]  # 2 q/k heads; value head h reads q/k head h // (value_heads // 2)
     g = g[..., 0]  # one decay per value head
 
-    def call(q, k, v, g, beta, h0):
+    def call(q, k, v, g, beta, h0, fn=fn):
         return fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
                   cu_seqlens=None)
 
     (o, state), cap = compile_call(call, q, k, v, g, beta, h0)
-    o_ref, state_ref = call(q, k, v, g, beta, h0)
+    o_ref, state_ref = call(q, k, v, g, beta, h0, fn=torch_reference(fn))
     assert kda_ops(cap) == [op]
     assert rel_error(o, o_ref) < FP32_TOL and rel_error(state, state_ref) < FP32_TOL
     (site,) = [r for r in cap.reports[-1].rewritten if r.rewrite == "kda_substitution"]
     assert "GDN gate broadcast" in site.details["entry"] and site.details["heads"] == f"2/{value_heads}"
+
+
+@pytest.mark.parametrize("name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
+def test_hf_gdn_wrapper_bound_to_fla_is_left_to_fla(name):
+    """FLA's GDN kernels exploit the per-head gate: a GDN wrapper bound to them is not substituted
+    (its torch reference still is)."""
+    wrapper = getattr(qwen3_next, name)
+    if torch_bound(wrapper):
+        pytest.skip(f"HF's {name} is bound to {binding(wrapper)}: no FLA GDN kernel to leave alone")
+    originals = [r.original for r in kda_substitution.registered()]
+    assert not any(o is wrapper for o in originals) and any(o is wrapper.__wrapped__ for o in originals)
 
 
 def transformers_version() -> str:
@@ -193,7 +248,9 @@ def test_tiny_qwen3_next_prefill():
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     ids = torch.randint(3, 128, (2, 70), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    # HF's torch path whatever is installed (FLA's / causal-conv1d's kernels need CUDA tensors)
+    with torch.no_grad(), torch_path(qwen3_next, "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+                                     "causal_conv1d_fn", "causal_conv1d_update"):
         out, cap = compile_call(model.eval(), ids)
         ref = model(ids)
     assert kda_ops(cap) == ["chunk_kda_fwd"]
@@ -204,8 +261,9 @@ def test_tiny_qwen3_next_prefill():
 # Switches
 # ----------------------------------------------------------------------------------------------
 def test_config_off_traces_the_original_code():
+    """On HF's torch path (the wrapper when it bound the reference): traced as written it runs on CPU."""
     (q, k, v, g, beta), h0 = inputs(T=5)
-    fn = hf.recurrent_kimi_delta_attention
+    fn = torch_entry(hf.recurrent_kimi_delta_attention)
 
     def call(q, k, v, g, beta, h0):
         return fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True)
@@ -344,6 +402,17 @@ def test_fla_positional_arguments_are_bound_by_fla_order(fake_fla):
     assert cap.reports[-1].rewritten[0].details["scale"] == pytest.approx(0.3)
 
 
+def test_fla_recurrent_bf16_state_is_upcast_as_fla_reads_it(fake_fla):
+    """FLA's fused_recurrent_kda accepts a bf16 initial state (read in fp32, fp32 final state); the
+    substitute hands our op its exact fp32 upcast instead of failing where eager FLA runs."""
+    q, k, v, g, beta, h0 = fla_inputs(T=4)
+    call = lambda *a: fake_fla.fused_recurrent_kda(*a[:5], initial_state=a[5], output_final_state=True)  # noqa: E731
+    (o, state), cap = compile_call(call, q, k, v, g, beta, h0.bfloat16())
+    o_ref, state_ref = call(q, k, v, g, beta, h0.bfloat16().float())
+    assert kda_ops(cap) == ["fused_recurrent_kda_fwd"] and state.dtype == torch.float32
+    assert rel_error(o, o_ref) < FP32_TOL and rel_error(state, state_ref) < FP32_TOL
+
+
 def test_fla_argument_we_do_not_take_leaves_the_call_to_fla(fake_fla, caplog):
     q, k, v, g, beta, h0 = fla_inputs(T=6)
     at_default = lambda *a: fake_fla.chunk_kda(*a, transpose_state_layout=False)  # noqa: E731
@@ -402,43 +471,60 @@ def test_hf_wrapper_bound_to_fla_is_substituted(hf_with_fake_fla):
 
 
 IMPORT_ORDER_SCRIPT = textwrap.dedent('''
-    import json, sys
+    import json
     import torch
+    import fla
     import fla.ops.kda
     import transformers.models.kimi_linear.modeling_kimi_linear as hf
     import kda_compile  # after both
     from kda_compile.passes import kda_substitution
+    from hf_kda_binding import binding
 
     q, k, v, g = (torch.randn(1, 6, 2, 8) for _ in range(4))
     g, beta = -g.abs(), torch.rand(1, 6, 2)
+
+
+    def through_fla(q, k, v, g, beta):
+        return fla.ops.kda.chunk_kda(q, k, v, g=g, beta=beta)[0] * 2
+
+
+    def through_hf(q, k, v, g, beta):
+        return hf.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta)[0] * 2
+
+
     ok = {}
-    for name, fn in (("fla", fla.ops.kda.chunk_kda), ("hf", hf.chunk_kimi_delta_attention)):
+    for name, fn in (("fla", through_fla), ("hf", through_hf)):
+        torch._dynamo.reset()  # no state left by the attempt before (a failed frame may be marked to skip)
         try:
-            torch.compile(lambda *a: fn(*a[:3], g=a[3], beta=a[4])[0] * 2, backend="aot_eager",
-                          fullgraph=True)(q, k, v, g, beta)
+            torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, g, beta)
             ok[name] = True
         except Exception:
             ok[name] = False
     entries = sorted(at for r in kda_substitution.registered() for at in r.found_at)
-    print(json.dumps({"entries": entries, "one_graph": ok}))
+    print(json.dumps({"fla": fla.__version__, "hf_bound": binding(hf.chunk_kimi_delta_attention),
+                      "entries": entries, "one_graph": ok}))
 ''')
 
 
 @pytest.mark.parametrize("env", ["1", "0"])
 def test_fla_and_hf_imported_before_kda_compile(tmp_path, env):
-    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([write_fake_fla(tmp_path), os.environ.get("PYTHONPATH", "")]),
-                   KDA_COMPILE_SUBSTITUTION=env)
+    """A fresh process imports the fake FLA (first on PYTHONPATH: it shadows an installed FLA)
+    and HF's Kimi module (whose wrapper binds the fake) before kda_compile."""
+    path = [write_fake_fla(tmp_path), os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            os.environ.get("PYTHONPATH", "")]
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(path), KDA_COMPILE_SUBSTITUTION=env)
     done = subprocess.run([sys.executable, "-c", IMPORT_ORDER_SCRIPT], env=environ, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["fla"] == "0.0.fake" and result["hf_bound"] == "fla.ops.kda.chunk.chunk_kda", result
     if env == "1":
         assert {"fla.ops.kda.chunk_kda", "fla.ops.kda.fused_recurrent_kda",
                 "transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"} <= set(
                     result["entries"]), result
-        assert result["one_graph"] == {"fla": True, "hf": True}
+        assert result["one_graph"] == {"fla": True, "hf": True}, result
     else:  # nothing registered: FLA's disabled function breaks the graph, as without kda_compile
-        assert result["entries"] == [] and result["one_graph"] == {"fla": False, "hf": False}
+        assert result["entries"] == [] and result["one_graph"] == {"fla": False, "hf": False}, result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -457,11 +543,12 @@ def test_report_names_sites_entry_points_and_source_lines():
     chunk, recurrent = cap.reports[-1].rewritten
     line = layer.__code__.co_firstlineno
     assert chunk.op == "kda_compile.chunk_kda_fwd" and chunk.source == f"test_kda_substitution.py:{line + 1}"
-    assert chunk.details["entry"] == "transformers chunk_kimi_delta_attention via HF wrapper"
+    assert chunk.details["entry"] == wrapper_entry("chunk_kimi_delta_attention")
     assert chunk.details["kind"] == "chunk" and chunk.details["heads"] == "2/2" and chunk.details["K"] == 16
     assert chunk.details["use_qk_l2norm_in_kernel"] is True and chunk.details["initial_state"] is True
     assert chunk.details["lower_bound"] is None and chunk.details["output_final_state"] is True
     assert recurrent.op == "kda_compile.fused_recurrent_kda_fwd" and recurrent.details["kind"] == "recurrent"
+    assert recurrent.details["entry"] == wrapper_entry("recurrent_kimi_delta_attention")
     assert recurrent.source == f"test_kda_substitution.py:{line + 3}"
     assert recurrent.details["output_final_state"] is False
 

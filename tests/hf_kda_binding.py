@@ -1,0 +1,77 @@
+"""What Hugging Face's KDA / gated-delta-rule wrappers call, and HF's torch references for CPU tests.
+
+transformers decorates ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention``
+(Kimi-Linear) and ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule``
+(Qwen3-Next and relatives) with ``use_kernel_func_from_hub_with_fallback``: the module-level name
+holds a wrapper that, at import, bound flash-linear-attention's function (``fla`` importable) or
+else the torch reference it wraps (``wrapper.__wrapped__``). FLA's functions run Triton kernels on
+CUDA tensors only, so a CPU test that needs HF's eager result takes it from the torch reference,
+whatever is installed; a test of "the wrapper" tests what the wrapper bound (``binding``).
+
+Imported by the tests as the top-level module ``hf_kda_binding`` (pytest puts ``tests/`` on
+``sys.path``: ``tests/`` has no ``__init__.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Callable, Iterator
+
+# HF's wrapped name -> FLA's function it binds when ``fla`` is importable (HF's decorator arguments).
+FLA_NAMES = {
+    "chunk_kimi_delta_attention": "chunk_kda",
+    "recurrent_kimi_delta_attention": "fused_recurrent_kda",
+    "torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+}
+
+
+def torch_reference(fn: Callable) -> Callable:
+    """HF's torch reference behind ``fn`` (HF's wrapper, or the reference itself)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def bound_implementation(fn: Callable) -> Callable:
+    """The function a call of ``fn`` runs: what HF's wrapper bound at import (read from its
+    closure, as kda_compile's substitution does), or ``fn`` itself when it is not HF's wrapper."""
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ())) if isinstance(fn, types.FunctionType) else {}
+    try:
+        return cells["implementation"].cell_contents
+    except (KeyError, ValueError):
+        return fn
+
+
+def torch_bound(fn: Callable) -> bool:
+    """Whether calling ``fn`` runs HF's torch reference (no FLA was bound)."""
+    return bound_implementation(fn) is torch_reference(fn)
+
+
+def binding(fn: Callable) -> str:
+    """``"torch"``, or the qualified name of the FLA function HF's wrapper bound (for skip reasons
+    and assertion messages)."""
+    if torch_bound(fn):
+        return "torch"
+    implementation = bound_implementation(fn)
+    return f"{implementation.__module__}.{implementation.__name__}"
+
+
+def torch_entry(fn: Callable) -> Callable:
+    """What a test calls to run HF's torch reference through HF's own entry: the wrapper when it
+    bound the reference (so the wrapper is exercised too), else the reference itself."""
+    return fn if torch_bound(fn) else torch_reference(fn)
+
+
+@contextlib.contextmanager
+def torch_path(module: types.ModuleType, *names: str) -> Iterator[None]:
+    """HF's torch path for the duration: each of ``module``'s ``names`` whose wrapper bound another
+    implementation (FLA, causal-conv1d) points at its torch reference; model code looks the names
+    up at call time. Wrappers bound to the torch reference are kept (the path is the same and the
+    wrapper stays under test). Restored afterwards."""
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        for name, fn in saved.items():
+            setattr(module, name, torch_entry(fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
+import types
 from dataclasses import dataclass
 
 import torch
@@ -114,18 +114,22 @@ def registered_backends() -> list[str]:
     return [backend.name for _, backend in _registry]
 
 
-_restriction = threading.local()
+# Process-wide, not thread-local: autograd runs a CUDA backward on its own device thread, and the
+# backward must pick the backend the forward picked (a restriction it did not see sent the backward of a
+# reference forward to FLA's kernels with no residuals).
+_restriction = types.SimpleNamespace(names=None)
 
 
 @contextlib.contextmanager
 def only_backends(*names: str):
-    """Within the block (this thread), only the named backends (and the reference) may serve calls:
-    e.g. ``only_backends("fla")`` measures the FLA path while faster backends are registered."""
+    """Within the block, only the named backends (and the reference) may serve calls, in every thread
+    (autograd's backward threads included): e.g. ``only_backends("fla")`` measures the FLA path while
+    faster backends are registered. Meant for tests and benchmarks, not for concurrent use."""
     known = registered_backends()
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"names must be registered KDA backends ({', '.join(known)}), got {unknown}")
-    previous = getattr(_restriction, "names", None)
+    previous = _restriction.names
     _restriction.names = frozenset(names) | {REFERENCE.name}
     try:
         yield
@@ -136,7 +140,7 @@ def only_backends(*names: str):
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions):
     """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
     reasons = []
-    allowed = getattr(_restriction, "names", None)
+    allowed = _restriction.names
     for _, backend in _registry:
         if allowed is not None and backend.name not in allowed:
             continue

@@ -60,14 +60,17 @@ def _tuned(kernel_name: str):
 
     tests/conftest.py makes every autotuner run only the first config during tests, so each list
     starts with a safe default."""
-    # Pruned from sm_90 offline compiles (ptxas -v; H200 shared memory 227 KiB): the prepare kernel
-    # spills in every config (least with 16-column K slices at 8 warps: ~450 B; BKC=64 at 4 warps ~4 KiB);
-    # the scan spills at 4 warps for K >= 128 and needs > 227 KiB of shared memory with 3 stages (and for
-    # K = 256 bf16 with 2), so 8 warps with 1 stage leads.
+    # The prepare kernel (offline sm_90 compiles, ptxas -v, /tmp/hP/check_compile.py), all 4 warps: 16-
+    # channel K slices with 2 stages (pipelined loads) spill at most 16 B over every dtype, K, V and flag
+    # combination, so it leads; 32-channel slices with one stage issue ~30% fewer instructions per chunk
+    # (K = 128) but spill up to ~280 B (~250 B more with two stages); the third takes pass 2 in
+    # 128-column slices. Which is fastest is for the GPU to say (autotuned).
+    # The scan spills at 4 warps for K >= 128 and needs > 227 KiB of shared memory with 3 stages (and
+    # for K = 256 bf16 with 2), so 8 warps with 1 stage leads.
     if kernel_name == "prepare":
-        configs = [triton.Config({"BKC": 16, "BVC": 16}, num_warps=8, num_stages=1),
-                   triton.Config({"BKC": 16, "BVC": 32}, num_warps=8, num_stages=1),
-                   triton.Config({"BKC": 32, "BVC": 32}, num_warps=4, num_stages=1)]
+        configs = [triton.Config({"BKC": 16, "BWC": 64}, num_warps=4, num_stages=2),
+                   triton.Config({"BKC": 32, "BWC": 64}, num_warps=4, num_stages=1),
+                   triton.Config({"BKC": 32, "BWC": 128}, num_warps=4, num_stages=1)]
         return triton.autotune(configs, key=["H", "HV", "K", "V", "GATE", "L2NORM", "SAVE_AKK"])(kda_prepare_kernel)
     stages = [triton.Config({}, num_warps=8, num_stages=1), triton.Config({}, num_warps=8, num_stages=2),
               triton.Config({}, num_warps=4, num_stages=1)]
@@ -77,12 +80,12 @@ def _tuned(kernel_name: str):
 
 def _precisions(dtype: torch.dtype):
     """(DOT_BF16, dot precision, solve precision, combine precision) for the input dtype."""
-    if _interpreted():
-        return dtype == torch.bfloat16, "ieee", "ieee", "ieee"
-    # fp32 products of the chunk algorithm run as TF32 (FLA does the same); the 16 x 16 solve merges
-    # stay exact fp32 (cheap, and they carry the ill-conditioned cases); the segment combine uses
-    # 3xTF32, about fp32 accuracy on tensor cores.
-    return dtype == torch.bfloat16, "tf32", "ieee", "tf32x3"
+    if _interpreted():  # the interpreter computes every product in fp32; "tf32x3" runs the split code
+        return dtype == torch.bfloat16, "ieee", "tf32x3", "ieee"
+    # fp32 products of the chunk algorithm run as TF32 (FLA does the same); the block merges of the
+    # triangular solve (they carry the ill-conditioned cases) and the segment combine use 3xTF32,
+    # about fp32 accuracy on tensor cores.
+    return dtype == torch.bfloat16, "tf32", "tf32x3", "tf32x3"
 
 
 @cache
@@ -205,7 +208,7 @@ def chunk_kda_prefill(
                        cu_seqlens, chunk_offsets)
     if _interpreted():
         kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),
-                                        BVC=min(64, _pow2(V)), num_warps=1)
+                                        BWC=min(64, _pow2(max(K, V))), num_warps=1)
     else:
         _tuned("prepare")[(slots, HV)](*prepare_tensors, **prepare_args)
 

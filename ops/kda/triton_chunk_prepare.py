@@ -1,8 +1,8 @@
 """Kernel 1 of our fused KDA prefill: the chunk-parallel "prepare" pass (kda.md sections 4 and 5).
 
 Triton only: nothing here knows of torch.compile, custom ops or backends (``triton_chunk.py`` launches
-it). One program owns one chunk of ``BT = 64`` tokens of one value head, split into four 16-row
-sub-blocks, and does everything that needs no recurrent state:
+it). One program owns one chunk of ``BT = 64`` tokens of one value head and does everything that needs
+no recurrent state:
 
     q, k  <- l2norm(q), l2norm(k)                       (optional; eps inside the sqrt), q *= scale
     g     <- gate(g) in log2 units                      (precomputed, softplus or lower-bound form)
@@ -10,44 +10,64 @@ sub-blocks, and does everything that needs no recurrent state:
     beta  <- sigmoid(beta) (x2 with negative eigenvalues) (optional)
     A_qk[i, j] = sum_d q_i k_j 2^(G_i - G_j)            j <= i
     A_kk[i, j] = beta_i sum_d k_i k_j 2^(G_i - G_j)      j <  i
-    T    = (I + A_kk)^-1                                (forward substitution on chip, fp32)
+    T    = (I + A_kk)^-1                                (fp32, on chip)
     w = T (beta 2^G k),  u = T (beta v),  qg = q 2^G,  kd = k 2^(G_last - G),  decay = 2^G_last
 
 and writes ``w, u, qg, kd, A_qk`` (input dtype) and ``decay`` (fp32) for the recurrence kernel
 (``triton_chunk_scan.py``). When asked, it also writes what FLA's backward needs, in FLA 0.6's
 formats: ``T`` (``Akk``, unit lower triangular, k's dtype) and the chunk-local ``G`` (fp32, log2 units).
 
-Numerics:
-- ``2^(G_i - G_j)`` is never formed for ``j > i`` (it overflows). Off-diagonal 16 x 16 blocks (row
-  block r, column block s < r) factor it as ``2^(G_i - n_r) * 2^(n_r - c_s) * 2^(c_s - G_j)`` with
-  ``n_r`` the first row of block r and ``c_s`` the last row of block s: every factor <= 1, and the
-  row factors ``2^(G - n)``, ``2^(c - G)`` of each block also give ``qg`` and ``kd`` (one exp2 per
-  element and factor instead of one per element and block pair). A diagonal block uses the anchor
-  ``n_r - ANCHOR_SHIFT`` when the block's decay range (per K slice) is at most ``DIAG_RANGE_LIMIT``
-  (then every factor is a finite fp32 number and no kept product loses more than 2^-26 of |q||k| to
-  underflow); otherwise (very negative gates) it computes the exact element-wise sum column by column.
-  Anchors come from a block's first row, so no rounding depends on later tokens' gates except through
-  the choice between the two diagonal paths.
+Work is on whole tiles: the chunk is held as ``[NB = 4, BC = 16, BKC]`` (16-row blocks x a K slice),
+so per-block quantities (block sums, anchors) broadcast along the middle axis, and the ``A`` matrices
+are built as four column stripes ``[64, 16]`` (key block s), each from two ``[64, BKC] x [BKC, 16]``
+tensor-core products per K slice (TF32, ``A_PRECISION``). Pass 1 (per K slice) reads q, k, g once;
+pass 2 reads v and the ``beta 2^G k`` it left in ``W``.
+
+Numerics (g <= 0, so G decreases along the chunk):
+- ``2^(G_i - G_j)`` is never formed for ``j > i`` outside the diagonal blocks. Stripe s uses the anchor
+  ``a_s`` (per channel): ``2^(G_i - G_j) = 2^(G_i - a_s) * 2^(a_s - G_j)``. The key factor is one exp2
+  per element (each key row uses its own block's anchor); the query factor is
+  ``2^(G_i - p_r) * 2^(p_r - a_s)`` (``p_r`` the cumulative gate before the query's block r), one exp2
+  per element plus one per block and channel.
+  For query blocks r > s every factor is <= 1 with ``a_s`` = the end of block s; a factor that
+  underflows stands for a product that underflows too.
+- Diagonal blocks (r = s): in channels where the block's decay range ``R = p_s - c_s`` is at most
+  ``DIAG_RANGE_LIMIT`` = 100, ``a_s`` is the middle of that range: the query factor
+  ``2^(G_i - p_s) * 2^(p_s - a_s)`` and the key factor lie in ``[2^-R/2, 2^R/2]``, and the first factor
+  (>= 2^-100) is still a normal number (beyond about 126 it would underflow while the product does
+  not). For r > s the query factor is then <= 2^-R/2 and the key factor <= 2^50, so a query factor
+  that underflows loses less than ``2^-76 |q||k|``. Channels with a larger range (gates near -inf)
+  take ``a_s = c_s`` and their diagonal block is summed exactly, element by element with the decay
+  masked to ``-inf`` above the diagonal before exp2 (``_exact_diagonal``: slow, in a second pass over
+  K that runs only when some slice needs it and reloads its inputs).
 - Gates are floored at ``GATE_FLOOR`` (log2 units): any span containing such a step decays by less
-  than 2^-150, which is 0 in fp32 either way; the floor keeps ``-inf`` gates from producing NaN and
-  keeps the cumulative sums small.
-- The triangular inverse: forward substitution on each 16 x 16 diagonal block, then block merges in
-  fp32 (``SOLVE_PRECISION``); never a Neumann series (NaN on 16 identical keys, kda.md section 5).
+  than 2^-150, which is 0 in fp32 either way; the floor keeps ``-inf`` gates from producing NaN.
+- The triangular inverse: forward substitution on the four 16 x 16 diagonal blocks at once (fp32),
+  then ``T = (I + N)^-1 D^-1`` with ``N = D^-1 L_off`` strictly block-lower, so the block series
+  ``I - N + N^2 - N^3`` is exact algebra; applied stripe by stripe in Horner form (``SOLVE_PRECISION``).
+  Never an element-level Neumann series (NaN on 16 identical keys, kda.md section 5).
+- The L2 norms are computed from the loaded tiles when K fits one slice, else in a first pass over K.
 
 Layouts: q, k ``[TT, H, K]``; v ``[TT, HV, V]``; g ``[TT, HV, K]``; beta ``[TT, HV]`` (TT = B * T packed
 tokens, contiguous). Outputs ``w, qg, kd`` ``[TT, HV, K]``, ``u`` ``[TT, HV, V]``, ``A_qk`` and ``Akk``
 ``[TT, HV, BT]`` (row t holds its chunk's row; zeros above the diagonal), ``G`` ``[TT, HV, K]``,
-``decay`` ``[chunks, HV, K]``.
+``decay`` ``[chunks, HV, K]``. ``W`` doubles as scratch: pass 1 stores ``beta 2^G k`` there and pass 2
+overwrites it with ``T`` times it (same program, after a barrier).
 """
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Plain globals are rejected by the compiler (not by the interpreter): constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)
 L2NORM_EPS = tl.constexpr(1e-6)
 GATE_FLOOR = tl.constexpr(-150.0)  # log2 units: 2^-150 rounds to 0 in fp32
-ANCHOR_SHIFT = tl.constexpr(30.0)  # diagonal blocks: query factors <= 2^30, key factors <= 2^(range - 30)
-DIAG_RANGE_LIMIT = tl.constexpr(130.0)  # beyond it, the exact element-wise diagonal
+DIAG_RANGE_LIMIT = tl.constexpr(100.0)  # beyond it (per block and channel), the exact diagonal
+
+# The hardware log2 (MUFU) instead of libdevice's polynomial log2f; the interpreter has no libdevice.
+FAST_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 GATE_PRECOMPUTED = tl.constexpr(0)
 GATE_SOFTPLUS = tl.constexpr(1)
@@ -55,154 +75,177 @@ GATE_LOWER_BOUND = tl.constexpr(2)
 
 
 @triton.jit
-def _row(x, i, BC: tl.constexpr):
-    """Row ``i`` of a ``[BC, D]`` tile as a ``[D]`` vector (exact: the other rows add zeros)."""
-    rows = tl.arange(0, BC)
-    return tl.sum(tl.where(rows[:, None] == i, x, 0.0), 0)
+def _log2(x):
+    if FAST_LOG2:
+        y = libdevice.fast_log2f(x)
+    else:
+        y = tl.log2(x)
+    return y
 
 
 @triton.jit
-def _log2_gate(G_in, A_log, Dt_bias, tok, row_ok, hv, cols, col_ok, lower_bound,
-               HV: tl.constexpr, K: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-               HAS_DT_BIAS: tl.constexpr):
-    """The log2 decay of a ``[BC, BKC]`` tile: 0 outside the sequence and past K (no decay there)."""
-    ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(G_in + (tok * HV + hv)[:, None] * K + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    if GATE != GATE_PRECOMPUTED:
+def _log2_gate(x, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K: tl.constexpr, GATE: tl.constexpr,
+               HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """The log2 decay of a raw ``[NB, BC, BKC]`` fp32 gate tile (``cols`` ``[BKC]``), floored."""
+    if GATE == GATE_PRECOMPUTED:
+        x = x * LOG2E
+    else:
         if HAS_DT_BIAS:
-            x += tl.load(Dt_bias + hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            x += tl.load(Dt_bias + hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)[None, None, :]
         if GATE == GATE_SOFTPLUS:
-            # -exp(A_log) * softplus(x), softplus = x above 20 (as HF and torch), else log1p(exp(x)) with
-            # the log1p that keeps full relative precision for tiny exp(x): log(u) * y / (u - 1).
-            a = tl.exp(tl.load(A_log + hv).to(tl.float32))
-            y = tl.exp(tl.minimum(x, 20.0))
+            # -exp(A_log) * softplus(x) / ln 2, softplus = x above 20 (as HF and torch), else log1p(exp(x))
+            # with the log1p that keeps full relative precision for tiny exp(x):
+            # log2(1 + y) = log2(u) * y / (u - 1), u = 1 + y rounded. exp2 / log2 (one MUFU op each) and
+            # an approximate division: libdevice's log and an IEEE division cost tens of instructions per
+            # element, and 2 ulp are plenty here.
+            a = 1.0
+            if HAS_A_LOG:  # (the op layer requires A_log here; no read of the 1-element dummy otherwise)
+                a = tl.exp2(tl.load(A_log + hv).to(tl.float32) * LOG2E)
+            y = tl.exp2(tl.minimum(x, 20.0) * LOG2E)
             u = 1.0 + y
-            log1p = tl.where(u == 1.0, y, tl.log(u) * (y / tl.where(u == 1.0, 1.0, u - 1.0)))
-            x = -a * tl.where(x > 20.0, x, log1p)
+            log2_1p = tl.where(u == 1.0, y * LOG2E, _log2(u) * tl.fdiv(y, tl.where(u == 1.0, 1.0, u - 1.0)))
+            x = -a * tl.where(x > 20.0, x * LOG2E, log2_1p)
         else:
             if HAS_A_LOG:
-                x = tl.exp(tl.load(A_log + hv).to(tl.float32)) * x
-            x = lower_bound * tl.sigmoid(x)
-    x = tl.maximum(x * LOG2E, GATE_FLOOR)
-    return tl.where(ok, x, 0.0)
+                x = tl.exp2(tl.load(A_log + hv).to(tl.float32) * LOG2E) * x
+            x = (lower_bound * LOG2E) * tl.fdiv(1.0, 1.0 + tl.exp2(-x * LOG2E))  # lb * sigmoid(x) / ln 2
+    return tl.maximum(x, GATE_FLOOR)
 
 
 @triton.jit
-def _rstd(X, tok, row_ok, head, L2NORM: tl.constexpr, NH: tl.constexpr, K: tl.constexpr,
-          BKC: tl.constexpr, BC: tl.constexpr):
-    """``1 / sqrt(sum(x^2) + eps)`` per row of a 16-row block (ones without the L2 norm)."""
-    acc = tl.zeros([BC], dtype=tl.float32)
-    if L2NORM:
-        for k0 in range(0, K, BKC):
-            cols = k0 + tl.arange(0, BKC)
-            x = tl.load(X + (tok * NH + head)[:, None] * K + cols[None, :],
-                        mask=row_ok[:, None] & (cols < K)[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(x * x, 1)
-        acc = 1.0 / tl.sqrt(acc + L2NORM_EPS)
+def _beta(Beta, rows, ok, beta_scale, HV: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+    """beta of the chunk rows ``rows`` (any shape; ``Beta`` points at the chunk's first row), 0 outside
+    the sequence."""
+    b = tl.load(Beta + rows * HV, mask=ok, other=0.0).to(tl.float32)
+    if BETA_SIGMOID:
+        b = tl.where(ok, tl.sigmoid(b) * beta_scale, 0.0)
+    return b
+
+
+@triton.jit
+def _block(x, s, NB: tl.constexpr):
+    """Block ``s`` of a ``[NB, D]`` tensor as ``[D]`` (exact: the other blocks add zeros)."""
+    return tl.sum(tl.where(tl.arange(0, NB)[:, None] == s, x, 0.0), 0)
+
+
+@triton.jit
+def _blocks(x, NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
+    """The four ``[BC, BKC]`` blocks of a ``[NB, BC, BKC]`` tile, by two splits (one layout conversion
+    of the tile, instead of a cross-lane reduction per block)."""
+    x = tl.reshape(tl.permute(x, (1, 2, 0)), [BC, BKC, 2, 2])  # [..., b // 2, b % 2]
+    even, odd = tl.split(x)
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _stripe(qe, ke, key, P, anchors, fast, s: tl.constexpr, PRECISION: tl.constexpr, NB: tl.constexpr,
+            BC: tl.constexpr, BKC: tl.constexpr):
+    """One K slice of column stripe s (keys of block s) of ``A_qk`` and ``A_kk``: two ``[NB * BC, BC]``
+    fp32 products. ``qe, ke = q, k * 2^(G - p_own)`` ``[NB, BC, BKC]``, ``key = k * 2^(a_s - G)`` of the
+    block's 16 keys ``[BC, BKC]``; ``P`` (gate before each block), ``anchors`` and ``fast`` ``[NB, BKC]``.
+    Diagonal entries of slow channels are left out (``_exact_diagonal`` adds them)."""
+    blocks = tl.arange(0, NB)[:, None]
+    keep = (blocks > s) | ((blocks == s) & fast)
+    middle = tl.exp2(tl.where(keep, P - _block(anchors, s, NB)[None, :], float("-inf")))  # 2^(p_r - a_s)
+    q_op = tl.reshape(qe * middle[:, None, :], [NB * BC, BKC])
+    k_op = tl.reshape(ke * middle[:, None, :], [NB * BC, BKC])
+    key_t = tl.trans(key)
+    return (tl.dot(q_op, key_t, input_precision=PRECISION), tl.dot(k_op, key_t, input_precision=PRECISION))
+
+
+@triton.jit
+def _gate_cumsum(G_in, A_log, Dt_bias, offs, m, hv, cols, col_ok, lower_bound, K: tl.constexpr,
+                 GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """The block-local cumulative log2 gate ``L`` ``[NB, BC, BKC]`` (G = p_own + L) of one K slice."""
+    g = tl.load(G_in + offs, mask=m, other=0.0).to(tl.float32)
+    g = tl.where(m, _log2_gate(g, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K, GATE, HAS_A_LOG, HAS_DT_BIAS),
+                 0.0)
+    return tl.cumsum(g, 1)
+
+
+@triton.jit
+def _exact_diagonal(q3, k3, L3, slow, NB: tl.constexpr, BC: tl.constexpr):
+    """The diagonal 16 x 16 blocks ``[NB, BC, BC]`` of ``A_qk`` and ``A_kk`` summed over the channels
+    where ``slow`` ``[NB, 1, BKC]``, element by element: ``2^(G_i - G_j)`` only where i >= j (masked to
+    -inf before exp2), never a product of large and tiny factors."""
+    rows = tl.arange(0, BC)[None, :, None]
+    cols = tl.arange(0, BC)[None, None, :]
+    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for j in range(0, BC):
+        pick = rows == j
+        k_j = tl.sum(tl.where(pick, k3, 0.0), 1)  # [NB, BKC]
+        L_j = tl.sum(tl.where(pick, L3, 0.0), 1)
+        decay = tl.exp2(tl.where((rows >= j) & slow, L3 - L_j[:, None, :], float("-inf")))
+        kd = decay * k_j[:, None, :]
+        d_qk = tl.where(cols == j, tl.sum(q3 * kd, 2)[:, :, None], d_qk)
+        d_kk = tl.where(cols == j, tl.sum(k3 * kd, 2)[:, :, None], d_kk)
+    return d_qk, d_kk
+
+
+@triton.jit
+def _unit_lower_inverse_blocks(D, NB: tl.constexpr, BC: tl.constexpr):
+    """``(I + D_b)^-1`` for each strictly lower-triangular ``[BC, BC]`` block of ``D`` ``[NB, BC, BC]``
+    (fp32): column-oriented forward substitution, after step j row j of ``Y`` is final and is
+    eliminated from the rows below it."""
+    rows = tl.arange(0, BC)[None, :, None]
+    cols = tl.arange(0, BC)[None, None, :]
+    Y = tl.where(rows == cols, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for j in range(0, BC - 1):
+        y_j = tl.sum(tl.where(rows == j, Y, 0.0), 1)  # row j of Y, [NB, BC]
+        d_j = tl.sum(tl.where(cols == j, D, 0.0), 2)  # column j of D, [NB, BC]
+        Y -= d_j[:, :, None] * y_j[:, None, :]
+    return Y
+
+
+@triton.jit
+def _assemble(s0, s1, s2, s3, BT: tl.constexpr):
+    """Four ``[BT, BC]`` column stripes side by side: ``[BT, 4 * BC]``."""
+    BC: tl.constexpr = s0.shape[1]
+    x = tl.join(tl.join(s0, s1), tl.join(s2, s3))  # [BT, BC, 2 (stripe % 2), 2 (stripe // 2)]
+    return tl.reshape(tl.permute(x, (0, 3, 2, 1)), [BT, 4 * BC])
+
+
+@triton.jit
+def _store_stripe(X, rows, ok, s: tl.constexpr, value, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Columns ``[16 s, 16 s + 16)`` of the chunk's rows of ``X [TT, HV, BT]`` (``X`` points at the
+    chunk's first row)."""
+    cols = s * BC + tl.arange(0, BC)
+    tl.store(X + rows[:, None] * (HV * BT) + cols[None, :], value.to(X.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _split_tf32(x):
+    """``x = hi + lo`` with ``hi`` exact in TF32 (mantissa rounded to 10 bits) and ``lo`` the exact
+    remainder (<= half a TF32 ulp): products of the parts on TF32 tensor cores carry about fp32 accuracy."""
+    hi = ((x.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _solve_dot(a_hi, a_lo, b, PRECISION: tl.constexpr):
+    """``a @ b`` in fp32 accuracy: three TF32 products of the split operands when ``PRECISION`` is
+    "tf32x3" (``a`` split once by the caller and reused), else one product in ``PRECISION``."""
+    if PRECISION == "tf32x3":
+        b_hi, b_lo = _split_tf32(b)
+        y = tl.dot(a_hi, b_hi, input_precision="tf32")
+        y = tl.dot(a_hi, b_lo, y, input_precision="tf32")
+        y = tl.dot(a_lo, b_hi, y, input_precision="tf32")
     else:
-        acc += 1.0
-    return acc
+        y = tl.dot(a_hi + a_lo, b, input_precision=PRECISION)
+    return y
 
 
 @triton.jit
-def _load_rows(X, tok, row_ok, head, cols, col_ok, row_scale, NH: tl.constexpr, D: tl.constexpr):
-    """A ``[BC, BD]`` fp32 tile of ``X [TT, NH, D]`` with each row multiplied by ``row_scale``."""
-    x = tl.load(X + (tok * NH + head)[:, None] * D + cols[None, :],
-                mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    return x * row_scale[:, None]
-
-
-@triton.jit
-def _store_rows(X, tok, row_ok, head, cols, col_ok, value, NH: tl.constexpr, D: tl.constexpr):
-    tl.store(X + (tok * NH + head)[:, None] * D + cols[None, :], value.to(X.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _dot_nt(a, b, PRECISION: tl.constexpr):
-    """``a @ b^T`` for fp32 ``[BC, BKC]`` tiles, fp32 accumulation."""
-    return tl.dot(a, tl.trans(b), input_precision=PRECISION)
-
-
-@triton.jit
-def _block_factors(G, BC: tl.constexpr):
-    """One 16-row block's first and last cumulative-gate rows ``n`` and ``c`` ``[BKC]``, and the row
-    factors ``e = 2^(G - n)`` and ``f = 2^(c - G)`` ``[BC, BKC]`` (both <= 1) that every decay of the
-    chunk is built from, times per-channel vectors: one exp2 per element and factor."""
-    n = _row(G, 0, BC)
-    c = _row(G, BC - 1, BC)
-    return n, c, tl.exp2(G - n[None, :]), tl.exp2(c[None, :] - G)
-
-
-@triton.jit
-def _diag_block(q, k, qe, ke, G, n, acc_qk, acc_kk, PRECISION: tl.constexpr, BC: tl.constexpr):
-    """Add one K slice of the diagonal block sums ``sum_d q_i k_j 2^(G_i - G_j)`` (and k_i k_j) to the
-    accumulators; ``qe, ke = q, k * 2^(G - n)``. Entries above the diagonal are garbage (masked by the
-    caller)."""
-    rows = tl.arange(0, BC)
-    spread = tl.max(tl.max(n[None, :] - G, 1), 0)
-    if spread <= DIAG_RANGE_LIMIT:
-        # anchor n - ANCHOR_SHIFT: query factors 2^(G - n) * 2^SHIFT, key factors 2^(n - G - SHIFT)
-        kt = k * tl.exp2(n[None, :] - G - ANCHOR_SHIFT)
-        acc_qk += _dot_nt(qe * tl.exp2(ANCHOR_SHIFT), kt, PRECISION)
-        acc_kk += _dot_nt(ke * tl.exp2(ANCHOR_SHIFT), kt, PRECISION)
-    else:
-        # Exact: for each column j, 2^(G_i - G_j) only where i >= j (masked to -inf before exp2).
-        for j in range(0, BC):
-            kj = _row(k, j, BC)
-            Gj = _row(G, j, BC)
-            decay = tl.exp2(tl.where(rows[:, None] >= j, G - Gj[None, :], float("-inf")))
-            kjd = decay * kj[None, :]
-            col = rows[None, :] == j
-            acc_qk += tl.where(col, tl.sum(q * kjd, 1)[:, None], 0.0)
-            acc_kk += tl.where(col, tl.sum(k * kjd, 1)[:, None], 0.0)
-    return acc_qk, acc_kk
-
-
-@triton.jit
-def _unit_lower_inverse(L, BC: tl.constexpr):
-    """``(I + L)^-1`` for a strictly lower-triangular ``[BC, BC]`` fp32 tile, by forward substitution:
-    row i of ``X = inverse - I`` is ``a + a X`` with ``a = -L[i, :]`` (rows < i of X are final)."""
-    rows = tl.arange(0, BC)[:, None]
-    X = -L
-    for i in range(2, BC):  # rows 0 and 1 of -L are already final
-        pick = rows == i
-        a = tl.sum(tl.where(pick, -L, 0.0), 0)
-        X = tl.where(pick, (a + tl.sum(a[:, None] * X, 0))[None, :], X)
-    return X + tl.where(rows == tl.arange(0, BC)[None, :], 1.0, 0.0)
-
-
-@triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    return tl.dot(a, b, input_precision=PRECISION)
-
-
-@triton.jit
-def _apply_lower(T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, x0, x1, x2, x3,
-                 DOT_BF16: tl.constexpr, PRECISION: tl.constexpr):
-    """``T @ x`` for a block lower-triangular ``T`` (4 x 4 blocks of 16 x 16) and four ``[16, D]`` tiles."""
-    if DOT_BF16:
-        T00, T10, T11 = T00.to(tl.bfloat16), T10.to(tl.bfloat16), T11.to(tl.bfloat16)
-        T20, T21, T22 = T20.to(tl.bfloat16), T21.to(tl.bfloat16), T22.to(tl.bfloat16)
-        T30, T31, T32, T33 = T30.to(tl.bfloat16), T31.to(tl.bfloat16), T32.to(tl.bfloat16), T33.to(tl.bfloat16)
-        x0, x1, x2, x3 = x0.to(tl.bfloat16), x1.to(tl.bfloat16), x2.to(tl.bfloat16), x3.to(tl.bfloat16)
-    y0 = _mm(T00, x0, PRECISION)
-    y1 = _mm(T10, x0, PRECISION) + _mm(T11, x1, PRECISION)
-    y2 = _mm(T20, x0, PRECISION) + _mm(T21, x1, PRECISION) + _mm(T22, x2, PRECISION)
-    y3 = _mm(T30, x0, PRECISION) + _mm(T31, x1, PRECISION) + _mm(T32, x2, PRECISION) + _mm(T33, x3, PRECISION)
-    return y0, y1, y2, y3
-
-
-@triton.jit
-def _store_block_row(X, tok, row_ok, hv, b0, b1, b2, b3, HV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Write one 16-row stripe ``[b0 b1 b2 b3]`` of a ``[BT, BT]`` chunk matrix into ``X [TT, HV, BT]``."""
-    cols = tl.arange(0, BC)
-    base = X + (tok * HV + hv)[:, None] * BT + cols[None, :]
-    ok = row_ok[:, None] & (cols < BC)[None, :]
-    tl.store(base, b0.to(X.dtype.element_ty), mask=ok)
-    tl.store(base + BC, b1.to(X.dtype.element_ty), mask=ok)
-    tl.store(base + 2 * BC, b2.to(X.dtype.element_ty), mask=ok)
-    tl.store(base + 3 * BC, b3.to(X.dtype.element_ty), mask=ok)
+def _horner(n_hi, n_lo, d, steps: tl.constexpr, PRECISION: tl.constexpr):
+    """``(I + N)^-1 d`` for a strictly block-lower ``N = n_hi + n_lo`` whose ``steps + 1``-th power
+    kills ``d``."""
+    t = d
+    for _ in tl.static_range(steps):
+        t = d - _solve_dot(n_hi, n_lo, t, PRECISION)
+    return t
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -212,16 +255,19 @@ def kda_prepare_kernel(
     cu_seqlens, chunk_offsets,
     T, N, scale, beta_scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BKC: tl.constexpr, BVC: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BKC: tl.constexpr, BWC: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAVE_AKK: tl.constexpr, SAVE_G: tl.constexpr,
     DOT_BF16: tl.constexpr, A_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
 ):
     """Grid ``(chunk slots, HV)``. Without varlen, slot = b * cdiv(T, BT) + chunk. With varlen, slots
     number the chunks of all sequences in order (``chunk_offsets[n]`` = first slot of sequence n,
-    ``chunk_offsets[N]`` = total); slots past the total exit at once."""
+    ``chunk_offsets[N]`` = total); slots past the total exit at once.
+
+    ``BKC``: the K slice of pass 1 (gates, A); ``BWC``: the column slice of pass 2 (w and u)."""
     BT: tl.constexpr = 64
     BC: tl.constexpr = 16
+    NB: tl.constexpr = 4
     slot = tl.program_id(0)
     hv = tl.program_id(1)
     h = hv // (HV // H)
@@ -248,186 +294,194 @@ def kda_prepare_kernel(
         bos = (slot // num_chunks).to(tl.int64) * T
         seq_len = T
         chunk = slot % num_chunks
-
     start = chunk * BT  # the chunk's first token, within its sequence
-    r = tl.arange(0, BC)
-    tok0 = bos + start + r
-    tok1 = tok0 + BC
-    tok2 = tok0 + 2 * BC
-    tok3 = tok0 + 3 * BC
-    ok0 = start + r < seq_len
-    ok1 = start + BC + r < seq_len
-    ok2 = start + 2 * BC + r < seq_len
-    ok3 = start + 3 * BC + r < seq_len
 
-    # ---- row statistics: L2 norms and beta ------------------------------------------------------
-    rq0 = _rstd(Q, tok0, ok0, h, L2NORM, H, K, BKC, BC) * scale
-    rq1 = _rstd(Q, tok1, ok1, h, L2NORM, H, K, BKC, BC) * scale
-    rq2 = _rstd(Q, tok2, ok2, h, L2NORM, H, K, BKC, BC) * scale
-    rq3 = _rstd(Q, tok3, ok3, h, L2NORM, H, K, BKC, BC) * scale
-    rk0 = _rstd(Kt, tok0, ok0, h, L2NORM, H, K, BKC, BC)
-    rk1 = _rstd(Kt, tok1, ok1, h, L2NORM, H, K, BKC, BC)
-    rk2 = _rstd(Kt, tok2, ok2, h, L2NORM, H, K, BKC, BC)
-    rk3 = _rstd(Kt, tok3, ok3, h, L2NORM, H, K, BKC, BC)
-    b0 = tl.load(Beta + tok0 * HV + hv, mask=ok0, other=0.0).to(tl.float32)
-    b1 = tl.load(Beta + tok1 * HV + hv, mask=ok1, other=0.0).to(tl.float32)
-    b2 = tl.load(Beta + tok2 * HV + hv, mask=ok2, other=0.0).to(tl.float32)
-    b3 = tl.load(Beta + tok3 * HV + hv, mask=ok3, other=0.0).to(tl.float32)
-    if BETA_SIGMOID:
-        b0 = tl.where(ok0, tl.sigmoid(b0) * beta_scale, 0.0)
-        b1 = tl.where(ok1, tl.sigmoid(b1) * beta_scale, 0.0)
-        b2 = tl.where(ok2, tl.sigmoid(b2) * beta_scale, 0.0)
-        b3 = tl.where(ok3, tl.sigmoid(b3) * beta_scale, 0.0)
+    # Every pointer moves to the chunk's first row (64-bit scalars); offsets inside the chunk are int32.
+    t0 = bos + start
+    Q += (t0 * H + h) * K
+    Kt += (t0 * H + h) * K
+    Vt += (t0 * HV + hv) * V
+    U += (t0 * HV + hv) * V
+    G_in += (t0 * HV + hv) * K
+    W += (t0 * HV + hv) * K
+    QG += (t0 * HV + hv) * K
+    KD += (t0 * HV + hv) * K
+    G_OUT += (t0 * HV + hv) * K
+    AQK += (t0 * HV + hv) * BT
+    AKK += (t0 * HV + hv) * BT
+    Beta += t0 * HV + hv
+    DECAY += (slot.to(tl.int64) * HV + hv) * K
 
-    # ---- pass 1, per K slice: gates, cumsum, qg / kd / decay, and the A blocks ----------------------
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    qk00, qk10, qk11, qk20, qk21, qk22 = zero, zero, zero, zero, zero, zero
-    qk30, qk31, qk32, qk33 = zero, zero, zero, zero
-    kk00, kk10, kk11, kk20, kk21, kk22 = zero, zero, zero, zero, zero, zero
-    kk30, kk31, kk32, kk33 = zero, zero, zero, zero
+    # Rows of the chunk two ways: [NB, BC, 1] blocks (pass 1) and [BT] (stripes, pass 2).
+    rows3 = tl.arange(0, NB)[:, None, None] * BC + tl.arange(0, BC)[None, :, None]
+    ok3 = start + rows3 < seq_len
+    rows = tl.arange(0, BT)
+    ok = start + rows < seq_len
+    beta3 = _beta(Beta, rows3, ok3, beta_scale, HV, BETA_SIGMOID)  # [NB, BC, 1]
+    beta = _beta(Beta, rows, ok, beta_scale, HV, BETA_SIGMOID)  # [BT]
+
+    # ---- the L2 norms, in a pass of their own when K spans several slices ---------------------------
+    q_scale3 = tl.zeros([NB, BC, 1], dtype=tl.float32) + scale
+    k_scale3 = tl.zeros([NB, BC, 1], dtype=tl.float32) + 1.0
+    if L2NORM and K > BKC:
+        q_sq = tl.zeros([NB, BC, 1], dtype=tl.float32)
+        k_sq = tl.zeros([NB, BC, 1], dtype=tl.float32)
+        for k0 in range(0, K, BKC):
+            cols = k0 + tl.arange(0, BKC)
+            offs = rows3 * (H * K) + cols[None, None, :]
+            m = ok3 & (cols < K)[None, None, :]
+            x = tl.load(Q + offs, mask=m, other=0.0).to(tl.float32)
+            q_sq += tl.sum(x * x, 2)[:, :, None]
+            x = tl.load(Kt + offs, mask=m, other=0.0).to(tl.float32)
+            k_sq += tl.sum(x * x, 2)[:, :, None]
+        q_scale3 = scale / tl.sqrt(q_sq + L2NORM_EPS)
+        k_scale3 = 1.0 / tl.sqrt(k_sq + L2NORM_EPS)
+
+    # ---- pass 1, per K slice: gates, cumsum, qg / kd / decay, x = beta 2^G k, the A stripes ----------
+    zero = tl.zeros([BT, BC], dtype=tl.float32)
+    aqk0, aqk1, aqk2, aqk3 = zero, zero, zero, zero
+    akk0, akk1, akk2, akk3 = zero, zero, zero, zero
+    block_of_row = rows[:, None] // BC
+    slow_slices = 0  # K slices with a channel whose block range needs the exact diagonal
     for k0 in range(0, K, BKC):
         cols = k0 + tl.arange(0, BKC)
-        cok = cols < K
-        G0 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok0, ok0, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0)
-        n0, c0, e0, f0 = _block_factors(G0, BC)
-        G1 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok1, ok1, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0) + c0[None, :]
-        n1, c1, e1, f1 = _block_factors(G1, BC)
-        G2 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok2, ok2, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0) + c1[None, :]
-        n2, c2, e2, f2 = _block_factors(G2, BC)
-        G3 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok3, ok3, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0) + c2[None, :]
-        n3, c3, e3, f3 = _block_factors(G3, BC)
-        q0 = _load_rows(Q, tok0, ok0, h, cols, cok, rq0, H, K)
-        q1 = _load_rows(Q, tok1, ok1, h, cols, cok, rq1, H, K)
-        q2 = _load_rows(Q, tok2, ok2, h, cols, cok, rq2, H, K)
-        q3 = _load_rows(Q, tok3, ok3, h, cols, cok, rq3, H, K)
-        k0_ = _load_rows(Kt, tok0, ok0, h, cols, cok, rk0, H, K)
-        k1_ = _load_rows(Kt, tok1, ok1, h, cols, cok, rk1, H, K)
-        k2_ = _load_rows(Kt, tok2, ok2, h, cols, cok, rk2, H, K)
-        k3_ = _load_rows(Kt, tok3, ok3, h, cols, cok, rk3, H, K)
-        qe0, qe1, qe2, qe3 = q0 * e0, q1 * e1, q2 * e2, q3 * e3
-        ke0, ke1, ke2, ke3 = k0_ * e0, k1_ * e1, k2_ * e2, k3_ * e3
-        kf0, kf1, kf2, kf3 = k0_ * f0, k1_ * f1, k2_ * f2, k3_ * f3
+        col_ok = cols < K
+        m = ok3 & col_ok[None, None, :]
+        offs = rows3 * (HV * K) + cols[None, None, :]  # [TT, HV, K] tensors
+        offs_qk = rows3 * (H * K) + cols[None, None, :]  # [TT, H, K] tensors
+        L3 = _gate_cumsum(G_in, A_log, Dt_bias, offs, m, hv, cols, col_ok, lower_bound, K, GATE, HAS_A_LOG,
+                          HAS_DT_BIAS)
+        S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)  # [NB, BKC] block sums
+        # gate before each block, as masked sums over the 4 blocks (tl.cumsum over them converts layouts)
+        P = tl.sum(tl.where(tl.arange(0, NB)[None, :, None] < tl.arange(0, NB)[:, None, None], S[None, :, :], 0.0), 1)
+        C = P + S  # gate at each block's end
+        G_last = tl.sum(S, 0)  # [BKC]
+        fast = -S <= DIAG_RANGE_LIMIT
+        anchors = C - tl.where(fast, 0.5 * S, 0.0)  # mid-range of fast blocks, the end of slow ones
 
-        # What the recurrence reads: qg = q 2^G, kd = k 2^(G_last - G), decay = 2^G_last. G <= 0 inside
-        # a chunk and G_last <= G, so every factor is <= 1 and one that underflows stands for a decay
-        # that underflows too.
-        _store_rows(QG, tok0, ok0, hv, cols, cok, qe0 * tl.exp2(n0)[None, :], HV, K)
-        _store_rows(QG, tok1, ok1, hv, cols, cok, qe1 * tl.exp2(n1)[None, :], HV, K)
-        _store_rows(QG, tok2, ok2, hv, cols, cok, qe2 * tl.exp2(n2)[None, :], HV, K)
-        _store_rows(QG, tok3, ok3, hv, cols, cok, qe3 * tl.exp2(n3)[None, :], HV, K)
-        _store_rows(KD, tok0, ok0, hv, cols, cok, kf0 * tl.exp2(c3 - c0)[None, :], HV, K)
-        _store_rows(KD, tok1, ok1, hv, cols, cok, kf1 * tl.exp2(c3 - c1)[None, :], HV, K)
-        _store_rows(KD, tok2, ok2, hv, cols, cok, kf2 * tl.exp2(c3 - c2)[None, :], HV, K)
-        _store_rows(KD, tok3, ok3, hv, cols, cok, kf3, HV, K)
-        tl.store(DECAY + (slot.to(tl.int64) * HV + hv) * K + cols, tl.exp2(c3), mask=cok)
+        q3 = tl.load(Q + offs_qk, mask=m, other=0.0).to(tl.float32)
+        k3 = tl.load(Kt + offs_qk, mask=m, other=0.0).to(tl.float32)
+        if L2NORM and K <= BKC:
+            q_scale3 = scale / tl.sqrt(tl.sum(q3 * q3, 2)[:, :, None] + L2NORM_EPS)
+            k_scale3 = 1.0 / tl.sqrt(tl.sum(k3 * k3, 2)[:, :, None] + L2NORM_EPS)
+        e = tl.exp2(L3)  # 2^(G - p_own) <= 1
+        qe = q3 * q_scale3 * e  # (left to right: the [NB, BC, 1] factors never broadcast on their own)
+        k3 = k3 * k_scale3
+        ke = k3 * e
+        G3 = L3 + P[:, None, :]
+        # What the recurrence reads, every factor <= 1 (one that underflows stands for a decay that
+        # underflows too): qg = q 2^G, kd = k 2^(G_last - G), decay = 2^G_last; and x = beta 2^G k.
+        start_decay = tl.exp2(P)[:, None, :]
+        tl.store(QG + offs, (qe * start_decay).to(QG.dtype.element_ty), mask=m)
+        tl.store(KD + offs, (k3 * tl.exp2(G_last[None, None, :] - G3)).to(KD.dtype.element_ty), mask=m)
+        tl.store(W + offs, (ke * beta3 * start_decay).to(W.dtype.element_ty), mask=m)
+        tl.store(DECAY + cols, tl.exp2(G_last), mask=col_ok)
         if SAVE_G:
-            _store_rows(G_OUT, tok0, ok0, hv, cols, cok, G0, HV, K)
-            _store_rows(G_OUT, tok1, ok1, hv, cols, cok, G1, HV, K)
-            _store_rows(G_OUT, tok2, ok2, hv, cols, cok, G2, HV, K)
-            _store_rows(G_OUT, tok3, ok3, hv, cols, cok, G3, HV, K)
+            tl.store(G_OUT + offs, G3, mask=m)
+        keys = k3 * tl.exp2(anchors[:, None, :] - G3)  # k 2^(a_own - G)
 
-        # Off-diagonal blocks (row block r, column block s < r):
-        # 2^(G_i - G_j) = 2^(G_i - n_r) * 2^(n_r - c_s) * 2^(c_s - G_j), every factor <= 1.
-        kt = kf0 * tl.exp2(n1 - c0)[None, :]
-        qk10 += _dot_nt(qe1, kt, A_PRECISION)
-        kk10 += _dot_nt(ke1, kt, A_PRECISION)
-        kt = kf0 * tl.exp2(n2 - c0)[None, :]
-        qk20 += _dot_nt(qe2, kt, A_PRECISION)
-        kk20 += _dot_nt(ke2, kt, A_PRECISION)
-        kt = kf1 * tl.exp2(n2 - c1)[None, :]
-        qk21 += _dot_nt(qe2, kt, A_PRECISION)
-        kk21 += _dot_nt(ke2, kt, A_PRECISION)
-        kt = kf0 * tl.exp2(n3 - c0)[None, :]
-        qk30 += _dot_nt(qe3, kt, A_PRECISION)
-        kk30 += _dot_nt(ke3, kt, A_PRECISION)
-        kt = kf1 * tl.exp2(n3 - c1)[None, :]
-        qk31 += _dot_nt(qe3, kt, A_PRECISION)
-        kk31 += _dot_nt(ke3, kt, A_PRECISION)
-        kt = kf2 * tl.exp2(n3 - c2)[None, :]
-        qk32 += _dot_nt(qe3, kt, A_PRECISION)
-        kk32 += _dot_nt(ke3, kt, A_PRECISION)
-        # Diagonal blocks.
-        qk00, kk00 = _diag_block(q0, k0_, qe0, ke0, G0, n0, qk00, kk00, A_PRECISION, BC)
-        qk11, kk11 = _diag_block(q1, k1_, qe1, ke1, G1, n1, qk11, kk11, A_PRECISION, BC)
-        qk22, kk22 = _diag_block(q2, k2_, qe2, ke2, G2, n2, qk22, kk22, A_PRECISION, BC)
-        qk33, kk33 = _diag_block(q3, k3_, qe3, ke3, G3, n3, qk33, kk33, A_PRECISION, BC)
+        key0, key1, key2, key3 = _blocks(keys, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key0, P, anchors, fast, 0, A_PRECISION, NB, BC, BKC)
+        aqk0 += qk
+        akk0 += kk
+        qk, kk = _stripe(qe, ke, key1, P, anchors, fast, 1, A_PRECISION, NB, BC, BKC)
+        aqk1 += qk
+        akk1 += kk
+        qk, kk = _stripe(qe, ke, key2, P, anchors, fast, 2, A_PRECISION, NB, BC, BKC)
+        aqk2 += qk
+        akk2 += kk
+        qk, kk = _stripe(qe, ke, key3, P, anchors, fast, 3, A_PRECISION, NB, BC, BKC)
+        aqk3 += qk
+        akk3 += kk
+        slow_slices += tl.max(tl.max(tl.where(fast, 0, 1), 1), 0)
 
-    incl = r[:, None] >= r[None, :]
-    strict = r[:, None] > r[None, :]
-    qk00 = tl.where(incl, qk00, 0.0)
-    qk11 = tl.where(incl, qk11, 0.0)
-    qk22 = tl.where(incl, qk22, 0.0)
-    qk33 = tl.where(incl, qk33, 0.0)
-    _store_block_row(AQK, tok0, ok0, hv, qk00, zero, zero, zero, HV, BT, BC)
-    _store_block_row(AQK, tok1, ok1, hv, qk10, qk11, zero, zero, HV, BT, BC)
-    _store_block_row(AQK, tok2, ok2, hv, qk20, qk21, qk22, zero, HV, BT, BC)
-    _store_block_row(AQK, tok3, ok3, hv, qk30, qk31, qk32, qk33, HV, BT, BC)
+    if slow_slices > 0:
+        # Rare (gates near -inf): the exact diagonal blocks of the slow channels, in a second pass that
+        # reloads what it needs (nothing of it stays live through the fast loop).
+        for k0 in range(0, K, BKC):
+            cols = k0 + tl.arange(0, BKC)
+            col_ok = cols < K
+            m = ok3 & col_ok[None, None, :]
+            L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows3 * (HV * K) + cols[None, None, :], m, hv, cols, col_ok,
+                              lower_bound, K, GATE, HAS_A_LOG, HAS_DT_BIAS)
+            S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)
+            slow = -S > DIAG_RANGE_LIMIT
+            if tl.max(tl.max(slow.to(tl.int32), 1), 0) > 0:
+                offs_qk = rows3 * (H * K) + cols[None, None, :]
+                q3 = tl.load(Q + offs_qk, mask=m, other=0.0).to(tl.float32) * q_scale3
+                k3 = tl.load(Kt + offs_qk, mask=m, other=0.0).to(tl.float32) * k_scale3
+                d_qk, d_kk = _exact_diagonal(q3, k3, L3, slow[:, None, :], NB, BC)
+                d_qk = tl.reshape(d_qk, [BT, BC])  # row 16 b + i of block b's diagonal
+                d_kk = tl.reshape(d_kk, [BT, BC])
+                aqk0 += tl.where(block_of_row == 0, d_qk, 0.0)
+                aqk1 += tl.where(block_of_row == 1, d_qk, 0.0)
+                aqk2 += tl.where(block_of_row == 2, d_qk, 0.0)
+                aqk3 += tl.where(block_of_row == 3, d_qk, 0.0)
+                akk0 += tl.where(block_of_row == 0, d_kk, 0.0)
+                akk1 += tl.where(block_of_row == 1, d_kk, 0.0)
+                akk2 += tl.where(block_of_row == 2, d_kk, 0.0)
+                akk3 += tl.where(block_of_row == 3, d_kk, 0.0)
 
-    # ---- the unit lower-triangular inverse T = (I + beta A_kk)^-1, block by block ----------------------
-    kk00 = tl.where(strict, kk00, 0.0) * b0[:, None]
-    kk11 = tl.where(strict, kk11, 0.0) * b1[:, None]
-    kk22 = tl.where(strict, kk22, 0.0) * b2[:, None]
-    kk33 = tl.where(strict, kk33, 0.0) * b3[:, None]
-    kk10 = kk10 * b1[:, None]
-    kk20 = kk20 * b2[:, None]
-    kk21 = kk21 * b2[:, None]
-    kk30 = kk30 * b3[:, None]
-    kk31 = kk31 * b3[:, None]
-    kk32 = kk32 * b3[:, None]
-    T00 = _unit_lower_inverse(kk00, BC)
-    T11 = _unit_lower_inverse(kk11, BC)
-    T22 = _unit_lower_inverse(kk22, BC)
-    T33 = _unit_lower_inverse(kk33, BC)
-    # T_ij = -T_ii sum_{j <= m < i} A_im T_mj
-    T10 = -_mm(T11, _mm(kk10, T00, SOLVE_PRECISION), SOLVE_PRECISION)
-    T21 = -_mm(T22, _mm(kk21, T11, SOLVE_PRECISION), SOLVE_PRECISION)
-    T20 = -_mm(T22, _mm(kk20, T00, SOLVE_PRECISION) + _mm(kk21, T10, SOLVE_PRECISION), SOLVE_PRECISION)
-    T32 = -_mm(T33, _mm(kk32, T22, SOLVE_PRECISION), SOLVE_PRECISION)
-    T31 = -_mm(T33, _mm(kk31, T11, SOLVE_PRECISION) + _mm(kk32, T21, SOLVE_PRECISION), SOLVE_PRECISION)
-    T30 = -_mm(T33, _mm(kk30, T00, SOLVE_PRECISION) + _mm(kk31, T10, SOLVE_PRECISION)
-               + _mm(kk32, T20, SOLVE_PRECISION), SOLVE_PRECISION)
+    # ---- A_qk, and L = beta A_kk (strictly lower) ------------------------------------------------------
+    c16 = tl.arange(0, BC)[None, :]
+    r64 = rows[:, None]
+    _store_stripe(AQK, rows, ok, 0, tl.where(r64 >= c16, aqk0, 0.0), HV, BT, BC)
+    _store_stripe(AQK, rows, ok, 1, tl.where(r64 >= c16 + BC, aqk1, 0.0), HV, BT, BC)
+    _store_stripe(AQK, rows, ok, 2, tl.where(r64 >= c16 + 2 * BC, aqk2, 0.0), HV, BT, BC)
+    _store_stripe(AQK, rows, ok, 3, tl.where(r64 >= c16 + 3 * BC, aqk3, 0.0), HV, BT, BC)
+    L0 = tl.where(r64 > c16, akk0, 0.0) * beta[:, None]
+    L1 = tl.where(r64 > c16 + BC, akk1, 0.0) * beta[:, None]
+    L2 = tl.where(r64 > c16 + 2 * BC, akk2, 0.0) * beta[:, None]
+    L3_ = tl.where(r64 > c16 + 3 * BC, akk3, 0.0) * beta[:, None]
+
+    # ---- T = (I + L)^-1: diagonal blocks by substitution, then the exact block series ----------------
+    b3 = tl.arange(0, NB)[:, None, None]
+    D = (tl.where(b3 == 0, tl.reshape(L0, [NB, BC, BC]), 0.0) + tl.where(b3 == 1, tl.reshape(L1, [NB, BC, BC]), 0.0)
+         + tl.where(b3 == 2, tl.reshape(L2, [NB, BC, BC]), 0.0) + tl.where(b3 == 3, tl.reshape(L3_, [NB, BC, BC]), 0.0))
+    Dinv = _unit_lower_inverse_blocks(D, NB, BC)  # [NB, BC, BC]
+    Dinv_rows = tl.reshape(Dinv, [BT, BC])  # row 16 b + i: row i of block b's inverse
+    # N = D^-1 L_off, stripe by stripe (block-diagonal times stripe: one batched product each)
+    dinv_hi, dinv_lo = _split_tf32(Dinv)
+    N0 = tl.reshape(_solve_dot(dinv_hi, dinv_lo, tl.reshape(tl.where(block_of_row > 0, L0, 0.0), [NB, BC, BC]),
+                               SOLVE_PRECISION), [BT, BC])
+    N1 = tl.reshape(_solve_dot(dinv_hi, dinv_lo, tl.reshape(tl.where(block_of_row > 1, L1, 0.0), [NB, BC, BC]),
+                               SOLVE_PRECISION), [BT, BC])
+    N2 = tl.reshape(_solve_dot(dinv_hi, dinv_lo, tl.reshape(tl.where(block_of_row > 2, L2, 0.0), [NB, BC, BC]),
+                               SOLVE_PRECISION), [BT, BC])
+    Nm = _assemble(N0, N1, N2, zero, BT)  # [BT, BT]
+    # stripe s of T = (I - N + N^2 - N^3) D^-1 e_s; N^(4 - s) D^-1 e_s = 0
+    n_hi, n_lo = _split_tf32(Nm)
+    T0 = _horner(n_hi, n_lo, tl.where(block_of_row == 0, Dinv_rows, 0.0), 3, SOLVE_PRECISION)
+    T1 = _horner(n_hi, n_lo, tl.where(block_of_row == 1, Dinv_rows, 0.0), 2, SOLVE_PRECISION)
+    T2 = _horner(n_hi, n_lo, tl.where(block_of_row == 2, Dinv_rows, 0.0), 1, SOLVE_PRECISION)
+    T3 = tl.where(block_of_row == 3, Dinv_rows, 0.0)
     if SAVE_AKK:
-        _store_block_row(AKK, tok0, ok0, hv, T00, zero, zero, zero, HV, BT, BC)
-        _store_block_row(AKK, tok1, ok1, hv, T10, T11, zero, zero, HV, BT, BC)
-        _store_block_row(AKK, tok2, ok2, hv, T20, T21, T22, zero, HV, BT, BC)
-        _store_block_row(AKK, tok3, ok3, hv, T30, T31, T32, T33, HV, BT, BC)
+        _store_stripe(AKK, rows, ok, 0, T0, HV, BT, BC)
+        _store_stripe(AKK, rows, ok, 1, T1, HV, BT, BC)
+        _store_stripe(AKK, rows, ok, 2, T2, HV, BT, BC)
+        _store_stripe(AKK, rows, ok, 3, T3, HV, BT, BC)
+    Tm = _assemble(T0, T1, T2, T3, BT)
+    if DOT_BF16:
+        Tm = Tm.to(tl.bfloat16)
 
-    # ---- pass 2: w = T (beta 2^G k) per K slice (gates recomputed), u = T (beta v) per V slice --------
-    for k0 in range(0, K, BKC):
-        cols = k0 + tl.arange(0, BKC)
-        cok = cols < K
-        G0 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok0, ok0, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0)
-        G1 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok1, ok1, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0) + _row(G0, BC - 1, BC)[None, :]
-        G2 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok2, ok2, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0) + _row(G1, BC - 1, BC)[None, :]
-        G3 = tl.cumsum(_log2_gate(G_in, A_log, Dt_bias, tok3, ok3, hv, cols, cok, lower_bound,
-                                  HV, K, GATE, HAS_A_LOG, HAS_DT_BIAS), 0) + _row(G2, BC - 1, BC)[None, :]
-        x0 = _load_rows(Kt, tok0, ok0, h, cols, cok, rk0 * b0, H, K) * tl.exp2(G0)
-        x1 = _load_rows(Kt, tok1, ok1, h, cols, cok, rk1 * b1, H, K) * tl.exp2(G1)
-        x2 = _load_rows(Kt, tok2, ok2, h, cols, cok, rk2 * b2, H, K) * tl.exp2(G2)
-        x3 = _load_rows(Kt, tok3, ok3, h, cols, cok, rk3 * b3, H, K) * tl.exp2(G3)
-        y0, y1, y2, y3 = _apply_lower(T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, x0, x1, x2, x3,
-                                      DOT_BF16, A_PRECISION)
-        _store_rows(W, tok0, ok0, hv, cols, cok, y0, HV, K)
-        _store_rows(W, tok1, ok1, hv, cols, cok, y1, HV, K)
-        _store_rows(W, tok2, ok2, hv, cols, cok, y2, HV, K)
-        _store_rows(W, tok3, ok3, hv, cols, cok, y3, HV, K)
-    for v0 in range(0, V, BVC):
-        cols = v0 + tl.arange(0, BVC)
-        cov = cols < V
-        x0 = _load_rows(Vt, tok0, ok0, hv, cols, cov, b0, HV, V)
-        x1 = _load_rows(Vt, tok1, ok1, hv, cols, cov, b1, HV, V)
-        x2 = _load_rows(Vt, tok2, ok2, hv, cols, cov, b2, HV, V)
-        x3 = _load_rows(Vt, tok3, ok3, hv, cols, cov, b3, HV, V)
-        y0, y1, y2, y3 = _apply_lower(T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, x0, x1, x2, x3,
-                                      DOT_BF16, A_PRECISION)
-        _store_rows(U, tok0, ok0, hv, cols, cov, y0, HV, V)
-        _store_rows(U, tok1, ok1, hv, cols, cov, y1, HV, V)
-        _store_rows(U, tok2, ok2, hv, cols, cov, y2, HV, V)
-        _store_rows(U, tok3, ok3, hv, cols, cov, y3, HV, V)
+    # ---- pass 2: w = T x (x read back from W), u = T (beta v) ------------------------------------------
+    tl.debug_barrier()  # every thread's x is in W before any thread reads it
+    for c0 in range(0, K, BWC):
+        cols = c0 + tl.arange(0, BWC)
+        m = ok[:, None] & (cols < K)[None, :]
+        ptr = W + rows[:, None] * (HV * K) + cols[None, :]
+        x = tl.load(ptr, mask=m, other=0.0)
+        if not DOT_BF16:
+            x = x.to(tl.float32)
+        y = tl.dot(Tm, x, input_precision=A_PRECISION)
+        tl.debug_barrier()  # every thread has read this slice of x before it is overwritten
+        tl.store(ptr, y.to(W.dtype.element_ty), mask=m)
+    for c0 in range(0, V, BWC):
+        cols = c0 + tl.arange(0, BWC)
+        m = ok[:, None] & (cols < V)[None, :]
+        x = tl.load(Vt + rows[:, None] * (HV * V) + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = x * beta[:, None]
+        if DOT_BF16:
+            x = x.to(tl.bfloat16)
+        y = tl.dot(Tm, x, input_precision=A_PRECISION)
+        tl.store(U + rows[:, None] * (HV * V) + cols[None, :], y.to(U.dtype.element_ty), mask=m)

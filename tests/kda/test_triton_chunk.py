@@ -389,7 +389,8 @@ def test_training_with_chunk_size_32_runs_fla_forward():
 def test_opcheck_on_noncontiguous_inputs():
     from kda_compile.ops.kda import custom_ops
 
-    args = _args(KDAShape(1, 70, 1, 2, 64, 32), torch.bfloat16, noncontiguous=True, initial_state=True,
+    # H = 2: with B = H = 1 the transposed allocation is still contiguous (size-1 dims carry no order).
+    args = _args(KDAShape(1, 70, 2, 2, 64, 32), torch.bfloat16, noncontiguous=True, initial_state=True,
                  gate_form="softplus", requires_grad=True)
     assert not args["q"].is_contiguous()
     for save in (False, True):
@@ -432,3 +433,86 @@ def test_long_sequence_segments_on_cuda():
             assert rel_error(auto[0], fla[0]) < 1e-2 and rel_error(auto[1], fla[1]) < 1e-2
     want = kda_recurrence(**args)
     assert rel_error(auto[0], want[0]) < 5e-3 and rel_error(auto[1], want[1]) < 5e-3
+
+
+# ---- the prepare kernel's code paths (issue 6 rewrite) -----------------------------------------------
+def _prepare_residuals(args, scale=0.25):
+    """(g_cumsum, A_qk, Akk) from our kernels and the fp64 per-chunk reference, for precomputed gates
+    and the in-kernel L2 norm."""
+    q, k, v, g, beta = (args[n] for n in ("q", "k", "v", "g", "beta"))
+    _, _, (g_cumsum, a_qk, a_kk) = chunk_kda_prefill(
+        q, k, v, g, beta, None, None, None, None, scale=scale, output_final_state=False,
+        use_qk_l2norm_in_kernel=True, save_residuals=True)
+    from kda_compile.ops.kda.reference import l2norm
+    f64 = lambda x: x[0].double().cpu()  # noqa: E731
+    want = _chunk_reference(l2norm(f64(q)), l2norm(f64(k)), f64(g), f64(beta), scale)
+    return (f64(g_cumsum), f64(a_qk), f64(a_kk)), want
+
+
+def _graded_gates(shape, per_token_log2, seed=11):
+    """Precomputed log gates whose per-token decay is ``per_token_log2[d]`` (log2 units) on channel d,
+    times a random factor in [0.5, 1.5]: the 16-token range of a block is about 16 times that."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, HV, K = shape.batch, shape.seq_len, shape.value_heads, shape.key_dim
+    factor = torch.rand(B, T, HV, K, generator=gen) + 0.5
+    return (-(factor * torch.as_tensor(per_token_log2, dtype=torch.float32)) * math.log(2.0)).to(DEVICE)
+
+
+@pytest.mark.parametrize("K", [40, 100])
+def test_exact_and_factored_diagonal_channels_mixed(K):
+    """Channels whose 16-token block range is far beyond the factored limit (exact element-wise diagonal),
+    near it on both sides (about 90, 110 and 160 log2: a factor 2^-range underflows beyond about 126),
+    and small, side by side in one K slice (and, for K = 100, over two slices under the interpreter):
+    A_qk, Akk and the cumulative gate against fp64."""
+    shape = KDAShape(1, 130, 1, 2, K, 16)
+    args = _args(shape, weak_decay=False, qk_l2norm=True)
+    rates = [0.05] * K
+    rates[1], rates[2], rates[3], rates[4] = 90.0 / 16, 110.0 / 16, 160.0 / 16, 30.0  # ~90, 110, 160, 480 per block
+    rates[K - 1] = 100.0  # the last channel (second slice for K = 100): ~1600 per block, above the gate floor
+    args["g"] = _graded_gates(shape, rates)
+    got, want = _prepare_residuals(args)
+    assert rel_error(got[0], want[0]) < 1e-6
+    tol = 1e-5 if INTERPRETED else 3e-3
+    assert rel_error(got[1], want[1]) < tol and rel_error(got[2], want[2]) < tol
+    check(args)
+
+
+def test_l2norm_with_several_k_slices():
+    """K over one slice (the norms take their own pass over K) with a partial last slice, GVA and
+    varlen: the norms must be applied to every slice."""
+    args = _args(KDAShape(1, 90, 1, 2, 100, 24), cu_seqlens=[0, 50, 90], qk_l2norm=True, beta_sigmoid=True,
+                 gate_form="softplus", initial_state=True)
+    check(args)
+
+
+def test_identical_keys_across_blocks_with_strong_decay_elsewhere():
+    """32 identical keys spanning two 16-row blocks (the block series of the solve), while other
+    channels take the exact diagonal: T stays finite and accurate."""
+    shape = KDAShape(1, 64, 1, 1, 32, 16)
+    args = _args(shape, weak_decay=False, qk_l2norm=True)
+    k = args["k"].clone()
+    k[:, 8:40] = k[:, 8:9]
+    args.update(k=k, beta=torch.ones_like(args["beta"]))
+    rates = [0.01] * 32
+    rates[5] = 40.0
+    args["g"] = _graded_gates(shape, rates)
+    got, want = _prepare_residuals(args)
+    tol = 1e-5 if INTERPRETED else 3e-3
+    assert torch.isfinite(got[2]).all() and rel_error(got[2], want[2]) < tol
+    check(args)
+
+
+def test_backend_restriction_reaches_other_threads():
+    """only_backends holds in every thread: autograd runs a CUDA backward on its own device thread, and
+    that backward must see the restriction its forward saw (GPU run 2026-11-22: it did not, and the
+    backward of a declined call went to FLA with no residuals)."""
+    import threading
+
+    seen = []
+    opts = KDAOptions(scale=0.1)
+    with only_backends("reference"):
+        worker = threading.Thread(target=lambda: seen.append(
+            select_backend("chunk_kda", torch.device("cuda"), torch.bfloat16, 64, 64, opts).name))
+        worker.start()
+        worker.join()
+    assert seen == ["reference"]

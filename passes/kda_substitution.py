@@ -192,11 +192,10 @@ def _serve_fla_call(entry: str, ours: Callable, original: Callable, positional: 
     if foreign:
         _declined(entry, f"argument(s) {', '.join(foreign)} that kda_compile does not take")
         return original(*args, **kwargs)
-    state = call.get("initial_state")
-    if ours is fused_recurrent_kda and state is not None and state.dtype != torch.float32:
+    if ours is fused_recurrent_kda and "initial_state" in call:
         # FLA's recurrent kernel reads any state dtype in fp32 and returns an fp32 final state (its chunk
         # entry asserts fp32); our op takes fp32 states only: the upcast is exact.
-        call["initial_state"] = state.float()
+        call["initial_state"] = _as_state(call["initial_state"])
     return ours(**{name: value for name, value in call.items() if name in _OURS_PARAMS[ours]})
 
 
@@ -219,7 +218,8 @@ def _fla_recurrent_substitute(entry: str, original: Callable) -> Callable:
 
 
 def _as_state(initial_state):
-    # HF: `initial_state.to(value)` with value already float32.
+    # Our ops take fp32 states; HF's references do `initial_state.to(value)` with value already float32,
+    # and FLA's recurrent kernel reads any state dtype in fp32: the upcast is what they compute with.
     if initial_state is not None and initial_state.dtype != torch.float32:
         initial_state = initial_state.to(torch.float32)
     return initial_state
@@ -410,6 +410,15 @@ def _closure_values(fn: Callable) -> dict[str, Any]:
         except ValueError:  # an empty cell
             pass
     return values
+
+
+def hf_bound_implementation(fn: Callable) -> Callable:
+    """What a call of ``fn`` runs when ``fn`` is one of HF's ``use_kernel_func_from_hub_with_fallback``
+    wrappers: the implementation it bound at import (FLA's function, or the torch reference it wraps),
+    read from its closure; ``fn`` itself otherwise."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    return _closure_values(fn).get("implementation", fn)
 
 
 def _expected_signature(fn: Callable, parameters: tuple[str, ...], where: str) -> bool:

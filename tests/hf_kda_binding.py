@@ -17,6 +17,8 @@ import contextlib
 import types
 from typing import Callable, Iterator
 
+from kda_compile.passes.kda_substitution import hf_bound_implementation
+
 # HF's wrapped name -> FLA's function it binds when ``fla`` is importable (HF's decorator arguments).
 FLA_NAMES = {
     "chunk_kimi_delta_attention": "chunk_kda",
@@ -31,19 +33,9 @@ def torch_reference(fn: Callable) -> Callable:
     return getattr(fn, "__wrapped__", fn)
 
 
-def bound_implementation(fn: Callable) -> Callable:
-    """The function a call of ``fn`` runs: what HF's wrapper bound at import (read from its
-    closure, as kda_compile's substitution does), or ``fn`` itself when it is not HF's wrapper."""
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ())) if isinstance(fn, types.FunctionType) else {}
-    try:
-        return cells["implementation"].cell_contents
-    except (KeyError, ValueError):
-        return fn
-
-
 def torch_bound(fn: Callable) -> bool:
     """Whether calling ``fn`` runs HF's torch reference (no FLA was bound)."""
-    return bound_implementation(fn) is torch_reference(fn)
+    return hf_bound_implementation(fn) is torch_reference(fn)
 
 
 def binding(fn: Callable) -> str:
@@ -51,7 +43,7 @@ def binding(fn: Callable) -> str:
     and assertion messages)."""
     if torch_bound(fn):
         return "torch"
-    implementation = bound_implementation(fn)
+    implementation = hf_bound_implementation(fn)
     return f"{implementation.__module__}.{implementation.__name__}"
 
 

@@ -117,9 +117,9 @@ def build_model(shape: Shape, layers: int, device: str, dtype: torch.dtype, seed
 
 def bound_kda_implementation() -> str:
     """Where HF's chunk KDA function points: ``fla...`` or HF's own torch fallback."""
-    wrapper = getattr(importlib.import_module(HF_KIMI_MODULE), KDA_FUNCTIONS[0])
-    cells = dict(zip(wrapper.__code__.co_freevars, (c.cell_contents for c in wrapper.__closure__ or ())))
-    implementation = cells.get("implementation", getattr(wrapper, "__wrapped__", wrapper))
+    from kda_compile.passes.kda_substitution import hf_bound_implementation
+
+    implementation = hf_bound_implementation(getattr(importlib.import_module(HF_KIMI_MODULE), KDA_FUNCTIONS[0]))
     return f"{implementation.__module__}.{implementation.__name__}"
 
 

@@ -233,6 +233,8 @@ def cuda_backward(grad_out, grad_lse, q, k, v, out, lse, rng, attn_mask, sinks, 
     grad_reason = _grad_reason(mask_needs_grad, grad_lse is not None)
     impl, why, trimmed = _plan(q, k, v, attn_mask, softcap, dropout_p, is_causal, sliding_window,
                                backward=True, grad_reason=grad_reason)
+    if impl == "efficient" and _has_floor_biased_rows(trimmed[2], trimmed[3], trimmed[4], q.shape[2]):
+        impl, why = "reference", FLOOR_ROWS_REASON
     if impl == "reference":
         if why:
             record_fallback("attention_backward", "reference", why)
@@ -262,11 +264,6 @@ def cuda_backward(grad_out, grad_lse, q, k, v, out, lse, rng, attn_mask, sinks, 
         # 1 - a as sigmoid(sink - lse): no cancellation when a is close to 1.
         dsinks = (-(torch.sigmoid(sink_logit - lse) * _row_delta(out, grad_out)).sum(dim=(0, 2))).to(sinks.dtype)
         grad_out = as_bshd((grad_out * a[..., None]).to(grad_out.dtype))  # scaled in float32
-    if impl == "efficient" and _has_floor_biased_rows(m2, causal2, window2, q.shape[2]):
-        record_fallback("attention_backward", "reference", FLOOR_ROWS_REASON)
-        dq, dk, dv, _, dsinks = reference_backward(grad_out, grad_lse, q, k, v, attn_mask, sinks, scale, softcap,
-                                                   dropout_p, is_causal, sliding_window, rng, mask_needs_grad)
-        return as_bshd(dq), as_bshd(dk), as_bshd(dv), None, dsinks
     lse_k = torch.where(lse == float("-inf"), torch.full_like(lse, float("inf")), lse)
     dq, dk, dv = sdpa.sdpa_backward(impl, grad_out, q2, k2, v2, out, lse_k, m2, scale, causal2, window2)
     if kv_start > 0:  # keys trimmed off for the window get zero gradient

@@ -66,6 +66,7 @@ are missing it answers "no kda_compile config" and the substitution stays on.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.abc
 import inspect
@@ -75,7 +76,7 @@ import sys
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -419,6 +420,23 @@ def hf_bound_implementation(fn: Callable) -> Callable:
     if not isinstance(fn, types.FunctionType):
         return fn
     return _closure_values(fn).get("implementation", fn)
+
+
+@contextlib.contextmanager
+def hf_torch_path(module: types.ModuleType, *names: str) -> Iterator[None]:
+    """HF's torch path for the duration: each of ``module``'s ``names`` (HF wrappers) whose wrapper bound
+    another implementation (FLA, causal-conv1d) points at the torch reference it wraps; model code looks
+    the names up at call time. Wrappers bound to the torch reference are kept (same path). Restored
+    afterwards. For benchmarks and tests that need HF's eager torch path whatever is installed."""
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        for name, fn in saved.items():
+            if hf_bound_implementation(fn) is not getattr(fn, "__wrapped__", fn):
+                setattr(module, name, fn.__wrapped__)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
 
 
 def _expected_signature(fn: Callable, parameters: tuple[str, ...], where: str) -> bool:

@@ -13,11 +13,9 @@ Imported by the tests as the top-level module ``hf_kda_binding`` (pytest puts ``
 """
 from __future__ import annotations
 
-import contextlib
-import types
-from typing import Callable, Iterator
+from typing import Callable
 
-from kda_compile.passes.kda_substitution import hf_bound_implementation
+from kda_compile.passes.kda_substitution import hf_bound_implementation, hf_torch_path
 
 # HF's wrapped name -> FLA's function it binds when ``fla`` is importable (HF's decorator arguments).
 FLA_NAMES = {
@@ -53,17 +51,5 @@ def torch_entry(fn: Callable) -> Callable:
     return fn if torch_bound(fn) else torch_reference(fn)
 
 
-@contextlib.contextmanager
-def torch_path(module: types.ModuleType, *names: str) -> Iterator[None]:
-    """HF's torch path for the duration: each of ``module``'s ``names`` whose wrapper bound another
-    implementation (FLA, causal-conv1d) points at its torch reference; model code looks the names
-    up at call time. Wrappers bound to the torch reference are kept (the path is the same and the
-    wrapper stays under test). Restored afterwards."""
-    saved = {name: getattr(module, name) for name in names}
-    try:
-        for name, fn in saved.items():
-            setattr(module, name, torch_entry(fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
+#: HF's torch path for the duration of a ``with`` block (``kda_substitution.hf_torch_path``).
+torch_path = hf_torch_path

@@ -131,15 +131,10 @@ def kda_binding(binding: str):
     if binding == "fla" and not bound_kda_implementation().startswith("fla."):
         raise RuntimeError(f"HF's Kimi-Linear bound {bound_kda_implementation()}: flash-linear-attention was "
                            "not importable when transformers loaded the model code (pip install fla-core)")
-    saved = {name: getattr(module, name) for name in KDA_FUNCTIONS}
-    if binding == "torch":
-        for name, wrapper in saved.items():
-            setattr(module, name, wrapper.__wrapped__)
-    try:
+    from kda_compile.passes.kda_substitution import hf_torch_path
+
+    with hf_torch_path(module, *(KDA_FUNCTIONS if binding == "torch" else ())):
         yield
-    finally:
-        for name, wrapper in saved.items():
-            setattr(module, name, wrapper)
 
 
 def _compiled_forward(model, name: str, opts: Options):

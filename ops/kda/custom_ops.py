@@ -7,7 +7,9 @@ Ops (schemas are inferred from the signatures below):
   ``final_state`` ``[N, HV, K, V]`` float32 (empty when not requested); ``res*``: what the serving
   backend keeps for its backward (empty when ``save_for_backward`` is false or the slot is unused).
 - ``chunk_kda_bwd(...) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: gradients; an empty
-  tensor stands for an input that was absent.
+  tensor stands for an input that was absent. ``residuals_saved`` says whether the forward ran with
+  ``save_for_backward``: when it did not (the public functions never differentiate such a call, but a
+  direct caller of the op may), the gradients are recomputed through the reference (logged).
 - ``fused_recurrent_kda_fwd(...) -> (o, final_state)``: decode; no autograd (the public function
   takes the chunk op when gradients are needed).
 
@@ -21,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kda_compile.ops._common import record_fallback
 from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
 from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
@@ -98,13 +101,20 @@ def chunk_kda_bwd(
     res0: Tensor, res1: Tensor, res2: Tensor, do: Tensor, dht: Optional[Tensor],
     scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool, chunk_size: int,
+    residuals_saved: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size)
     backend = _backend("chunk_kda", q, v, opts)
-    n_res = len(backend.residual_meta(q, k, v, opts, True))
+    if residuals_saved:
+        residuals = [res0, res1, res2][:len(backend.residual_meta(q, k, v, opts, True))]
+    else:
+        if backend is not REFERENCE:
+            record_fallback("chunk_kda_backward", REFERENCE.name,
+                            "the forward ran with save_for_backward=False (no residuals): gradients recomputed")
+        backend, residuals = REFERENCE, []
     grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
-                                   [res0, res1, res2][:n_res], do, dht, opts)
+                                   residuals, do, dht, opts)
     like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(
         grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
@@ -125,7 +135,7 @@ def _setup_context(ctx, inputs, output):
     _, _, res0, res1, res2 = output
     ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2)
     ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
-    ctx.output_final_state = output_final_state
+    ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
 
 
 def _backward(ctx, do, dht, *residual_grads):
@@ -134,7 +144,7 @@ def _backward(ctx, do, dht, *residual_grads):
         dht = None
     grads = chunk_kda_bwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, do.contiguous(), dht,
-        ctx.scale, *ctx.flags, ctx.chunk_size)
+        ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (
         grad if ref is not None else None
         for grad, ref in zip(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state)))

@@ -27,13 +27,13 @@ from functools import cache
 import torch
 import triton
 
+from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_chunk_prepare import kda_prepare_kernel
 from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
 
 CHUNK = 64  # BT: fixed by the prepare kernel (four 16-row sub-blocks)
 MAX_HEAD_DIM = 256
 SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
-GATE_PRECOMPUTED, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 
 
 def _interpreted() -> bool:
@@ -47,11 +47,37 @@ def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def _state_block(K: int, V: int) -> int:
-    """BV of the scan: the fp32 state tile ``[pow2(K), BV]`` stays at <= 32 KiB (64 regs/thread at 4 warps)."""
+def _state_block(K: int, V: int, bf16: bool) -> int:
+    """BV of the scan (and BX of the segment summaries): the fp32 state tile ``[pow2(K), BV]`` stays at
+    <= 32 KiB (64 regs/thread at 4 warps). Never below 32 columns (columns past V are masked): on an
+    H100 a fp32 (TF32) run with BV = 16 and two segments returned wrong outputs after the first segment
+    (T = 65, K = 100, V = 16; right under the interpreter). bf16 products always take 64: narrower bf16
+    blocks need two pipeline stages (``_scan_configs``), which K = 256 cannot afford."""
     if _interpreted():
         return min(32, _pow2(V))
-    return min(_pow2(V), 64 if _pow2(K) <= 128 else 32)
+    if bf16:
+        return 64
+    return max(32, min(_pow2(V), 64 if _pow2(K) <= 128 else 32))
+
+
+def _scan_configs(configs, named_args, **kwargs):
+    """Launch configurations the scan and summary kernels may use, best first (``early_config_prune``).
+
+    - bf16 products with a state block of <= 32 columns and ``num_stages=1`` are miscompiled by Triton
+      3.6 on sm_90: measured on an H100, wrong outputs (relative error ~1) or an illegal memory access
+      for BK = 64 at 4 warps and BK = 128 at 8 warps, while 2 stages and BV = 64 are right everywhere
+      (kda_compile/bench/results/kda_scan_bf16_configs*). Those configurations are never used.
+    - bf16 with BK <= 128: 8 warps with 2 stages leads (0.45 ms against 0.53 ms with one stage,
+      T = 8192, 32 heads, K = V = 128, H100).
+    - BK = 256 needs one stage (two exceed the 227 KiB of shared memory).
+    ``_state_block`` gives bf16 BV = 64, so the first rule is a guard against a narrower choice there.
+    """
+    args = {**named_args, **kwargs}
+    bf16, width, wide_k = bool(args["DOT_BF16"]), args.get("BV", args.get("BX")), args["BK"] > 128
+    usable = [c for c in configs if not (bf16 and width <= 32 and c.num_stages == 1)
+              and not (wide_k and c.num_stages > 1)]
+    preferred = 2 if bf16 and not wide_k else 1
+    return sorted(usable, key=lambda c: c.num_stages != preferred)  # stable: the list order otherwise
 
 
 @cache
@@ -66,7 +92,7 @@ def _tuned(kernel_name: str):
     # (K = 128) but spill up to ~280 B (~250 B more with two stages); the third takes pass 2 in
     # 128-column slices. Which is fastest is for the GPU to say (autotuned).
     # The scan spills at 4 warps for K >= 128 and needs > 227 KiB of shared memory with 3 stages (and
-    # for K = 256 bf16 with 2), so 8 warps with 1 stage leads.
+    # for K = 256 bf16 with 2): 8 warps lead; the stage count depends on dtype and K (_scan_configs).
     if kernel_name == "prepare":
         configs = [triton.Config({"BKC": 16, "BWC": 64}, num_warps=4, num_stages=2),
                    triton.Config({"BKC": 32, "BWC": 64}, num_warps=4, num_stages=1),
@@ -75,7 +101,8 @@ def _tuned(kernel_name: str):
     stages = [triton.Config({}, num_warps=8, num_stages=1), triton.Config({}, num_warps=8, num_stages=2),
               triton.Config({}, num_warps=4, num_stages=1)]
     kernel = kda_chunk_scan_kernel if kernel_name == "scan" else kda_segment_summary_kernel
-    return triton.autotune(stages, key=["HV", "K", "V", "BV" if kernel_name == "scan" else "BX"])(kernel)
+    key = ["HV", "K", "V", "BK", "DOT_BF16", "BV" if kernel_name == "scan" else "BX"]
+    return triton.autotune(stages, key=key, prune_configs_by={"early_config_prune": _scan_configs})(kernel)
 
 
 def _precisions(dtype: torch.dtype):
@@ -188,9 +215,9 @@ def chunk_kda_prefill(
     save_g = save_residuals and not use_gate_in_kernel
     a_kk = q.new_empty(B, T, HV, CHUNK, dtype=k.dtype) if save_residuals else q.new_empty(1)
     g_cumsum = q.new_empty(B, T, HV, K, dtype=torch.float32) if save_g else q.new_empty(1, dtype=torch.float32)
-    gate = GATE_PRECOMPUTED
+    gate = int(GATE_PRECOMPUTED)
     if use_gate_in_kernel:
-        gate = GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
+        gate = int(GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND)
     dummy = q.new_empty(1, dtype=torch.float32)
     A_log_arg = A_log.reshape(-1).contiguous() if (use_gate_in_kernel and A_log is not None) else dummy
     dt_bias_arg = dt_bias.reshape(-1).contiguous() if (use_gate_in_kernel and dt_bias is not None) else dummy
@@ -213,7 +240,7 @@ def chunk_kda_prefill(
         _tuned("prepare")[(slots, HV)](*prepare_tensors, **prepare_args)
 
     # ---- the recurrence ---------------------------------------------------------------------------
-    BK, BV = _pow2(K), _state_block(K, V)
+    BK, BV = _pow2(K), _state_block(K, V, dot_bf16)
     BX = BV
     v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BX)
     if segments is None and os.environ.get(SEGMENTS_ENV):

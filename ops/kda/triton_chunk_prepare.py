@@ -60,6 +60,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kda_compile.ops.kda.triton_common import GATE_PRECOMPUTED, GATE_SOFTPLUS, dot_operand, tf32_round
+
 # Plain globals are rejected by the compiler (not by the interpreter): constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)
 L2NORM_EPS = tl.constexpr(1e-6)
@@ -69,9 +71,6 @@ DIAG_RANGE_LIMIT = tl.constexpr(100.0)  # beyond it (per block and channel), the
 # The hardware log2 (MUFU) instead of libdevice's polynomial log2f; the interpreter has no libdevice.
 FAST_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
-GATE_PRECOMPUTED = tl.constexpr(0)
-GATE_SOFTPLUS = tl.constexpr(1)
-GATE_LOWER_BOUND = tl.constexpr(2)
 
 
 @triton.jit
@@ -140,18 +139,22 @@ def _blocks(x, NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def _stripe(qe, ke, key, P, anchors, fast, s: tl.constexpr, PRECISION: tl.constexpr, NB: tl.constexpr,
-            BC: tl.constexpr, BKC: tl.constexpr):
+def _stripe(qe, ke, key, P, anchors, fast, s: tl.constexpr, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr,
+            NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
     """One K slice of column stripe s (keys of block s) of ``A_qk`` and ``A_kk``: two ``[NB * BC, BC]``
     fp32 products. ``qe, ke = q, k * 2^(G - p_own)`` ``[NB, BC, BKC]``, ``key = k * 2^(a_s - G)`` of the
     block's 16 keys ``[BC, BKC]``; ``P`` (gate before each block), ``anchors`` and ``fast`` ``[NB, BKC]``.
-    Diagonal entries of slow channels are left out (``_exact_diagonal`` adds them)."""
+    Diagonal entries of slow channels are left out (``_exact_diagonal`` adds them). For fp32 / fp16
+    inputs the operands are rounded to TF32 (``tf32_round``); bf16 inputs skip it (pass 1 is
+    instruction-bound, and their error is dominated by the bf16 intermediates)."""
     blocks = tl.arange(0, NB)[:, None]
     keep = (blocks > s) | ((blocks == s) & fast)
     middle = tl.exp2(tl.where(keep, P - _block(anchors, s, NB)[None, :], float("-inf")))  # 2^(p_r - a_s)
     q_op = tl.reshape(qe * middle[:, None, :], [NB * BC, BKC])
     k_op = tl.reshape(ke * middle[:, None, :], [NB * BC, BKC])
     key_t = tl.trans(key)
+    if not DOT_BF16:
+        q_op, k_op, key_t = tf32_round(q_op), tf32_round(k_op), tf32_round(key_t)
     return (tl.dot(q_op, key_t, input_precision=PRECISION), tl.dot(k_op, key_t, input_precision=PRECISION))
 
 
@@ -381,16 +384,16 @@ def kda_prepare_kernel(
         keys = k3 * tl.exp2(anchors[:, None, :] - G3)  # k 2^(a_own - G)
 
         key0, key1, key2, key3 = _blocks(keys, NB, BC, BKC)
-        qk, kk = _stripe(qe, ke, key0, P, anchors, fast, 0, A_PRECISION, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key0, P, anchors, fast, 0, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk0 += qk
         akk0 += kk
-        qk, kk = _stripe(qe, ke, key1, P, anchors, fast, 1, A_PRECISION, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key1, P, anchors, fast, 1, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk1 += qk
         akk1 += kk
-        qk, kk = _stripe(qe, ke, key2, P, anchors, fast, 2, A_PRECISION, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key2, P, anchors, fast, 2, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk2 += qk
         akk2 += kk
-        qk, kk = _stripe(qe, ke, key3, P, anchors, fast, 3, A_PRECISION, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key3, P, anchors, fast, 3, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk3 += qk
         akk3 += kk
         slow_slices += tl.max(tl.max(tl.where(fast, 0, 1), 1), 0)
@@ -461,8 +464,7 @@ def kda_prepare_kernel(
         _store_stripe(AKK, rows, ok, 2, T2, HV, BT, BC)
         _store_stripe(AKK, rows, ok, 3, T3, HV, BT, BC)
     Tm = _assemble(T0, T1, T2, T3, BT)
-    if DOT_BF16:
-        Tm = Tm.to(tl.bfloat16)
+    Tm = dot_operand(Tm, DOT_BF16)
 
     # ---- pass 2: w = T x (x read back from W), u = T (beta v) ------------------------------------------
     tl.debug_barrier()  # every thread's x is in W before any thread reads it
@@ -471,8 +473,7 @@ def kda_prepare_kernel(
         m = ok[:, None] & (cols < K)[None, :]
         ptr = W + rows[:, None] * (HV * K) + cols[None, :]
         x = tl.load(ptr, mask=m, other=0.0)
-        if not DOT_BF16:
-            x = x.to(tl.float32)
+        x = dot_operand(x, DOT_BF16)
         y = tl.dot(Tm, x, input_precision=A_PRECISION)
         tl.debug_barrier()  # every thread has read this slice of x before it is overwritten
         tl.store(ptr, y.to(W.dtype.element_ty), mask=m)
@@ -480,8 +481,6 @@ def kda_prepare_kernel(
         cols = c0 + tl.arange(0, BWC)
         m = ok[:, None] & (cols < V)[None, :]
         x = tl.load(Vt + rows[:, None] * (HV * V) + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        x = x * beta[:, None]
-        if DOT_BF16:
-            x = x.to(tl.bfloat16)
+        x = dot_operand(x * beta[:, None], DOT_BF16)
         y = tl.dot(Tm, x, input_precision=A_PRECISION)
         tl.store(U + rows[:, None] * (HV * V) + cols[None, :], y.to(U.dtype.element_ty), mask=m)

@@ -28,6 +28,8 @@ bitwise identical.
 import triton
 import triton.language as tl
 
+from kda_compile.ops.kda.triton_common import dot_operand
+
 
 @triton.jit
 def _sequence(cu_seqlens, chunk_offsets, n, T, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
@@ -55,27 +57,19 @@ def _segment(seq_len, p, P, BT: tl.constexpr):
 
 @triton.jit
 def _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, slot, kcols, HV: tl.constexpr, K: tl.constexpr):
-    """``w``, ``kd`` ``[BT, BK]`` and ``decay`` ``[BK]`` of one chunk."""
+    """``w`` ``[BT, BK]``, ``kd`` transposed ``[BK, BT]`` and ``decay`` ``[BK]`` of one chunk.
+
+    ``kd`` is loaded in the transposed layout its product takes (``kd^T v_new``), as FLA does: a
+    ``tl.trans`` of the loaded ``[BT, BK]`` bf16 tile gave wrong products for BK = 128 with 8 warps
+    on Triton 3.6 / sm_90 (correct in fp32, and for smaller BK)."""
     kok = kcols < K
     ok = rows_ok[:, None] & kok[None, :]
     offs = (tok * HV + hv)[:, None] * K + kcols[None, :]
     w = tl.load(W + offs, mask=ok, other=0.0)
-    kd = tl.load(KD + offs, mask=ok, other=0.0)
+    kd_t = tl.load(KD + kcols[:, None] + (tok * HV + hv)[None, :] * K, mask=kok[:, None] & rows_ok[None, :],
+                   other=0.0)
     decay = tl.load(DECAY + (slot * HV + hv) * K + kcols, mask=kok, other=0.0)
-    return w, kd, decay
-
-
-@triton.jit
-def _operand(x, DOT_BF16: tl.constexpr):
-    """A dot operand: bf16 inputs keep bf16 (tensor cores at full rate), others go through fp32.
-
-    One return statement: the compiler (unlike the interpreter) checks every return of a function
-    for one type, even those behind a constexpr ``if``."""
-    if DOT_BF16:
-        y = x.to(tl.bfloat16)
-    else:
-        y = x.to(tl.float32)
-    return y
+    return w, kd_t, decay
 
 
 @triton.jit(do_not_specialize=["T", "P"])
@@ -109,11 +103,11 @@ def kda_segment_summary_kernel(
     for c in range(c0, c1):
         tok = bos + c * BT + rows
         rows_ok = c * BT + rows < seq_len
-        w, kd, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
+        w, kd_t, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
         u = tl.load(U + (tok * HV + hv)[:, None] * V + ucols[None, :], mask=rows_ok[:, None] & uok[None, :],
                     other=0.0).to(tl.float32)
-        v_new = u - tl.dot(_operand(w, DOT_BF16), _operand(X, DOT_BF16), input_precision=DOT_PRECISION)
-        X = X * decay[:, None] + tl.dot(_operand(tl.trans(kd), DOT_BF16), _operand(v_new, DOT_BF16),
+        v_new = u - tl.dot(dot_operand(w, DOT_BF16), dot_operand(X, DOT_BF16), input_precision=DOT_PRECISION)
+        X = X * decay[:, None] + tl.dot(dot_operand(kd_t, DOT_BF16), dot_operand(v_new, DOT_BF16),
                                         input_precision=DOT_PRECISION)
     base = SUMMARY + ((n * P + p).to(tl.int64) * HV + hv) * K * (K + V)
     tl.store(base + kcols[:, None] * (K + V) + xcols[None, :], X,
@@ -174,20 +168,20 @@ def kda_chunk_scan_kernel(
     for c in range(c0, c1):
         tok = bos + c * BT + rows
         rows_ok = c * BT + rows < seq_len
-        w, kd, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
+        w, kd_t, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
         qg = tl.load(QG + (tok * HV + hv)[:, None] * K + kcols[None, :], mask=rows_ok[:, None] & kok[None, :],
                      other=0.0)
         a_qk = tl.load(AQK + (tok * HV + hv)[:, None] * BT + rows[None, :], mask=rows_ok[:, None], other=0.0)
         u = tl.load(U + (tok * HV + hv)[:, None] * V + vcols[None, :], mask=rows_ok[:, None] & vok[None, :],
                     other=0.0).to(tl.float32)
-        S_op = _operand(S, DOT_BF16)
-        v_new = u - tl.dot(_operand(w, DOT_BF16), S_op, input_precision=DOT_PRECISION)
-        v_op = _operand(v_new, DOT_BF16)
-        o = tl.dot(_operand(qg, DOT_BF16), S_op, input_precision=DOT_PRECISION)
-        o += tl.dot(_operand(a_qk, DOT_BF16), v_op, input_precision=DOT_PRECISION)
+        S_op = dot_operand(S, DOT_BF16)
+        v_new = u - tl.dot(dot_operand(w, DOT_BF16), S_op, input_precision=DOT_PRECISION)
+        v_op = dot_operand(v_new, DOT_BF16)
+        o = tl.dot(dot_operand(qg, DOT_BF16), S_op, input_precision=DOT_PRECISION)
+        o += tl.dot(dot_operand(a_qk, DOT_BF16), v_op, input_precision=DOT_PRECISION)
         tl.store(O + (tok * HV + hv)[:, None] * V + vcols[None, :], o.to(O.dtype.element_ty),
                  mask=rows_ok[:, None] & vok[None, :])
-        S = S * decay[:, None] + tl.dot(_operand(tl.trans(kd), DOT_BF16), v_op, input_precision=DOT_PRECISION)
+        S = S * decay[:, None] + tl.dot(dot_operand(kd_t, DOT_BF16), v_op, input_precision=DOT_PRECISION)
 
     if STORE_HT:
         if p == P - 1:

@@ -34,11 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
+
 MAX_HEAD_DIM = 256
 L2NORM_EPS = tl.constexpr(1e-6)  # inside the sqrt (FLA, HF); a plain global is rejected by the compiler
-
-# Gate forms (the GATE constexpr): the caller's finished log-decay, or the raw projection gated here.
-GATE_PRECOMPUTED, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 
 
 def _interpreted() -> bool:
@@ -147,11 +146,11 @@ def fused_recurrent_kda_decode_kernel(
             b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + L2NORM_EPS)
             b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + L2NORM_EPS)
         b_q = b_q * scale
-        if GATE != 0:
+        if GATE != GATE_PRECOMPUTED:
             x = b_g
             if HAS_DT_BIAS:
                 x = x + b_bias
-            if GATE == 1:
+            if GATE == GATE_SOFTPLUS:
                 # softplus with torch's threshold (x > 20 -> x); exp(x) itself below -15, where
                 # log(1 + exp(x)) would round to 0 in fp32. Padded lanes (x = 0) stay finite.
                 e = tl.exp(tl.minimum(x, 20.0))
@@ -241,9 +240,9 @@ def fused_recurrent_kda_triton(
             ht.zero_()
         return o, ht
 
-    gate = GATE_PRECOMPUTED
+    gate = int(GATE_PRECOMPUTED)
     if use_gate_in_kernel:
-        gate = GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND
+        gate = int(GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND)
         A_log, dt_bias = _flat(A_log), _flat(dt_bias)
     else:
         A_log = dt_bias = None

@@ -102,3 +102,47 @@ def test_noncontiguous_inputs_are_really_noncontiguous(options):
     args = _public_args(options, True, True, "cpu")
     for key in ("q", "k", "v", "g", "beta", "initial_state"):
         assert not args[key].is_contiguous(), key
+
+
+class _ResidualBackend:
+    """A CPU backend whose backward needs its forward's residuals (as FLA's and ours do on CUDA)."""
+    name = "needs_residuals"
+    serves = frozenset({"chunk_kda"})
+    backward_calls = 0
+
+    def unsupported_reason(self, device, dtype, K, V, opts):
+        return None
+
+    def residual_meta(self, q, k, v, opts, save):
+        return [((1,), torch.float32)] if save else []
+
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+        from kda_compile.ops.kda.backends import REFERENCE
+        o, final, _ = REFERENCE.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
+                                              output_final_state, save)
+        return o, final, ([q.new_ones(1, dtype=torch.float32)] if save else [])
+
+    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
+        from kda_compile.ops.kda.backends import REFERENCE
+        assert len(residuals) == 1 and residuals[0].numel() == 1, "called without the forward's residuals"
+        type(self).backward_calls += 1
+        return REFERENCE.chunk_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, [], do, dht, opts)
+
+
+def test_differentiating_a_forward_that_saved_nothing_recomputes(monkeypatch):
+    """``chunk_kda_fwd(save_for_backward=False)`` differentiated anyway (opcheck does; the public
+    functions do not) must not hand the serving backend's backward empty residuals: its gradients are
+    the reference's, equal to those of a forward that saved."""
+    from kda_compile.ops.kda import backends
+
+    monkeypatch.setattr(backends, "_registry", [(100, _ResidualBackend()), *backends._registry])
+    args = _public_args("plain", True, True, "cpu", requires_grad=True)
+    leaves = [t for t in _tensors(args) if t is not None and t.requires_grad]
+    grads = {}
+    for save in (True, False):
+        o, final, *_ = torch.ops.kda_compile.chunk_kda_fwd(*chunk_fwd_args(args, save_for_backward=save))
+        grads[save] = torch.autograd.grad((o.float().square().sum() + final.square().sum()), leaves)
+    assert _ResidualBackend.backward_calls == 1  # the saving forward's backward only
+    for with_residuals, recomputed in zip(grads[True], grads[False]):
+        torch.testing.assert_close(recomputed, with_residuals, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default, chunk_fwd_args(args, save_for_backward=False))

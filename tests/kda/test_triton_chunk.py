@@ -64,10 +64,10 @@ def triton_prefill(q, k, v, g, beta, scale=None, initial_state=None, output_fina
     return o, final
 
 
-def check(args, segments=None):
+def check(args, segments=None, tolerances=None):
     def op(**kw):
         return triton_prefill(**kw, segments=segments)
-    return compare_with_recurrence(op, args, with_grads=False)
+    return compare_with_recurrence(op, args, with_grads=False, tolerances=tolerances)
 
 
 def _weaken_decays(args):
@@ -102,11 +102,25 @@ CASES = [
      dict(initial_state=True, noncontiguous=True, scale=0.3)),
     ("varlen-empty-seqs-V100", KDAShape(1, 100, 1, 1, 32, 100), [0, 0, 17, 80, 80, 100],
      dict(gate_form="lower_bound", initial_state=True, beta_sigmoid=True, qk_l2norm=True)),
-    ("K256-no-final-state", KDAShape(1, 20, 1, 1, 256, 16), None,
+    ("K256-no-final-state", KDAShape(1, 80, 1, 1, 256, 16), None,
      dict(gate_form="softplus", dt_bias=False, output_final_state=False)),
 ]
 # float16 on a subset under the interpreter (about 2 s per chunk and head).
 HALF_CASES = {"T17-gva-softplus-l2norm-K60-strong-decay", "varlen-empty-seqs-V100"}
+# Tolerances of single cases where FLA's own chunk_kda misses the general ones on the same inputs.
+# T64 negeig: beta up to 2 (eigenvalues down to -1) with unnormalised keys amplifies rounding. Measured
+# on an H100 (relative errors against the recurrence, FLA 0.6.0 forward+backward / ours = our forward +
+# FLA's backward): bf16 o 5.09e-3 / 5.01e-3, final state 5.28e-3 / 5.14e-3, dh0 1.00e-2 / 9.97e-3; fp32
+# (TF32 products) dh0 3.13e-3 / 3.30e-3. A float64 emulation of the bf16 storage points alone (w, u, qg,
+# A_qk and the state operand rounded to bf16) gives o 4.8e-3: the rounding scheme's floor on this case.
+CASE_TOLERANCES = {
+    ("T64-lower-bound-negeig-v-first-V60", torch.bfloat16): dict(o=6e-3, final_state=6e-3, initial_state=1.2e-2),
+    ("T64-lower-bound-negeig-v-first-V60", torch.float32): dict(initial_state=4e-3),
+}
+
+
+def case_tolerances(name: str, dtype: torch.dtype) -> dict:
+    return CASE_TOLERANCES.get((name, dtype), {}) if DEVICE.type == "cuda" else {}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -117,7 +131,7 @@ def test_matches_recurrence(case, dtype):
         pytest.skip("interpreted runs check float16 on a subset")
     if not INTERPRETED and dtype == torch.float32 and shape.key_dim > 128:
         pytest.skip("float32 with K > 128 exceeds the scan's shared memory on sm_90; the backend declines it")
-    check(_args(shape, dtype, cu_seqlens=cu_seqlens, **options))
+    check(_args(shape, dtype, cu_seqlens=cu_seqlens, **options), tolerances=case_tolerances(name, dtype))
 
 
 @pytest.mark.parametrize("segments", [2, 3])
@@ -126,6 +140,16 @@ def test_segmented_scan_matches_recurrence(segments):
     args = _args(KDAShape(1, 200, 1, 1, 32, 32), cu_seqlens=[0, 0, 150, 150, 200], initial_state=True,
                  gate_form="softplus", qk_l2norm=True)
     check(args, segments=segments)
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_narrow_values_across_segments(segments, dtype):
+    """Hypothesis found it on an H100: V = 16 (a 16-column state block, fp32), two segments, strong
+    decays: wrong outputs in the second segment (relative error 7e-2)."""
+    if INTERPRETED and dtype != torch.float32:
+        pytest.skip("interpreted runs check float16 on a subset")
+    check(_args(KDAShape(1, 65, 1, 1, 100, 16), dtype, seed=0, weak_decay=False), segments=segments)
 
 
 def test_segmented_scan_batched_gva():
@@ -361,9 +385,10 @@ def test_op_forward_and_gradients_on_cuda(case, dtype):
     (or the reference backward without FLA)."""
     from kda_compile.ops import chunk_kda
 
-    _, shape, cu_seqlens, options = case
+    name, shape, cu_seqlens, options = case
     with only_backends("triton_chunk"):  # our forward (opt-in; the backward is FLA's inside the backend)
-        compare_with_recurrence(chunk_kda, _args(shape, dtype, cu_seqlens=cu_seqlens, **options))
+        compare_with_recurrence(chunk_kda, _args(shape, dtype, cu_seqlens=cu_seqlens, **options),
+                                tolerances=case_tolerances(name, dtype))
 
 
 @cuda

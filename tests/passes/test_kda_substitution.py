@@ -501,8 +501,10 @@ IMPORT_ORDER_SCRIPT = textwrap.dedent('''
         except Exception:
             ok[name] = False
     entries = sorted(at for r in kda_substitution.registered() for at in r.found_at)
-    print(json.dumps({"fla": fla.__version__, "hf_bound": binding(hf.chunk_kimi_delta_attention),
-                      "entries": entries, "one_graph": ok}))
+    wrapper = hf.chunk_kimi_delta_attention
+    print(json.dumps({"fla": fla.__version__, "hf_bound": binding(wrapper), "entries": entries, "one_graph": ok,
+                      "hf_wrapper": f"{type(wrapper).__module__}.{type(wrapper).__qualname__} "
+                                    f"{getattr(wrapper, '__module__', '?')}.{getattr(wrapper, '__qualname__', '?')}"}))
 ''')
 
 
@@ -523,8 +525,11 @@ def test_fla_and_hf_imported_before_kda_compile(tmp_path, env):
                 "transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention"} <= set(
                     result["entries"]), result
         assert result["one_graph"] == {"fla": True, "hf": True}, result
-    else:  # nothing registered: FLA's disabled function breaks the graph, as without kda_compile
-        assert result["entries"] == [] and result["one_graph"] == {"fla": False, "hf": False}, result
+    else:  # nothing registered: FLA's disabled function breaks the graph, as without kda_compile.
+        # HF's wrapper around it is not asserted: it broke the graph under torch 2.13 (CI) but compiled
+        # into one graph under torch 2.11 + transformers 5.17 with FLA installed (H100 box, this same
+        # script): HF's behaviour there, not ours.
+        assert result["entries"] == [] and result["one_graph"]["fla"] is False, result
 
 
 # ----------------------------------------------------------------------------------------------

@@ -72,7 +72,6 @@ DIAG_RANGE_LIMIT = tl.constexpr(100.0)  # beyond it (per block and channel), the
 FAST_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
-
 @triton.jit
 def _log2(x):
     if FAST_LOG2:

@@ -49,3 +49,37 @@ def test_no_top_level_ops_or_passes_imports():
         if pattern.search(path.read_text()):
             bad.append(str(path.relative_to(ROOT)))
     assert bad == [], f"import kda_compile.ops / kda_compile.passes instead of top-level names in {bad}"
+
+
+def _global_reads(table, found):
+    """(function name, global name) for every name a function reads from its module's globals."""
+    for child in table.get_children():
+        if child.get_type() == "function":
+            for symbol in child.get_symbols():
+                if symbol.is_global() and symbol.is_referenced():
+                    found.append((child.get_name(), symbol.get_name()))
+        _global_reads(child, found)
+    return found
+
+
+def test_functions_read_only_names_their_module_defines():
+    """A name a function reads as a global exists in its module after import (or is a builtin):
+    code paths no CPU test reaches (GPU-only benchmarks, rare branches) must still not die with a
+    NameError, e.g. a helper imported inside one function and used in another."""
+    import builtins
+    import importlib
+    import symtable
+
+    missing = []
+    for folder, package in ROOTS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name == "__main__.py" or not (path.parent / "__init__.py").exists():
+                continue  # scripts (bench/results/*.py, python -m entry points): not imported
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            module = importlib.import_module(".".join([package, *parts]))
+            table = symtable.symtable(path.read_text(), str(path), "exec")
+            for function, name in _global_reads(table, []):
+                if not hasattr(module, name) and not hasattr(builtins, name):
+                    missing.append(f"{path.relative_to(ROOT)}: {function}() reads undefined global {name!r}")
+    assert not missing, "\n".join(missing)

@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import (cuda_graph_time, format_table, measure_copy_bandwidth, rel_error, row,
-                                      time_quantiles)
+from kda_compile.bench.common import (cuda_graph_time, environment, format_table, measure_copy_bandwidth,
+                                      rel_error, row, time_quantiles, write_csv)
 
 logger = logging.getLogger("kda_compile.bench.kda")
 
@@ -38,6 +38,23 @@ def add_arguments(parser) -> None:
                         help="in-kernel gate form (lower_bound uses -5 and safe_gate, as FlashKDA's anchor)")
     parser.add_argument("--modes", default="fwd,fwd+bwd,decode", help="comma-separated subset of fwd,fwd+bwd,decode")
     parser.add_argument("--quick", action="store_true", help="first two prefill shapes and batch 1/64 only")
+    parser.add_argument("--shapes", type=prefill_shapes, default=None,
+                        help="prefill shapes as BxTxH[,BxTxH...] (default: every anchor shape), e.g. to split a "
+                             "run that would not fit a device's time limit")
+
+
+def prefill_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"1x8192x32,8x1024x64"`` -> ``[(1, 8192, 32), (8, 1024, 64)]`` (the ``--shapes`` option)."""
+    import argparse
+
+    shapes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"shapes must be BxTxH items of positive integers separated by commas, got {item.strip()!r}")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
 
 
 def _providers():
@@ -80,7 +97,7 @@ def _prefill_providers():
 
 def _log_prefill_backend(device) -> None:
     """Say which backend "ours (own kernels)" runs on (a fallback would make the row meaningless)."""
-    from kda_compile.ops.kda.backends import KDAOptions, select_backend
+    from kda_compile.ops.kda.backends import KDAOptions, only_backends, select_backend
 
     with only_backends("triton_chunk"):
         chosen = select_backend("chunk_kda", torch.device(device), torch.bfloat16, K, V, KDAOptions(scale=K ** -0.5))
@@ -90,8 +107,11 @@ def _log_prefill_backend(device) -> None:
         logger.info("ours (own kernels) runs on the triton_chunk backend")
 
 
-def _bench_prefill(gate, modes, shapes, device, rows) -> list[list]:
-    """Time every prefill provider on every shape and mode; returns the table lines."""
+def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None) -> list[list]:
+    """Time every prefill provider on every shape and mode; returns the table lines. ``checkpoint``
+    runs after each shape (the CLI writes the CSV so far: a run cut off by a time limit keeps it)."""
+    if not any(m in ("fwd", "fwd+bwd") for m in modes):
+        return []
     providers = _prefill_providers()
     _log_prefill_backend(device)
     table = []
@@ -127,6 +147,7 @@ def _bench_prefill(gate, modes, shapes, device, rows) -> list[list]:
                           f"{errors['ours (own kernels)']:.1e}"])
             logger.info("%s %s: FLA %.3f ms, ours (FLA path) %.3f ms, ours (own kernels) %.3f ms",
                         mode, shape, fla_ms, path_ms, own_ms)
+            checkpoint()
     return table
 
 
@@ -238,10 +259,15 @@ def run(args) -> list[dict]:
     torch.manual_seed(0)
     providers = _providers()
     modes = args.modes.split(",")
-    shapes = PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES
+    shapes = args.shapes or (PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES)
     batches = DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES
     rows, table = [], []
-    prefill_table = _bench_prefill(args.gate, modes, shapes, "cuda", rows)
+    env = environment()
+
+    def checkpoint():
+        write_csv([{**r, **env} for r in rows], args.csv)
+
+    prefill_table = _bench_prefill(args.gate, modes, shapes, "cuda", rows, checkpoint)
     if prefill_table:
         print(f"\nKDA prefill, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
         print(format_table(PREFILL_HEADERS, prefill_table))

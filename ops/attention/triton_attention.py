@@ -35,8 +35,16 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# Head-dim blocks are at least 32 wide. On sm_90 (triton 3.6, H100, 2026-11-22) the forward with a
+# 16-wide value block under a masked 32-wide key block (d_qk 24, d_v 12: the MLA layer of a tiny test
+# model) and the 128 x 64, 3-stage tile returned wrong rows in float16, NaN in bfloat16, and an illegal
+# memory access without a mask; 32-wide blocks were right (as were 16 unmasked columns, a 64 x 32 tile
+# and float32), the same narrow-block family as the KDA scan's (ops/kda/triton_chunk.py).
+MIN_HEAD_BLOCK = 32
+
+
 def _head_block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(MIN_HEAD_BLOCK, triton.next_power_of_2(d))
 
 
 # Fixed configs per padded head dim (no autotuning: deterministic, and the interpreter cannot tune).

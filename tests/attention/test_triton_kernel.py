@@ -48,6 +48,9 @@ CASES = {
     "softcap-float-mask-grad": Case(h=2, hkv=1, sq=21, sk=18, mask="float_inf", mask_shape="11", softcap=5.0,
                                     dead_rows=True, sinks=True),
     "sq>sk-causal": Case(sq=23, sk=6, causal=True, noncontiguous=True),
+    # d_qk 24 / d_v 12 in 16-bit types once hit a Triton sm_90 miscompile (see MIN_HEAD_BLOCK).
+    "narrow-masked-head-dims": Case(b=3, h=3, hkv=3, sq=1, sk=17, dqk=24, dv=12, mask="float", mask_shape="b1"),
+    "narrow-head-dims-no-mask": Case(b=2, h=3, hkv=1, sq=5, sk=19, dqk=24, dv=12),
     "row-mask-transposed": Case(b=2, h=2, sq=5, sk=29, mask="float", mask_shape="row", noncontiguous=True),
 }
 

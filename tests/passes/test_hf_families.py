@@ -25,6 +25,11 @@ SOFTMAX_ONLY = Config(compiler="aot_eager", mla_absorb=False)
 NAMES = sorted(FAMILIES)
 OTHER_SOFTMAXES = {"gpt_oss": 2}  # MoE router softmaxes: not attention, not candidates
 FP32_TOL, BF16_TOL, GRAD_TOL = 1e-5, 3e-2, 1e-4
+# Training under torch.compile: transformers 5.17's default fp32 MoE path (a grouped-mm fallback whose
+# backward branches on each expert's token count) and its "eager" experts (a loop over data-dependent
+# token counts) both fail AOT autograd with a data-dependent guard, whatever the backend (plain
+# "aot_eager" too; passes with 5.23). The MoE is not what this file tests: train it through batched_mm.
+TRAINING_CONFIG = {"gpt_oss": {"_experts_implementation": "batched_mm"}}
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +90,7 @@ def test_bf16_logits_match(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_training_step_gradients_match(name):
-    model = build_model(name).train()
+    model = build_model(name, **TRAINING_CONFIG.get(name, {})).train()
     ids = prompt(8)
     cap = GraphCapture(SOFTMAX_ONLY)
     torch.compile(model, backend=cap, fullgraph=True)(ids, labels=ids).loss.backward()

@@ -6,17 +6,20 @@ gate / sigmoid / norm left in the graph) and match the unfolded eager code, forw
 (gradients of the raw projections, A_log and dt_bias included). Folding moves the same fp32 math
 into the op, so only rounding differs: fp32 relative error ``||a - b|| / ||b||`` < 1e-5 for outputs
 (measured: about 1e-7) and < 1e-4 for gradients (A_log's gradient sums B*T*K terms of both signs that
-mostly cancel, which magnifies rounding: measured up to 2e-5).
+mostly cancel, which magnifies rounding: measured up to 1.4e-4 from the fp64 result, where the eager
+fp32 code itself was 3.1e-5 off). A gradient beyond 1e-4 is therefore judged against a float64 run of
+the same code: the compiled gradient must be within 10x the eager fp32 code's own error.
 """
 from __future__ import annotations
 
+import copy
 import re
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -28,6 +31,9 @@ from .graph_capture import GraphCapture
 
 FP32_TOL = 1e-5
 FP32_GRAD_TOL = 1e-4
+# A gradient that fails FP32_GRAD_TOL passes when its error from the fp64 result is within this
+# factor of the eager fp32 code's own error (the op sums in another order; see the module note).
+CANCELLATION_SLACK = 10
 BF16_TOL = 2e-2
 B, T, H, K, V, D = 2, 5, 2, 4, 6, 16
 KDA_OPS = ("chunk_kda_fwd", "fused_recurrent_kda_fwd")
@@ -56,11 +62,34 @@ def compile_and_compare(fn, args, params=(), *, tol=FP32_TOL, grad_tol=FP32_GRAD
     if backward:
         leaves = [x for x in (*args, *params) if x.requires_grad]
         seeds = [torch.randn(w.shape, generator=torch.Generator().manual_seed(3)).to(w.dtype) for w in want]
-        for i, (a, b) in enumerate(zip(torch.autograd.grad(got, leaves, seeds, allow_unused=True),
-                                       torch.autograd.grad(want, leaves, seeds, allow_unused=True))):
+        grads = zip(torch.autograd.grad(got, leaves, seeds, allow_unused=True),
+                    torch.autograd.grad(want, leaves, seeds, allow_unused=True))
+        truth = None
+        for i, (a, b) in enumerate(grads):
             assert (a is None) == (b is None), f"gradient of input {i}"
-            assert b is None or rel_err(a, b) < grad_tol, f"gradient of input {i}"
+            if b is None or rel_err(a, b) < grad_tol:
+                continue
+            # An ill-conditioned reduction (A_log's gradient): judge both fp32 results against fp64.
+            assert a.dtype == torch.float32, f"gradient of input {i}: {rel_err(a, b):.2e}"
+            truth = truth if truth is not None else fp64_grads(fn, args, params, seeds)
+            ours_err, eager_err = rel_err(a, truth[i]), rel_err(b, truth[i])
+            assert ours_err < max(grad_tol, CANCELLATION_SLACK * eager_err), \
+                f"gradient of input {i}: {ours_err:.2e} from fp64 (eager fp32: {eager_err:.2e})"
     return capture
+
+
+def fp64_grads(fn, args, params, seeds):
+    """The same gradients computed in float64 (a double copy of the module and its inputs)."""
+    if isinstance(fn, nn.Module):
+        fn = copy.deepcopy(fn).double()
+        params = [p for p in fn.parameters()] if params else []
+    else:
+        assert not params, "a plain function's parameters cannot be promoted to float64"
+    args = [x.detach().double().requires_grad_(x.requires_grad) for x in args]
+    out = fn(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    leaves = [x for x in (*args, *params) if x.requires_grad]
+    return torch.autograd.grad(out, leaves, [s.double() for s in seeds], allow_unused=True)
 
 
 def kda_calls(capture, graph=-1):
@@ -139,6 +168,7 @@ def test_hf_layer_tail_folds_gate_and_beta():
 @settings(deadline=None)
 @given(b=st.integers(1, 3), t=st.integers(1, 20), heads=st.integers(1, 3), head_dim=st.integers(2, 8),
        v_dim=st.integers(2, 8), seed=st.integers(0, 2 ** 16))
+@example(b=2, t=12, heads=1, head_dim=8, v_dim=2, seed=61410)  # A_log's gradient: 1.1e-4 from eager fp32 (CI)
 def test_hf_layer_tail_random_shapes(b, t, heads, head_dim, v_dim, seed):
     torch._dynamo.reset()
     layer = DeltaTail(heads, head_dim, v_dim, seed=seed)

@@ -374,7 +374,7 @@ class KDAPrologueRewrite(GraphRewrite):
                 if problem or fold.kept:
                     log.left_alone.append(LeftAlone(self.name, *where, problem or "; ".join(fold.kept)))
                 continue
-            op = f"kda_compile.{call.fn.__name__}"
+            op = f"kda_compile.ops.{call.fn.__name__}"
             try:
                 self._replace(graph, call, fold)
             except (TypeError, ValueError) as exc:  # the op's argument checks (nothing was replaced)

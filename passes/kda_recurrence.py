@@ -328,9 +328,9 @@ class KDARecurrenceRewrite(GraphRewrite):
             try:
                 self._replace(graph, plan, op, position)
             except (TypeError, ValueError) as exc:  # the op's argument checks
-                log.left_alone.append(LeftAlone(self.name, *where, f"kda_compile.{op.__name__} refuses: {exc}"))
+                log.left_alone.append(LeftAlone(self.name, *where, f"kda_compile.ops.{op.__name__} refuses: {exc}"))
                 continue
-            log.rewritten.append(Rewritten(self.name, *where, f"kda_compile.{op.__name__}", plan.details))
+            log.rewritten.append(Rewritten(self.name, *where, f"kda_compile.ops.{op.__name__}", plan.details))
             rewritten += 1
         return rewritten
 

@@ -35,10 +35,14 @@ class Rewritten:
     op: str
     details: Mapping[str, Any] = field(default_factory=dict)
 
-    def __str__(self) -> str:
+    def change(self) -> str:
+        """``(source) -> op(details)``: what became of the site, without its module path."""
         info = ", ".join(f"{k}={v}" for k, v in self.details.items())
-        where = f" ({self.source})" if self.source else ""
-        return f"{self.site}{where} -> {self.op}({info})"
+        where = f"({self.source}) " if self.source else ""
+        return f"{where}-> {self.op}({info})"
+
+    def __str__(self) -> str:
+        return f"{self.site} {self.change()}"
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,27 @@ class GraphReport:
     rewritten: tuple[Rewritten, ...] = ()
     left_alone: tuple[LeftAlone, ...] = ()
 
+    def sites(self) -> dict[str, list[Rewritten]]:
+        """The rewritten entries grouped by site (module path), in order of first appearance: one
+        site can take several rewrites (the KDA call substituted, then its prologue folded into it;
+        HF's MLA attention rewritten, then absorbed)."""
+        groups: dict[str, list[Rewritten]] = {}
+        for entry in self.rewritten:
+            groups.setdefault(entry.site, []).append(entry)
+        return groups
+
     def summary(self) -> str:
-        lines = [f"graph {self.graph}: {len(self.rewritten)} site(s) rewritten, "
-                 f"{len(self.left_alone)} candidate(s) left alone"]
-        lines += [f"  rewritten   {r}" for r in self.rewritten]
+        sites = self.sites()
+        count = f"{len(sites)} site(s) rewritten"
+        if len(sites) != len(self.rewritten):
+            count += f" ({len(self.rewritten)} rewrites)"
+        lines = [f"graph {self.graph}: {count}, {len(self.left_alone)} candidate(s) left alone"]
+        for site, entries in sites.items():
+            if len(entries) == 1:
+                lines.append(f"  rewritten   {entries[0]}")
+                continue
+            lines.append(f"  rewritten   {site}, by {', '.join(e.rewrite for e in entries)}:")
+            lines += [f"                {e.rewrite}: {e.change()}" for e in entries]
         lines += [f"  left alone  {c}" for c in self.left_alone]
         return "\n".join(lines)
 

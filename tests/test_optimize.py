@@ -15,7 +15,7 @@ import transformers
 import kda_compile
 from kda_compile import Config, optimize, report
 from kda_compile.ops._common import record_fallback
-from kda_compile.passes import REWRITES
+from kda_compile.passes import REWRITES, GraphReport, LeftAlone, Rewritten
 
 QUICK = Config(compiler="aot_eager")
 
@@ -151,6 +151,24 @@ def test_report_lists_fallback_events():
     events = {event.op: count for event, count in report().fallbacks}
     assert events["attention_report_test"] >= 1
     assert "fallback: attention_report_test ran reference" in text
+
+
+def test_report_summary_lists_each_site_once():
+    """Two rewrites of one site (a KDA call substituted, then its prologue folded) are one site."""
+    graph = GraphReport("0/0", rewritten=(
+        Rewritten("kda_prologue", "layers.0.attn", "model.py:7", "kda_compile.ops.chunk_kda", {"beta": "sigmoid"}),
+        Rewritten("kda_substitution", "layers.0.attn", "model.py:7", "kda_compile.ops.chunk_kda", {"kind": "chunk"}),
+        Rewritten("softmax_attention", "layers.1.attn", "model.py:9", "kda_compile.attention", {"heads": "4/2"}),
+    ), left_alone=(LeftAlone("softmax_attention", "layers.2.attn", "model.py:9", "output_attentions=True"),))
+    assert list(graph.sites()) == ["layers.0.attn", "layers.1.attn"]
+    assert graph.summary().splitlines() == [
+        "graph 0/0: 2 site(s) rewritten (3 rewrites), 1 candidate(s) left alone",
+        "  rewritten   layers.0.attn, by kda_prologue, kda_substitution:",
+        "                kda_prologue: (model.py:7) -> kda_compile.ops.chunk_kda(beta=sigmoid)",
+        "                kda_substitution: (model.py:7) -> kda_compile.ops.chunk_kda(kind=chunk)",
+        "  rewritten   layers.1.attn (model.py:9) -> kda_compile.attention(heads=4/2)",
+        "  left alone  layers.2.attn (model.py:9): output_attentions=True",
+    ]
 
 
 def test_public_names():

@@ -136,6 +136,13 @@ def test_prefill_logits_match_and_report_lists_the_kda_sites(compiled_binding):
         assert site.details["kind"] == "chunk" and site.details["heads"] == "2/2"
         assert site.details["entry"].startswith(entry), site.details["entry"]
         assert site.source.startswith("modeling_kimi_linear.py:")
+    # One line per site: a KDA layer whose call was substituted and whose prologue was folded is one
+    # site with two rewrites, not two sites.
+    (graph,) = kda_compile.report(compiled).graphs
+    assert set(graph.sites()) >= {"model.layers.0.self_attn", "model.layers.2.self_attn"}
+    summary = graph.summary().splitlines()
+    assert summary[0].startswith(f"graph {graph.graph}: {len(graph.sites())} site(s) rewritten"), summary[0]
+    assert sum(line.startswith("  rewritten   model.layers.0.self_attn") for line in summary) == 1, summary
 
 
 def test_graph_holds_our_ops_and_no_unrolled_loop(hf_torch_path):

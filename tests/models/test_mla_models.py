@@ -17,17 +17,13 @@ one layer per model and few combinations: CI runs on 2 CPU cores.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
-import torch.nn.functional as F
-from torch._dynamo.backends.registry import lookup_backend
 
 from kda_compile.config import Config
 from kda_compile.ops.mla import mla_attention
-from kda_compile.passes import GraphReport, PassManager
 from kda_compile.testing import rel_error
+from mla_capture import MLACapture, kv_b_linears
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,35 +86,11 @@ def fresh_dynamo_and_constant_floats():
         yield
 
 
-@dataclass
-class Capture:
-    """A backend that runs the pass manager, keeps each rewritten graph and its report, and runs it
-    with aot_eager."""
-
-    config: Config = field(default_factory=lambda: Config(compiler="aot_eager"))
-    graphs: list = field(default_factory=list)
-    reports: list[GraphReport] = field(default_factory=list)
-    kv_b_linears_before: list[int] = field(default_factory=list)
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.kv_b_linears_before.append(len(kv_b_linears(gm)))
-        self.reports.append(PassManager(self.config).run(gm, graph=str(len(self.reports))))
-        self.graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    def mla_calls(self, graph: int) -> list[torch.fx.Node]:
-        return [n for n in self.graphs[graph].graph.nodes if n.target is mla_attention]
+def capture_for(softmax_attention: bool) -> MLACapture:
+    return MLACapture(Config(compiler="aot_eager", softmax_attention=softmax_attention))
 
 
-def kv_b_linears(gm) -> list[torch.fx.Node]:
-    return [n for n in gm.graph.nodes if n.target is F.linear and "kv_b_proj" in getattr(n.args[1], "name", "")]
-
-
-def capture_for(softmax_attention: bool) -> Capture:
-    return Capture(Config(compiler="aot_eager", softmax_attention=softmax_attention))
-
-
-def assert_every_graph_rewritten(cap: Capture, model) -> None:
+def assert_every_graph_rewritten(cap: MLACapture, model) -> None:
     layers = attention_modules(model)
     for g in range(len(cap.graphs)):
         report = cap.reports[g]
@@ -126,7 +98,7 @@ def assert_every_graph_rewritten(cap: Capture, model) -> None:
         assert len(sites) == len(layers), report.summary()
         assert not [c for c in report.left_alone if c.rewrite == "mla_absorb"], report.summary()
         assert cap.kv_b_linears_before[g] == len(layers) and not kv_b_linears(cap.graphs[g]), cap.graphs[g].code
-        calls = cap.mla_calls(g)
+        calls = cap.calls(mla_attention, g)
         assert len(calls) == len(layers)
         assert sorted(c.kwargs["scale"] for c in calls) == sorted(m.scaling for m in layers)  # the graph's own
         for site in sites:
@@ -136,14 +108,14 @@ def assert_every_graph_rewritten(cap: Capture, model) -> None:
                                                       layer.qk_rope_head_dim, layer.v_head_dim, layer.kv_lora_rank)
 
 
-def assert_decode_reads_the_latent_cache(cap: Capture, model) -> None:
+def assert_decode_reads_the_latent_cache(cap: MLACapture, model) -> None:
     """Some graph has one query per sequence; its op reads the cache update's [B, 1, T, R] / [B, 1, T, Dr]
     (torch.cat of the cache and the new token) directly."""
     layer = attention_modules(model)[0]
-    decode = [g for g in range(len(cap.graphs)) if cap.mla_calls(g)
-              and cap.mla_calls(g)[0].args[0].meta["example_value"].shape[2] == 1]
+    decode = [g for g in range(len(cap.graphs)) if cap.calls(mla_attention, g)
+              and cap.calls(mla_attention, g)[0].args[0].meta["example_value"].shape[2] == 1]
     assert decode, "no decode graph was compiled"
-    for call in cap.mla_calls(decode[-1]):
+    for call in cap.calls(mla_attention, decode[-1]):
         latent, rope = call.args[2], call.args[3]
         for node, width in ((latent, layer.kv_lora_rank), (rope, layer.qk_rope_head_dim)):
             value = node.meta["example_value"]

@@ -11,20 +11,18 @@ Real models (DeepseekV3, DeepSeek-V2-Lite-like, KimiLinear, generate()): tests/m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch._dynamo.backends.registry import lookup_backend
 
 from kda_compile.config import Config
 from kda_compile.ops.attention import attention
 from kda_compile.ops.mla import mla_attention
-from kda_compile.passes import GraphReport, PassManager
+from kda_compile.passes import PassManager
 from kda_compile.testing import rel_error
+from mla_capture import MLACapture, kv_b_linears
 
 FP32_TOL, GRAD_TOL = 1e-5, 1e-4
 YARN_LIKE_SCALE = 0.13523377  # not (Dn + Dr) ** -0.5: the rewrite must copy it, not recompute it
@@ -108,48 +106,20 @@ def inputs(module: TinyMLA, batch=2, queries=3, cached=4, masked=True, seed=0):
     return x, latent, rope, torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-@dataclass
-class Capture:
-    """A backend that runs the pass manager, keeps each rewritten graph and its report, and runs it
-    with aot_eager."""
-
-    config: Config = field(default_factory=lambda: Config(compiler="aot_eager"))
-    graphs: list = field(default_factory=list)
-    reports: list[GraphReport] = field(default_factory=list)
-    kv_b_linears_before: list[int] = field(default_factory=list)
-
-    def __call__(self, gm, example_inputs, **kwargs):
-        self.kv_b_linears_before.append(kv_b_linears(gm))
-        self.reports.append(PassManager(self.config).run(gm, graph=str(len(self.reports))))
-        self.graphs.append(gm)
-        return lookup_backend("aot_eager")(gm, example_inputs)
-
-    def calls(self, target, graph: int = -1) -> list[torch.fx.Node]:
-        return [n for n in self.graphs[graph].graph.nodes if n.target is target or n.target == target]
-
-    def entries(self, graph: int = -1, kind: str = "rewritten") -> list:
-        return [e for e in getattr(self.reports[graph], kind) if e.rewrite == "mla_absorb"]
-
-
-def kv_b_linears(gm) -> int:
-    """Linear calls whose weight is a kv_b_proj parameter."""
-    return sum(1 for n in gm.graph.nodes if n.target is F.linear and "kv_b_proj" in getattr(n.args[1], "name", ""))
-
-
 def compile_and_run(module, args, config=None, **compile_kwargs):
-    cap = Capture(config or Config(compiler="aot_eager"))
+    cap = MLACapture(config or Config(compiler="aot_eager"))
     out = torch.compile(module, backend=cap, fullgraph=True, **compile_kwargs)(*args)
     return out, cap
 
 
-def assert_rewritten(cap: Capture, module: TinyMLA, graph: int = -1):
+def assert_rewritten(cap: MLACapture, module: TinyMLA, graph: int = -1):
     (site,) = cap.entries(graph)
     assert not cap.entries(graph, "left_alone"), cap.reports[graph].summary()
     (call,) = cap.calls(mla_attention, graph)
     assert call.kwargs["scale"] == module.scaling  # exactly the graph's constant
     assert (site.details["heads"], site.details["nope"], site.details["rope"], site.details["v"],
             site.details["kv_lora_rank"]) == (module.h, module.dn, module.dr, module.dv, module.r)
-    assert kv_b_linears(cap.graphs[graph]) == 0 and cap.kv_b_linears_before[graph] == 1
+    assert not kv_b_linears(cap.graphs[graph]) and cap.kv_b_linears_before[graph] == 1
     for gone in (attention, "copy_", F.softmax):
         assert not cap.calls(gone, graph), cap.graphs[graph].code
     assert site.site and site.source.startswith("test_mla_absorb.py:")
@@ -182,7 +152,7 @@ def test_bf16_matches_eager():
 def test_lengths_reuse_one_dynamic_graph_and_a_symbolic_scale_is_specialised():
     module = TinyMLA().eval()
     with torch.no_grad():
-        cap = Capture()
+        cap = MLACapture()
         compiled = torch.compile(module, backend=cap, dynamic=True, fullgraph=True)
         for i, (queries, cached) in enumerate([(3, 4), (2, 9), (5, 2)]):  # (size 1 specialises)
             args = inputs(module, queries=queries, cached=cached, seed=i)
@@ -221,7 +191,7 @@ def test_unsupported_variants_are_left_alone_with_their_reason(variant, reason, 
         assert rel_error(out, module(*args)) < FP32_TOL
     (entry,) = cap.entries(kind="left_alone")
     assert reason in entry.reason, entry.reason
-    assert not cap.entries() and not cap.calls(mla_attention) and kv_b_linears(cap.graphs[-1]) == 1
+    assert not cap.entries() and not cap.calls(mla_attention) and len(kv_b_linears(cap.graphs[-1])) == 1
 
 
 def test_kv_b_proj_with_a_bias_is_left_alone():

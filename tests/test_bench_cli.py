@@ -23,3 +23,33 @@ def test_bad_prefill_shapes_name_the_item(text, capsys):
 def test_gpu_benchmarks_say_they_need_cuda(name, tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main([name, "--csv", str(tmp_path / "out.csv")])
+
+
+def test_profile_option_is_parsed(monkeypatch, tmp_path):
+    import kda_compile.bench.kda as kda_bench
+
+    seen = {}
+    monkeypatch.setattr(kda_bench, "run", lambda args: seen.setdefault("profile", args.profile) and [])
+    main(["kda", "--profile", "--csv", str(tmp_path / "out.csv")])
+    assert seen == {"profile": True}
+
+
+def test_kernel_times_aggregate_per_call():
+    """CPU operator events stand in for CUDA kernels: two matmuls per call, three calls profiled."""
+    from kda_compile.bench.common import kernel_times
+
+    a = torch.randn(64, 64)
+    times = kernel_times(lambda: (a @ a, a @ a, a + a), device_type="cpu")
+    by_name = {name: (launches, ms) for name, launches, ms in times}
+    assert by_name["aten::mm"][0] == 2 and by_name["aten::add"][0] == 1
+    assert all(ms >= 0 for _, _, ms in times)
+    assert [ms for _, _, ms in times] == sorted((ms for _, _, ms in times), reverse=True)
+
+
+def test_host_profile_names_the_functions_called():
+    from kda_compile.bench.common import host_profile
+
+    def launch_like():
+        return sum(range(100))
+
+    assert "launch_like" in host_profile(lambda: launch_like(), calls=20)

@@ -80,3 +80,49 @@ def measure_copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, float, float]:
     dst = torch.empty_like(src)
     ms = time_quantiles(lambda: dst.copy_(src))
     return tuple(2 * nbytes / (t * 1e-3) / 1e12 for t in reversed(ms))
+
+
+def kernel_times(fn, *, calls: int = 3, device_type: str = "cuda") -> list[tuple[str, int, float]]:
+    """Where one call of ``fn`` spends its device time: ``(kernel name, launches per call, ms per
+    call)``, longest first, from torch.profiler over ``calls`` calls (after one unprofiled call).
+    ``device_type="cpu"`` aggregates the CPU-side operator events instead (used by the CPU tests)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    if device_type == "cuda":
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CUDA] if device_type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+    wanted = torch.autograd.DeviceType.CUDA if device_type == "cuda" else torch.autograd.DeviceType.CPU
+    totals: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type != wanted:
+            continue
+        entry = totals.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += (event.device_time if device_type == "cuda" else event.cpu_time) / 1e3
+    return sorted(((name, count // calls, ms / calls) for name, (count, ms) in totals.items()),
+                  key=lambda item: -item[2])
+
+
+def host_profile(fn, *, calls: int = 300, top: int = 15) -> str:
+    """cProfile of ``calls`` back-to-back calls of ``fn``: the ``top`` functions by own time (where the
+    host time of a launch-bound call goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+

@@ -10,6 +10,9 @@ speedup over FLA per shape (needs matplotlib; otherwise the log says why there i
 Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
 1 / 64 / 256, with the state bytes moved per second. Each shape also records the relative error of
 our output against FLA's (same kernels underneath: it should be ~0).
+``--profile`` adds where the time goes: per prefill shape, mode and provider the GPU time of every
+kernel (torch.profiler; CSV metric ``kernel_time: <kernel>``, and a table per shape in the log), and
+per decode batch and provider the host functions by own time (cProfile, in the log).
 """
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import logging
 
 import torch
 
-from kda_compile.bench.common import (cuda_graph_time, environment, format_table, measure_copy_bandwidth,
-                                      rel_error, row, time_quantiles, write_csv)
+from kda_compile.bench.common import (cuda_graph_time, environment, format_table, host_profile, kernel_times,
+                                      measure_copy_bandwidth, rel_error, row, time_quantiles, write_csv)
 
 logger = logging.getLogger("kda_compile.bench.kda")
 
@@ -41,6 +44,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--shapes", type=prefill_shapes, default=None,
                         help="prefill shapes as BxTxH[,BxTxH...] (default: every anchor shape), e.g. to split a "
                              "run that would not fit a device's time limit")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each kernel's GPU time per prefill call (torch.profiler) and the host "
+                             "functions of each decode call (cProfile)")
 
 
 def prefill_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -107,9 +113,10 @@ def _log_prefill_backend(device) -> None:
         logger.info("ours (own kernels) runs on the triton_chunk backend")
 
 
-def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None) -> list[list]:
+def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, profile=False) -> list[list]:
     """Time every prefill provider on every shape and mode; returns the table lines. ``checkpoint``
-    runs after each shape (the CLI writes the CSV so far: a run cut off by a time limit keeps it)."""
+    runs after each shape (the CLI writes the CSV so far: a run cut off by a time limit keeps it);
+    ``profile`` adds each provider's per-kernel GPU times (``_record_kernel_times``)."""
     if not any(m in ("fwd", "fwd+bwd") for m in modes):
         return []
     providers = _prefill_providers()
@@ -137,6 +144,8 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None) -
                 outputs[name] = fn().detach()  # also compiles and autotunes before timing
                 results[name] = time_quantiles(fn)
                 rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name]))
+                if profile:
+                    _record_kernel_times(fn, name, mode, shape, rows)
                 torch.cuda.empty_cache()
             errors = {}
             for name in PREFILL_PROVIDERS[:2]:
@@ -149,6 +158,16 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None) -
                         mode, shape, fla_ms, path_ms, own_ms)
             checkpoint()
     return table
+
+
+def _record_kernel_times(fn, provider, mode, shape, rows) -> None:
+    """Rows ``kernel_time: <kernel>`` (ms per call) for one provider, and the breakdown in the log."""
+    kernels = kernel_times(fn)
+    total = sum(ms for _, _, ms in kernels)
+    for kernel, launches, ms in kernels:
+        rows.append(row("chunk_kda", provider, mode, shape, f"kernel_time: {kernel}", "ms", (ms, ms, ms)))
+    lines = [f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{launches:<3d} {kernel[:100]}" for kernel, launches, ms in kernels]
+    logger.info("%s %s, %s: %.3f ms of kernels per call\n%s", mode, shape, provider, total, "\n".join(lines))
 
 
 PREFILL_HEADERS = ["mode", "B x T x H", "FLA", "ours (FLA path)", "ours (own kernels)", "FLA / FLA path",
@@ -204,7 +223,7 @@ def _host_time_per_call(fn, calls: int = 500) -> tuple[float, float, float]:
     return samples[1], samples[2], samples[3]
 
 
-def _bench_decode(providers, gate, batches, device, rows, table):
+def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
     H = 32
     copy_bw = measure_copy_bandwidth()
     rows.append(row("copy", "torch", "decode", "1 GiB", "copy_bandwidth", "TB/s", copy_bw))
@@ -234,6 +253,8 @@ def _bench_decode(providers, gate, batches, device, rows, table):
                     return recurrent(**step, **common)
             outputs[name] = fn()[1]
             host[name] = _host_time_per_call(fn)
+            if profile:
+                logger.info("decode %s, %s: host functions by own time\n%s", shape, name, host_profile(fn))
             gpu[name] = cuda_graph_time(fn)
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", host[name]))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", gpu[name]))
@@ -267,13 +288,13 @@ def run(args) -> list[dict]:
     def checkpoint():
         write_csv([{**r, **env} for r in rows], args.csv)
 
-    prefill_table = _bench_prefill(args.gate, modes, shapes, "cuda", rows, checkpoint)
+    prefill_table = _bench_prefill(args.gate, modes, shapes, "cuda", rows, checkpoint, profile=args.profile)
     if prefill_table:
         print(f"\nKDA prefill, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
         print(format_table(PREFILL_HEADERS, prefill_table))
         _plot_prefill_speedup(prefill_table, args.csv.with_name(args.csv.stem + "_prefill_speedup.png"))
     if "decode" in modes:
-        _bench_decode(providers, args.gate, batches, "cuda", rows, table)
+        _bench_decode(providers, args.gate, batches, "cuda", rows, table, profile=args.profile)
     print(f"\nKDA, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
     print(format_table(["mode", "B x T x H", "FLA", "kda_compile", "FLA / ours", "rel. err vs FLA"], table))
     return rows

@@ -7,17 +7,21 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda_compile.testing as testing
-from kda_compile.ops import chunk_kda
+from kda_compile.ops import attention, chunk_kda
 from kda_compile.testing import (
     GATE_FORMS,
+    AttentionCase,
     KDAShape,
     assert_rel_close,
+    attention_cases,
+    attention_inputs,
     kda_inputs,
     kda_shapes,
+    make_attention_args,
     make_kda_args,
     rel_error,
     varlen_splits,
@@ -206,11 +210,59 @@ def test_repr_is_a_short_summary():
     assert len(text) < 600 and "seed=42" in text and "cu_seqlens=[0, 100, 300]" in text
 
 
-def test_module_docstring_example_runs():
-    code = textwrap.dedent(re.search(r"::\n\n(.*?)\n\n(?=\S)", testing.__doc__, re.S).group(1))
+@pytest.mark.parametrize("index, test_name", [(0, "test_chunk_matches_recurrent"), (1, "test_attention_matches_sdpa")])
+def test_module_docstring_examples_run(index, test_name):
+    blocks = re.findall(r"::\n\n(.*?)\n\n(?=\S)", testing.__doc__, re.S)
     namespace = {}
-    exec(compile(code, "<kda_compile.testing docstring>", "exec"), namespace)
-    namespace["test_chunk_matches_recurrent"]()  # runs the @given test (profile-sized)
+    exec(compile(textwrap.dedent(blocks[index]), "<kda_compile.testing docstring>", "exec"), namespace)
+    namespace[test_name]()  # runs the @given test (profile-sized)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention strategies
+# ---------------------------------------------------------------------------------------------
+@settings(deadline=None)
+@given(args=attention_inputs(dtypes=(torch.float32, torch.float64)))
+def test_attention_inputs_are_valid_calls(args):
+    case = args.case
+    assert args["query"].shape == (case.b, case.h, case.sq, case.dqk)
+    assert args["key"].shape == (case.b, case.hkv, case.sk, case.dqk) and case.h % case.hkv == 0
+    assert args["value"].shape == (case.b, case.hkv, case.sk, case.dv)
+    assert args["query"].is_contiguous() != case.noncontiguous or case.sq == 1 or case.h == 1
+    assert (args["attn_mask"] is None) == (case.mask == "none")
+    assert (args["sliding_window"] is None) or case.causal
+    out = attention(**args)  # the op accepts every draw
+    assert out.shape == (case.b, case.h, case.sq, case.dv) and torch.isfinite(out).all()
+
+
+@given(case=attention_cases(max_batch=1, max_q_len=3, max_kv_len=4, kv_heads=2, group_sizes=(2,), head_dims=8,
+                            value_dims=(4,), masks=("bool",), causal=True, max_window=0, sinks=False))
+def test_attention_cases_respect_their_bounds(case):
+    assert case.b == 1 and case.sq <= 3 and case.sk <= 4 and (case.hkv, case.h) == (2, 4)
+    assert (case.dqk, case.dv, case.mask, case.causal, case.window, case.sinks) == (8, 4, "bool", True, None, False)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(masks=("sometimes",)), "masks"), (dict(mask_shapes=("3d",)), "mask_shapes"), (dict(kv_heads=(0,)), "kv_heads"),
+    (dict(max_q_len=0), "max_q_len"), (dict(max_window=-1), "max_window"), (dict(dtypes=(torch.int64,)), "dtypes"),
+])
+def test_attention_inputs_reject_bad_options(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        attention_inputs(**options).example()
+
+
+def test_make_attention_args_is_deterministic_and_checks_its_case():
+    case = AttentionCase(b=2, h=4, hkv=2, sq=3, sk=7, mask="float_inf", mask_shape="b1", sinks=True, dead_rows=True)
+    a, b = make_attention_args(case, seed=3), make_attention_args(case, seed=3)
+    for name, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[name]), name
+    assert (a["attn_mask"][:, :, 0] == -math.inf).all() and a["sinks"].shape == (4,)
+    assert "seed=3" in repr(a) and len(repr(a)) < 400
+    with pytest.raises(ValueError, match="case.mask must be one of"):
+        make_attention_args(case.with_(mask="sometimes"))
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        make_attention_args(case, dtype=torch.int32)
 
 
 def test_public_names():

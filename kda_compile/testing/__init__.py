@@ -1,4 +1,4 @@
-"""Test helpers for Kimi Delta Attention: hypothesis strategies and relative-error assertions.
+"""Test helpers: hypothesis strategies for the KDA and attention ops, and relative-error assertions.
 
 Fuzz your own shapes and options against kda_compile's ops (or check your own kernel against
 them). ``kda_inputs`` draws a complete, valid argument set; ``assert_rel_close`` compares with the
@@ -23,9 +23,39 @@ The drawn dict holds exactly the keyword arguments both ops accept, plus attribu
 the draw (``args.shape``, ``args.seed``, ``args.gate_form``, ``args.num_seqs``). Building blocks:
 ``kda_shapes`` (B, T, H, HV, K, V under bounds), ``varlen_splits`` (``cu_seqlens`` offsets with
 empty sequences) and ``make_kda_args`` (one argument set from a shape, options and a seed, without
-hypothesis: fixed regression cases). Needs ``hypothesis`` (``pip install kda-compile[test]``).
+hypothesis: fixed regression cases).
+
+Softmax attention (``kda_compile.ops.attention``): ``attention_inputs`` draws the keyword arguments of
+one call (GQA, ``Sq != Sk``, ``Dv != Dqk``, masks and their broadcasts, fully masked rows, causal +
+sliding window, softcap, sinks, transposed inputs); ``attention_cases`` / ``AttentionCase`` and
+``make_attention_args`` are its building blocks::
+
+    import torch
+    import torch.nn.functional as F
+    from hypothesis import given, settings
+    from kda_compile.ops import attention
+    from kda_compile.testing import assert_rel_close, attention_inputs
+
+    @settings(deadline=None)
+    @given(attention_inputs(max_q_len=40, max_kv_len=40, head_dims=(16, 64), masks="none", causal=False,
+                            softcaps=(None,), sinks=False, scales=(None,)))
+    def test_attention_matches_sdpa(args):
+        q, k, v = (args[n].double() for n in ("query", "key", "value"))
+        expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        assert_rel_close(attention(**args), expected, 1e-5, name="out")
+
+Needs ``hypothesis`` (``pip install kda-compile[test]``).
 """
 from kda_compile.testing.assertions import assert_rel_close, rel_error
+from kda_compile.testing.attention_strategies import (
+    MASK_KINDS,
+    MASK_SHAPES,
+    AttentionArgs,
+    AttentionCase,
+    attention_cases,
+    attention_inputs,
+    make_attention_args,
+)
 from kda_compile.testing.strategies import (
     DEFAULT_HEAD_DIMS,
     GATE_FORMS,
@@ -38,6 +68,13 @@ from kda_compile.testing.strategies import (
 )
 
 __all__ = [
+    "MASK_KINDS",
+    "MASK_SHAPES",
+    "AttentionArgs",
+    "AttentionCase",
+    "attention_cases",
+    "attention_inputs",
+    "make_attention_args",
     "DEFAULT_HEAD_DIMS",
     "GATE_FORMS",
     "KDAArgs",

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 from hypothesis import strategies as st
+
+from kda_compile.testing.options import choices, positive_ints
 
 __all__ = [
     "DEFAULT_HEAD_DIMS",
@@ -94,26 +96,6 @@ class KDAArgs(dict):
         )
 
 
-def _choices(name: str, value, allowed: Iterable | None = None) -> tuple:
-    """Normalise an option given as one value or a non-empty sequence of values."""
-    values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-    if not values:
-        raise ValueError(f"{name} must be a value or a non-empty sequence of values, got {value!r}")
-    if allowed is not None:
-        allowed = tuple(allowed)
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            raise ValueError(f"{name} must contain only {allowed}, got {bad}")
-    return values
-
-
-def _positive_ints(name: str, values) -> tuple[int, ...]:
-    values = _choices(name, values)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
-        raise ValueError(f"{name} must be positive integers, got {values!r}")
-    return values
-
-
 def _lengths(lo: int, hi: int) -> st.SearchStrategy[int]:
     """Lengths in [lo, hi], biased towards chunk boundaries."""
     edges = [t for t in _EDGE_LENGTHS if lo <= t <= hi]
@@ -150,13 +132,13 @@ def kda_shapes(
         raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
     if not (isinstance(min_T, int) and isinstance(max_T, int) and 0 <= min_T <= max_T):
         raise ValueError(f"min_T and max_T must be integers with 0 <= min_T <= max_T, got {min_T!r}, {max_T!r}")
-    key_dims = _positive_ints("key_dims", key_dims)
+    key_dims = positive_ints("key_dims", key_dims)
     if max(key_dims) > 256:
         raise ValueError(f"key_dims must be <= 256 (the KDA limit on K), got {key_dims!r}")
     K = draw(st.sampled_from(key_dims))
-    V = draw(st.sampled_from(_positive_ints("value_dims", value_dims)))
-    H = draw(st.sampled_from(_positive_ints("heads", heads)))
-    HV = H * draw(st.sampled_from(_positive_ints("gva_ratios", gva_ratios)))
+    V = draw(st.sampled_from(positive_ints("value_dims", value_dims)))
+    H = draw(st.sampled_from(positive_ints("heads", heads)))
+    HV = H * draw(st.sampled_from(positive_ints("gva_ratios", gva_ratios)))
     per_token = HV * K * V
     b_hi, t_hi = max_batch, max_T
     if max_work is not None:
@@ -273,12 +255,12 @@ def kda_inputs(
         def test_mine(args):
             o, state = my_kda(**args)
     """
-    dtypes = _choices("dtypes", dtypes)
+    dtypes = choices("dtypes", dtypes)
     if not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes):
         raise ValueError(f"dtypes must be floating-point torch dtypes, got {dtypes!r}")
-    gate_forms = _choices("gate_forms", gate_forms, GATE_FORMS)
+    gate_forms = choices("gate_forms", gate_forms, GATE_FORMS)
     bools = {
-        name: _choices(name, value, (False, True))
+        name: choices(name, value, (False, True))
         for name, value in dict(
             varlen=varlen,
             initial_state=initial_state,
@@ -292,7 +274,7 @@ def kda_inputs(
     }
     if bools["allow_neg_eigval"] == (True,) and bools["beta_sigmoid"] == (False,):
         raise ValueError("allow_neg_eigval must come with beta_sigmoid=True (FLA requires it), got beta_sigmoid=False")
-    scales = _choices("scales", scales)
+    scales = choices("scales", scales)
 
     use_varlen = draw(st.sampled_from(bools["varlen"]))
     shape = draw(

@@ -7,16 +7,12 @@ concatenated to the logits) and shares no code with ``ops/attention/reference.py
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
 
 import torch
-from hypothesis import strategies as st
 
 from kda_compile.ops.attention import attention, attention_with_lse
-from kda_compile.testing import assert_rel_close
+from kda_compile.testing import AttentionCase, assert_rel_close, attention_cases, make_attention_args
 
-MASK_KINDS = ("none", "bool", "float", "float_inf")
-MASK_SHAPES = ("full", "b1", "11", "2d", "row")  # [B,H,Sq,Sk], [B,1,Sq,Sk], [1,1,Sq,Sk], [Sq,Sk], [B,1,1,Sk]
 
 
 def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, sinks=None,
@@ -60,69 +56,13 @@ def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, sof
     return out, lse
 
 
-@dataclass(frozen=True)
-class Case:
-    b: int = 1
-    h: int = 2
-    hkv: int = 2
-    sq: int = 5
-    sk: int = 5
-    dqk: int = 16
-    dv: int = 16
-    causal: bool = False
-    window: int | None = None
-    mask: str = "none"
-    mask_shape: str = "full"
-    softcap: float | None = None
-    sinks: bool = False
-    scale: float | None = None
-    dead_rows: bool = False
-    noncontiguous: bool = False
-
-    def with_(self, **kw):
-        return replace(self, **kw)
-
-
-def _mask(case: Case, dtype, device, gen):
-    shape = {"full": (case.b, case.h, case.sq, case.sk), "b1": (case.b, 1, case.sq, case.sk),
-             "11": (1, 1, case.sq, case.sk), "2d": (case.sq, case.sk), "row": (case.b, 1, 1, case.sk)}[case.mask_shape]
-    if case.mask == "bool":
-        m = torch.rand(shape, generator=gen, device=device) > 0.3
-        if case.dead_rows:
-            m[..., 0, :] = False
-        return m
-    m = torch.randn(shape, generator=gen, device=device, dtype=torch.float64)
-    if case.mask == "float_inf":
-        m = m.masked_fill(torch.rand(shape, generator=gen, device=device) < 0.3, -math.inf)
-    if case.dead_rows:
-        m[..., 0, :] = -math.inf
-    return m.to(dtype)
+Case = AttentionCase  # the fixed cases of the test files read better short
 
 
 def make_inputs(case: Case, dtype, device="cpu", seed=0, requires_grad=False):
     """(query, key, value) and the keyword arguments of ``attention`` for a case."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(shape, generator=gen, device=device, dtype=torch.float64)
-
-    if case.noncontiguous:  # [B, S, H, D] storage seen as [B, H, S, D]; K and V slices of one tensor
-        q = randn(case.b, case.sq, case.h, case.dqk).transpose(1, 2)
-        kv = randn(case.b, case.sk, case.hkv, case.dqk + case.dv).transpose(1, 2)
-        k, v = kv[..., :case.dqk], kv[..., case.dqk:]
-    else:
-        q, k, v = randn(case.b, case.h, case.sq, case.dqk), randn(case.b, case.hkv, case.sk, case.dqk), \
-            randn(case.b, case.hkv, case.sk, case.dv)
-    q, k, v = (t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v))
-    mask = None if case.mask == "none" else _mask(case, dtype, device, gen)
-    if mask is not None and mask.is_floating_point():
-        mask.requires_grad_(requires_grad)
-    sinks = None
-    if case.sinks:
-        sinks = (2.0 * randn(case.h)).to(dtype).requires_grad_(requires_grad)
-    kwargs = dict(attn_mask=mask, is_causal=case.causal, scale=case.scale, softcap=case.softcap, sinks=sinks,
-                  sliding_window=case.window)
-    return (q, k, v), kwargs
+    kwargs = dict(make_attention_args(case, dtype, device, seed=seed, requires_grad=requires_grad))
+    return (kwargs.pop("query"), kwargs.pop("key"), kwargs.pop("value")), kwargs
 
 
 def grad_inputs(args, kwargs):
@@ -139,23 +79,9 @@ def assert_lse_close(actual, expected, tol, name="lse"):
     assert_rel_close(actual[~inf], expected[~inf], tol, name=name)
 
 
-@st.composite
-def cases(draw, max_seq=9, head_dims=(4, 8, 16), value_dims=(4, 8, 12, 16)):
-    """Random valid cases: GQA ratios, Dv != Dqk, masks and their broadcasts, causal + window, softcap,
-    sinks, Sq != Sk, Sq = 1, Sk = 1, fully masked rows, transposed inputs."""
-    hkv = draw(st.integers(1, 3))
-    causal = draw(st.booleans())
-    mask = draw(st.sampled_from(MASK_KINDS))
-    return Case(
-        b=draw(st.integers(1, 2)), hkv=hkv, h=hkv * draw(st.integers(1, 3)),
-        sq=draw(st.integers(1, max_seq)), sk=draw(st.integers(1, max_seq)),
-        dqk=draw(st.sampled_from(head_dims)), dv=draw(st.sampled_from(value_dims)),
-        causal=causal, window=draw(st.one_of(st.none(), st.integers(1, 6))) if causal else None,
-        mask=mask, mask_shape=draw(st.sampled_from(MASK_SHAPES)),
-        softcap=draw(st.sampled_from([None, 1.5, 20.0])), sinks=draw(st.booleans()),
-        scale=draw(st.sampled_from([None, 0.3])), dead_rows=mask != "none" and draw(st.booleans()),
-        noncontiguous=draw(st.booleans()),
-    )
+def cases(max_seq=9, head_dims=(4, 8, 16), value_dims=(4, 8, 12, 16)):
+    """Random valid cases (``kda_compile.testing.attention_cases``) with Sq and Sk up to ``max_seq``."""
+    return attention_cases(max_q_len=max_seq, max_kv_len=max_seq, head_dims=head_dims, value_dims=value_dims)
 
 
 # Tolerances of the public op against this oracle (relative RMS error; NaN never passes).

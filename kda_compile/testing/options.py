@@ -1,0 +1,25 @@
+"""Checks of the options the strategies take: one value or a non-empty sequence of values, with a
+clear error naming the option otherwise."""
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def choices(name: str, value, allowed: Iterable | None = None) -> tuple:
+    """Normalise an option given as one value or a non-empty sequence of values."""
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not values:
+        raise ValueError(f"{name} must be a value or a non-empty sequence of values, got {value!r}")
+    if allowed is not None:
+        allowed = tuple(allowed)
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise ValueError(f"{name} must contain only {allowed}, got {bad}")
+    return values
+
+
+def positive_ints(name: str, values) -> tuple[int, ...]:
+    values = choices(name, values)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise ValueError(f"{name} must be positive integers, got {values!r}")
+    return values

@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kda_compile.testing as testing
-from kda_compile.ops import attention, chunk_kda
+from kda_compile.ops import attention, chunk_kda, mla_attention
 from kda_compile.testing import (
     GATE_FORMS,
     AttentionCase,
+    MLACase,
     KDAShape,
     assert_rel_close,
     attention_cases,
@@ -23,6 +24,9 @@ from kda_compile.testing import (
     kda_shapes,
     make_attention_args,
     make_kda_args,
+    make_mla_args,
+    mla_cases,
+    mla_inputs,
     rel_error,
     varlen_splits,
 )
@@ -269,3 +273,48 @@ def test_public_names():
     for name in testing.__all__:
         assert getattr(testing, name) is not None
     assert testing.__doc__ and "@given(kda_inputs(" in testing.__doc__
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA strategies
+# ---------------------------------------------------------------------------------------------
+@settings(deadline=None)
+@given(args=mla_inputs(dtypes=(torch.float32, torch.float64)))
+def test_mla_inputs_are_valid_calls(args):
+    case = args.case
+    assert args["q_nope"].shape == (case.b, case.h, case.sq, case.dn)
+    assert args["q_rope"].shape == (case.b, case.h, case.sq, case.dr)
+    assert args["kv_latent"].shape[-2:] == (case.t, case.r) and args["k_rope"].shape[-2:] == (case.t, case.dr)
+    assert args["kv_b_weight"].shape == (case.h * (case.dn + case.dv), case.r)
+    assert (args["attn_mask"] is None) == (case.mask == "none") and args["scale"] == case.softmax_scale
+    out = mla_attention(**args)  # the op accepts every draw
+    assert out.shape == (case.b, case.h, case.sq, case.dv) and torch.isfinite(out).all()
+
+
+@given(case=mla_cases(max_batch=1, max_heads=2, max_t=5, query_kinds="decode", nope_dims=8, rope_dims=4,
+                      value_dims=8, ranks=16, masks="padding", causal=False, hf_layout=True, transposed_weight=False))
+def test_mla_cases_respect_their_bounds(case):
+    assert case.b == 1 and case.h <= 2 and case.t <= 5 and case.sq == 1
+    assert (case.dn, case.dr, case.dv, case.r, case.mask, case.causal) == (8, 4, 8, 16, "padding", False)
+
+
+@pytest.mark.parametrize("options, fragment", [
+    (dict(query_kinds=("verify",)), "query_kinds"), (dict(masks=("causal",)), "masks"), (dict(ranks=(0,)), "ranks"),
+    (dict(max_t=0), "max_t"), (dict(dtypes=(torch.int8,)), "dtypes"),
+])
+def test_mla_inputs_reject_bad_options(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        mla_inputs(**options).example()
+
+
+def test_make_mla_args_is_deterministic_and_checks_its_case():
+    case = MLACase(b=2, h=2, sq=3, t=7, mask="padding", transposed_weight=True)
+    a, b = make_mla_args(case, seed=4), make_mla_args(case, seed=4)
+    for name, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[name]), name
+    assert not a["kv_b_weight"].is_contiguous() and a["attn_mask"].shape == (2, 1, 3, 7)
+    assert "seed=4" in repr(a) and len(repr(a)) < 400
+    with pytest.raises(ValueError, match="case.mask_shape must be one of"):
+        make_mla_args(case.with_(mask_shape="3d"))
+

@@ -44,6 +44,10 @@ sliding window, softcap, sinks, transposed inputs); ``attention_cases`` / ``Atte
         expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         assert_rel_close(attention(**args), expected, 1e-5, name="out")
 
+Multi-head latent attention (``kda_compile.ops.mla_attention``): ``mla_inputs`` draws a call as Hugging
+Face's DeepSeek / Kimi attention makes it (decode, a chunk against a cache or prefill; masks including
+left padding; HF's strided layouts); building blocks ``mla_cases`` / ``MLACase`` and ``make_mla_args``.
+
 Needs ``hypothesis`` (``pip install kda-compile[test]``).
 """
 from kda_compile.testing.assertions import assert_rel_close, rel_error
@@ -55,6 +59,15 @@ from kda_compile.testing.attention_strategies import (
     attention_cases,
     attention_inputs,
     make_attention_args,
+)
+from kda_compile.testing.mla_strategies import (
+    MLA_MASK_KINDS,
+    MLA_MASK_SHAPES,
+    MLAArgs,
+    MLACase,
+    make_mla_args,
+    mla_cases,
+    mla_inputs,
 )
 from kda_compile.testing.strategies import (
     DEFAULT_HEAD_DIMS,
@@ -75,6 +88,13 @@ __all__ = [
     "attention_cases",
     "attention_inputs",
     "make_attention_args",
+    "MLA_MASK_KINDS",
+    "MLA_MASK_SHAPES",
+    "MLAArgs",
+    "MLACase",
+    "make_mla_args",
+    "mla_cases",
+    "mla_inputs",
     "DEFAULT_HEAD_DIMS",
     "GATE_FORMS",
     "KDAArgs",

@@ -15,12 +15,11 @@ from typing import Sequence
 import torch
 from hypothesis import strategies as st
 
-from kda_compile.testing.options import choices, positive_ints
+from kda_compile.testing.options import FLOAT_DTYPES, choices, draw_call, positive_ints
 
 MASK_KINDS = ("none", "bool", "float", "float_inf")
 # [B, H, Sq, Sk], [B, 1, Sq, Sk], [1, 1, Sq, Sk], [Sq, Sk], [B, 1, 1, Sk]
 MASK_SHAPES = ("full", "b1", "11", "2d", "row")
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,4 @@ def attention_inputs(draw, *, dtypes: Sequence[torch.dtype] = (torch.float32,), 
                      requires_grad: bool = False, **case_bounds) -> AttentionArgs:
     """Draw a case (``case_bounds``: the arguments of :func:`attention_cases`), a dtype and a seed, and
     build the call's arguments with :func:`make_attention_args`."""
-    case = draw(attention_cases(**case_bounds))
-    dtype = draw(st.sampled_from(choices("dtypes", dtypes, FLOAT_DTYPES)))
-    seed = draw(st.integers(0, 2 ** 31 - 1))
-    return make_attention_args(case, dtype, device, seed=seed, requires_grad=requires_grad)
+    return draw_call(draw, attention_cases(**case_bounds), make_attention_args, dtypes, device, requires_grad)

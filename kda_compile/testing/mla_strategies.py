@@ -16,13 +16,12 @@ from typing import Sequence
 import torch
 from hypothesis import strategies as st
 
-from kda_compile.testing.options import choices, positive_ints
+from kda_compile.testing.options import FLOAT_DTYPES, choices, draw_call, positive_ints
 
 # "padding": HF's left padding of batched generation (finfo.min in the input dtype, broadcast over rows)
 MLA_MASK_KINDS = ("none", "bool", "float", "padding", "float_inf")
 MLA_MASK_SHAPES = ("b1", "full", "2d", "row")  # [B, 1, Sq, T], [B, H, Sq, T], [Sq, T], [B, 1, 1, T]
 QUERY_KINDS = ("decode", "chunk", "prefill")
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -190,7 +189,4 @@ def mla_inputs(draw, *, dtypes: Sequence[torch.dtype] = (torch.float32,), device
                requires_grad: bool = False, **case_bounds) -> MLAArgs:
     """Draw a case (``case_bounds``: the arguments of :func:`mla_cases`), a dtype and a seed, and build
     the call's arguments with :func:`make_mla_args`."""
-    case = draw(mla_cases(**case_bounds))
-    dtype = draw(st.sampled_from(choices("dtypes", dtypes, FLOAT_DTYPES)))
-    seed = draw(st.integers(0, 2 ** 31 - 1))
-    return make_mla_args(case, dtype, device, seed=seed, requires_grad=requires_grad)
+    return draw_call(draw, mla_cases(**case_bounds), make_mla_args, dtypes, device, requires_grad)

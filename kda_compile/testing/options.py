@@ -2,7 +2,12 @@
 clear error naming the option otherwise."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
+
+import torch
+from hypothesis import strategies as st
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def choices(name: str, value, allowed: Iterable | None = None) -> tuple:
@@ -23,3 +28,13 @@ def positive_ints(name: str, values) -> tuple[int, ...]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         raise ValueError(f"{name} must be positive integers, got {values!r}")
     return values
+
+
+def draw_call(draw, cases: st.SearchStrategy, make: Callable, dtypes, device, requires_grad: bool):
+    """Draw a case, a dtype (from ``dtypes``) and a seed, and build one call's arguments with
+    ``make(case, dtype, device, seed=..., requires_grad=...)``."""
+    case = draw(cases)
+    dtype = draw(st.sampled_from(choices("dtypes", dtypes, FLOAT_DTYPES)))
+    seed = draw(st.integers(0, 2 ** 31 - 1))
+    return make(case, dtype, device, seed=seed, requires_grad=requires_grad)
+

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
+from kda_compile.passes.manager import TOP_LEVEL
+
 
 def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
@@ -199,12 +201,12 @@ def module_path(node: torch.fx.Node) -> str:
     """The model path of the module a node came from, e.g. ``model.layers.0.self_attn``."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
-        return "<top level>"
+        return TOP_LEVEL
     path = list(stack.values())[-1][0]
     path = re.sub(r"^L\['self'\]\.?", "", str(path))
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", path)
-    return path or "<top level>"
+    return path or TOP_LEVEL
 
 
 def source_line(node: torch.fx.Node) -> str:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kda_compile.passes")
 
+TOP_LEVEL = "<top level>"  # the site of code outside any module (graph_tools.module_path)
+
 
 # ----------------------------------------------------------------------------------------------
 # What a rewrite reports
@@ -68,12 +70,14 @@ class GraphReport:
     left_alone: tuple[LeftAlone, ...] = ()
 
     def sites(self) -> dict[str, list[Rewritten]]:
-        """The rewritten entries grouped by site (module path), in order of first appearance: one
-        site can take several rewrites (the KDA call substituted, then its prologue folded into it;
-        HF's MLA attention rewritten, then absorbed)."""
+        """The rewritten entries grouped by site, in order of first appearance: one site can take
+        several rewrites (the KDA call substituted, then its prologue folded into it; HF's MLA
+        attention rewritten, then absorbed). A site is a module path; code outside any module
+        (``<top level>``: a compiled function) is told apart by its source line."""
         groups: dict[str, list[Rewritten]] = {}
         for entry in self.rewritten:
-            groups.setdefault(entry.site, []).append(entry)
+            key = f"{entry.site} ({entry.source})" if entry.site == TOP_LEVEL and entry.source else entry.site
+            groups.setdefault(key, []).append(entry)
         return groups
 
     def summary(self) -> str:

@@ -169,6 +169,10 @@ def test_report_summary_lists_each_site_once():
         "  rewritten   layers.1.attn (model.py:9) -> kda_compile.attention(heads=4/2)",
         "  left alone  layers.2.attn (model.py:9): output_attentions=True",
     ]
+    # Outside any module (a compiled function), two calls on two lines are two sites.
+    top = GraphReport("1/0", rewritten=tuple(
+        Rewritten("softmax_attention", "<top level>", f"fn.py:{line}", "kda_compile.attention") for line in (3, 5)))
+    assert len(top.sites()) == 2 and top.summary().startswith("graph 1/0: 2 site(s) rewritten, 0 candidate(s)")
 
 
 def test_public_names():

@@ -166,7 +166,8 @@ def _record_kernel_times(fn, provider, mode, shape, rows) -> None:
     total = sum(ms for _, _, ms in kernels)
     for kernel, launches, ms in kernels:
         rows.append(row("chunk_kda", provider, mode, shape, f"kernel_time: {kernel}", "ms", (ms, ms, ms)))
-    lines = [f"  {ms:8.3f} ms {100 * ms / total:5.1f}%  x{launches:<3d} {kernel[:100]}" for kernel, launches, ms in kernels]
+    share = 100 / total if total > 0 else 0.0  # (no kernel recorded: a profiler without CUDA activity)
+    lines = [f"  {ms:8.3f} ms {share * ms:5.1f}%  x{launches:<3d} {kernel[:100]}" for kernel, launches, ms in kernels]
     logger.info("%s %s, %s: %.3f ms of kernels per call\n%s", mode, shape, provider, total, "\n".join(lines))
 
 

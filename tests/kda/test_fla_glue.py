@@ -1,0 +1,179 @@
+"""The FLA backend's glue on CPU: ``fla_backend.FLABackend`` driven by a stand-in for FLA's internal
+functions, so the op layer's side of that path (the q/k L2 norm and beta sigmoid around FLA's kernels,
+their backward chain, residual shapes and the zeroed triangles, dtype conversions, which gradient is
+which) is checked without CUDA. The real kernels are checked on the GPU box (tests marked ``cuda``).
+
+The stand-in follows fla-core 0.6's contracts as its source writes them: ``l2norm_fwd`` returns the
+normalised tensor and a float32 ``rstd`` of shape ``x.shape[:-1]``; ``fused_beta_sigmoid_fwd`` returns
+float32; ``chunk_kda_fwd`` returns ``(o, final, g_cumsum, Aqk, Akk, ...)`` with ``g_cumsum`` None under
+the in-kernel gate and ``Aqk`` / ``Akk`` ``[B, T, HV, chunk]`` written below the diagonal only (the
+stand-in fills the rest with fresh noise, as FLA leaves whatever the allocator held); ``chunk_kda_bwd``
+takes the normalised q/k and the activated beta and returns ``(dq, dk, dv, dbeta, dg, dh0, dA_log,
+ddt_bias)``. Its math is our reference (fp64 here), so the op on this path must match the reference
+path: relative error < 1e-6 in float64 (FLA's float32 beta and rstd round; see TOL).
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from kda_compile.ops import chunk_kda
+from kda_compile.ops._common import autograd_inside_op
+from kda_compile.ops.kda import fla_backend
+from kda_compile.ops.kda.backends import only_backends
+from kda_compile.ops.kda.reference import kda_reference
+from kda_compile.testing import KDAShape, assert_rel_close, make_kda_args
+
+# float64 on both paths, but FLA's activated beta and L2-norm rstd are float32 (their contract): measured
+# up to ~3e-8; a plumbing mistake (a gradient of the wrong input, a missing chain rule) is O(1).
+TOL = 1e-6
+L2NORM_EPS = 1e-6
+
+
+class FakeFLA:
+    """fla-core 0.6's internal functions as ``fla_backend`` calls them, in plain torch; counts calls."""
+
+    def __init__(self):
+        self.calls: dict[str, int] = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def namespace(self) -> dict:
+        return {name: getattr(self, name) for name in (
+            "chunk_kda_fwd", "chunk_kda_bwd", "l2norm_fwd", "l2norm_bwd", "beta_sigmoid_fwd", "beta_sigmoid_bwd",
+            "prepare_chunk_indices")}
+
+    def l2norm_fwd(self, x):
+        self._count("l2norm_fwd")
+        rstd = (x.float().square().sum(-1) + L2NORM_EPS).rsqrt() if x.dtype != torch.float64 else \
+            (x.square().sum(-1) + L2NORM_EPS).rsqrt()
+        return (x * rstd[..., None]).to(x.dtype), rstd.float()
+
+    def l2norm_bwd(self, y, rstd, dy):
+        self._count("l2norm_bwd")
+        r = rstd.to(y.dtype)[..., None]
+        return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
+
+    def beta_sigmoid_fwd(self, x, scale=1.0):
+        self._count("beta_sigmoid_fwd")
+        return (scale * torch.sigmoid(x.double())).float()
+
+    def beta_sigmoid_bwd(self, x, dy, scale=1.0):
+        self._count("beta_sigmoid_bwd")
+        s = torch.sigmoid(x.double())
+        return (dy.double() * scale * s * (1 - s)).to(x.dtype)
+
+    def prepare_chunk_indices(self, cu_seqlens, chunk_size):
+        return ("chunk indices of", cu_seqlens, chunk_size)
+
+    @staticmethod
+    def _reference(q, k, v, g, beta, *, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias,
+                   lower_bound, chunk_size):
+        return kda_reference(q, k, v, g, beta, scale=scale, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                             A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
+                             lower_bound=lower_bound, chunk_size=chunk_size)
+
+    def chunk_kda_fwd(self, *, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                      chunk_indices, chunk_size, safe_gate, lower_bound, use_gate_in_kernel, A_log, dt_bias):
+        self._count("chunk_kda_fwd")
+        assert beta.dtype == torch.float32 or q.dtype == torch.float64 or beta.dtype == q.dtype
+        o, final = self._reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                   cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                                   dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size)
+        B, T, HV = v.shape[:3]
+        noise = lambda: torch.randn(B, T, HV, chunk_size, dtype=k.dtype)  # noqa: E731  (whatever memory held)
+        g_cumsum = None if use_gate_in_kernel else g.float()  # the stand-in's own format: the gate itself
+        return o, (final if output_final_state else None), g_cumsum, noise(), noise(), None, None, None, None, None, \
+            None, initial_state
+
+    def chunk_kda_bwd(self, *, q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g, g_org, cu_seqlens,
+                      chunk_indices, chunk_size, safe_gate, lower_bound, use_gate_in_kernel, A_log, dt_bias):
+        self._count("chunk_kda_bwd")
+        gate = g_org if use_gate_in_kernel else g
+        named = {"q": q, "k": k, "v": v, "beta": beta, "g": gate, "h0": initial_state, "A_log": A_log,
+                 "dt_bias": dt_bias}
+        leaves = {n: t.detach().double().requires_grad_() for n, t in named.items() if t is not None}
+        with autograd_inside_op():  # the op's kernel runs below autograd
+            o, final = self._reference(
+                leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], scale=scale,
+                initial_state=leaves.get("h0"), cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel,
+                A_log=leaves.get("A_log"), dt_bias=leaves.get("dt_bias"), lower_bound=lower_bound,
+                chunk_size=chunk_size)
+            outputs, seeds = [o], [do.double()]
+            if dht is not None:
+                outputs.append(final)
+                seeds.append(dht.double())
+            grads = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), seeds, allow_unused=True)))
+        out = {n: (grads[n] if grads.get(n) is not None else torch.zeros_like(leaves[n])).to(named[n].dtype)
+               for n in leaves}
+        return (out["q"], out["k"], out["v"], out["beta"], out["g"], out.get("h0"), out.get("A_log"),
+                out.get("dt_bias"))
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    """The FLA backend on CPU, its kernels replaced by the stand-in."""
+    fake = FakeFLA()
+    monkeypatch.setattr(fla_backend, "_load_fla", lambda: (fake.namespace(), None))
+    monkeypatch.setattr(fla_backend.FLABackend, "unsupported_reason", lambda self, *args: None)
+    return fake
+
+
+CASES = {
+    "all-in-kernel-state": dict(shape=KDAShape(2, 70, 2, 4, 16, 8), gate_form="softplus", qk_l2norm=True,
+                                beta_sigmoid=True, initial_state=True),
+    "neg-eigval-lower-bound": dict(shape=KDAShape(1, 33, 2, 2, 8, 8), gate_form="lower_bound", A_log=False,
+                                   lower_bound=-5.0, qk_l2norm=True, beta_sigmoid=True, allow_neg_eigval=True),
+    "precomputed-gate-varlen": dict(shape=KDAShape(1, 40, 1, 2, 8, 16), cu_seqlens=[0, 0, 13, 40],
+                                    initial_state=True),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fla_path_matches_the_reference_forward_and_backward(fake_fla, name):
+    options = dict(CASES[name])
+    shape = options.pop("shape")
+    args = make_kda_args(shape, seed=11, dtype=torch.float64, requires_grad=True, output_final_state=True, **options)
+    leaves = {n: t for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+    results = {}
+    for path in ("fla", "reference"):
+        with only_backends(*(("fla",) if path == "fla" else ())):
+            o, final = chunk_kda(**args)
+            seeds = [torch.ones_like(o), torch.full_like(final, 0.5)]
+            results[path] = (o, final, torch.autograd.grad([o, final], list(leaves.values()), seeds))
+    assert fake_fla.calls.get("chunk_kda_fwd") == 1 and fake_fla.calls.get("chunk_kda_bwd") == 1, fake_fla.calls
+    (o, final, grads), (o_ref, final_ref, grads_ref) = results["fla"], results["reference"]
+    assert_rel_close(o, o_ref, TOL, name="o")
+    assert_rel_close(final, final_ref, TOL, name="final_state")
+    for leaf, got, want in zip(leaves, grads, grads_ref):
+        assert got.dtype == leaves[leaf].dtype and got.shape == leaves[leaf].shape, leaf
+        assert_rel_close(got, want, TOL, name=f"d{leaf}")
+    if args["use_qk_l2norm_in_kernel"]:
+        assert fake_fla.calls["l2norm_bwd"] == 2  # q and k: the norm's backward runs outside FLA's kernel
+
+
+def test_fla_path_residuals_match_their_fake_and_are_deterministic(fake_fla):
+    """opcheck on the forward op: the residual shapes the fake promises (``residual_meta``) are the
+    real ones, and two runs agree although FLA leaves the upper triangles of Aqk / Akk unwritten."""
+    args = make_kda_args(KDAShape(2, 70, 2, 2, 16, 8), seed=5, gate_form="softplus", qk_l2norm=True,
+                         beta_sigmoid=True, output_final_state=True, dtype=torch.float32)
+    op_args = (args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"], args["dt_bias"], None, None,
+               float(args["scale"] or 16 ** -0.5), True, True, True, True, False, None, False, 64, True)
+    with only_backends("fla"):
+        torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default, op_args)
+        _, _, g_saved, Aqk, Akk, *_ = torch.ops.kda_compile.chunk_kda_fwd(*op_args)
+    assert g_saved.numel() == 0  # the in-kernel gate: FLA's backward recomputes the cumsum from g
+    above = (torch.arange(64)[None, :] > (torch.arange(70) % 64)[:, None])[None, :, None, :]  # [1, T, 1, chunk]
+    assert Aqk.shape == Akk.shape == (2, 70, 2, 64)
+    assert not Aqk.masked_select(above).any() and not Akk.masked_select(above).any()
+    assert Aqk.masked_select(~above).all()  # the stand-in's noise below: nothing else was zeroed
+
+
+def test_without_fla_the_backend_says_why(monkeypatch):
+    monkeypatch.setattr(fla_backend, "_load_fla", lambda: (None, "fla-core is not importable (test)"))
+    reason = fla_backend.FLABackend().unsupported_reason(torch.device("cuda"), torch.bfloat16, 64, 64,
+                                                         types.SimpleNamespace(chunk_size=64))
+    assert reason == "fla-core is not importable (test)"

@@ -1,4 +1,4 @@
-"""Test helpers: hypothesis strategies for the KDA and attention ops, and relative-error assertions.
+"""Test helpers: hypothesis strategies for the KDA, attention and MLA ops, and relative-error assertions.
 
 Fuzz your own shapes and options against kda_compile's ops (or check your own kernel against
 them). ``kda_inputs`` draws a complete, valid argument set; ``assert_rel_close`` compares with the

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from hypothesis import strategies as st
 
-from kda_compile.testing.options import FLOAT_DTYPES, choices, draw_call, positive_ints
+from kda_compile.testing.options import check_case, choices, draw_call, positive_ints
 
 MASK_KINDS = ("none", "bool", "float", "float_inf")
 # [B, H, Sq, Sk], [B, 1, Sq, Sk], [1, 1, Sq, Sk], [Sq, Sk], [B, 1, 1, Sk]
@@ -86,12 +86,7 @@ def make_attention_args(case: AttentionCase, dtype: torch.dtype = torch.float32,
                         requires_grad: bool = False) -> AttentionArgs:
     """The tensors of one call for ``case``: standard normal q, k, v (drawn in float64, then cast), the
     mask and sinks it asks for; with ``requires_grad`` every floating input is a leaf needing grad."""
-    if case.mask not in MASK_KINDS:
-        raise ValueError(f"case.mask must be one of {MASK_KINDS}, got {case.mask!r}")
-    if case.mask_shape not in MASK_SHAPES:
-        raise ValueError(f"case.mask_shape must be one of {MASK_SHAPES}, got {case.mask_shape!r}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    check_case(case, MASK_KINDS, MASK_SHAPES, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape):

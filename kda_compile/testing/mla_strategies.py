@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from hypothesis import strategies as st
 
-from kda_compile.testing.options import FLOAT_DTYPES, choices, draw_call, positive_ints
+from kda_compile.testing.options import check_case, choices, draw_call, positive_ints
 
 # "padding": HF's left padding of batched generation (finfo.min in the input dtype, broadcast over rows)
 MLA_MASK_KINDS = ("none", "bool", "float", "padding", "float_inf")
@@ -97,12 +97,7 @@ def make_mla_args(case: MLACase, dtype: torch.dtype = torch.float32, device="cpu
     """The tensors of one call for ``case`` (drawn on CPU from ``seed``, then moved): standard normal
     queries and caches, kv_b_proj's weight scaled by ``r ** -0.5``; with ``requires_grad`` the five
     tensor inputs are leaves needing grad."""
-    if case.mask not in MLA_MASK_KINDS:
-        raise ValueError(f"case.mask must be one of {MLA_MASK_KINDS}, got {case.mask!r}")
-    if case.mask_shape not in MLA_MASK_SHAPES:
-        raise ValueError(f"case.mask_shape must be one of {MLA_MASK_SHAPES}, got {case.mask_shape!r}")
-    if dtype not in FLOAT_DTYPES:
-        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+    check_case(case, MLA_MASK_KINDS, MLA_MASK_SHAPES, dtype)
     gen = torch.Generator().manual_seed(seed)
     b, h, sq, t = case.b, case.h, case.sq, case.t
     if case.hf_layout:  # HF: q viewed [B, Sq, H, Dn + Dr], transposed, split; latent [B, 1, T, R]

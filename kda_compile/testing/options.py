@@ -38,3 +38,14 @@ def draw_call(draw, cases: st.SearchStrategy, make: Callable, dtypes, device, re
     seed = draw(st.integers(0, 2 ** 31 - 1))
     return make(case, dtype, device, seed=seed, requires_grad=requires_grad)
 
+
+def check_case(case, mask_kinds: tuple, mask_shapes: tuple, dtype) -> None:
+    """The options of a hand-built case that the builders index by: its mask kind and broadcast, and
+    the dtype asked for."""
+    if case.mask not in mask_kinds:
+        raise ValueError(f"case.mask must be one of {mask_kinds}, got {case.mask!r}")
+    if case.mask_shape not in mask_shapes:
+        raise ValueError(f"case.mask_shape must be one of {mask_shapes}, got {case.mask_shape!r}")
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be one of {FLOAT_DTYPES}, got {dtype}")
+

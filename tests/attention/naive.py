@@ -14,7 +14,6 @@ from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.testing import AttentionCase, assert_rel_close, attention_cases, make_attention_args
 
 
-
 def naive_attention(q, k, v, *, attn_mask=None, is_causal=False, scale=None, softcap=None, sinks=None,
                     sliding_window=None, keep=None, dropout_p=0.0):
     """(out [B, H, Sq, Dv], lse [B, H, Sq]) in float64; lse includes the sink, as attention_with_lse's."""

@@ -39,10 +39,6 @@ def naive_mla(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, *, scale, attn_mas
 Case = MLACase  # the fixed cases of the test files read better short
 
 
-def case_scale(case: Case) -> float:
-    return case.softmax_scale
-
-
 def make_inputs(case: Case, dtype=torch.float64, device="cpu", seed: int = 0, requires_grad: bool = False):
     """(args, kwargs) for ``mla_attention(*args, **kwargs)``; values drawn on CPU from ``seed``."""
     kwargs = dict(make_mla_args(case, dtype, device, seed=seed, requires_grad=requires_grad))

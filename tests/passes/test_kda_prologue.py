@@ -82,7 +82,7 @@ def fp64_grads(fn, args, params, seeds):
     """The same gradients computed in float64 (a double copy of the module and its inputs)."""
     if isinstance(fn, nn.Module):
         fn = copy.deepcopy(fn).double()
-        params = [p for p in fn.parameters()] if params else []
+        params = list(fn.parameters()) if params else []  # the callers pass all of them, in order
     else:
         assert not params, "a plain function's parameters cannot be promoted to float64"
     args = [x.detach().double().requires_grad_(x.requires_grad) for x in args]

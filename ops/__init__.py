@@ -3,8 +3,11 @@
 One folder per operator: reference math beside the kernels, one module registering the ops.
 Ops know nothing of models or of torch.compile passes.
 """
+from kda_compile.ops._common import tag_compile_caches
 from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
 from kda_compile.ops.mla import mla_attention
+
+tag_compile_caches()
 
 __all__ = ["attention", "attention_with_lse", "chunk_kda", "fused_recurrent_kda", "mla_attention"]

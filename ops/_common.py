@@ -129,3 +129,41 @@ def module_unusable(module: str) -> str | None:
 def empty_like_absent(ref: torch.Tensor) -> torch.Tensor:
     """The tensor an op returns in place of an absent optional output (schemas cannot return None)."""
     return ref.new_empty(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.compile's caches and our ops
+# ----------------------------------------------------------------------------------------------
+CACHE_TAG_PREFIX = "kda_compile-ops-"
+
+
+def ops_source_digest() -> str:
+    """A digest of the source of every module under ``kda_compile.ops`` (schemas, fake and autograd
+    code, kernels): it changes whenever what a compiled graph of our ops would do changes."""
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def tag_compile_caches() -> None:
+    """Keep torch.compile's on-disk caches of different versions of our ops apart.
+
+    AOTAutograd's and Inductor's caches key a custom op by its name only, not by its schema, fake or
+    autograd code; a backward graph cached with one version of ``kda_compile`` would be replayed by
+    another and call the op with the old arguments (seen: a changed residual count failed with
+    "Expected a value of type 'Tensor' for argument 'res5'"). torch's ``cache_key_tag`` enters every
+    compile cache key; we add the digest of our ops' source to it (once; other tags are kept).
+    """
+    config = getattr(torch.compiler, "config", None)
+    if config is None or not hasattr(config, "cache_key_tag"):
+        logger.warning("this torch has no torch.compiler.config.cache_key_tag: compile caches written by "
+                       "another version of kda_compile's ops may be reused; clear them after upgrading")
+        return
+    tags = [t for t in config.cache_key_tag.split() if not t.startswith(CACHE_TAG_PREFIX)]
+    config.cache_key_tag = " ".join(tags + [CACHE_TAG_PREFIX + ops_source_digest()])

@@ -83,3 +83,17 @@ def test_functions_read_only_names_their_module_defines():
                 if not hasattr(module, name) and not hasattr(builtins, name):
                     missing.append(f"{path.relative_to(ROOT)}: {function}() reads undefined global {name!r}")
     assert not missing, "\n".join(missing)
+
+
+def test_compile_caches_are_keyed_by_the_ops_source(monkeypatch):
+    """torch.compile's caches know a custom op by its name only: importing our ops adds a digest of their
+    source to torch's cache-key tag, so a graph cached with other ops code is not replayed."""
+    import torch
+
+    import kda_compile.ops  # noqa: F401  (tags on import)
+    from kda_compile.ops._common import CACHE_TAG_PREFIX, ops_source_digest, tag_compile_caches
+
+    assert CACHE_TAG_PREFIX + ops_source_digest() in torch.compiler.config.cache_key_tag.split()
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", f"user-tag {CACHE_TAG_PREFIX}0123")
+    tag_compile_caches()
+    assert torch.compiler.config.cache_key_tag == f"user-tag {CACHE_TAG_PREFIX}{ops_source_digest()}"

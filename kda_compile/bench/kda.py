@@ -8,8 +8,13 @@ with ``only_backends("fla")``) and "FLA" (its public ``chunk_kda``). Besides the
 speedup over FLA per shape (needs matplotlib; otherwise the log says why there is none).
 ``KDA_COMPILE_PREFILL_SEGMENTS=P`` forces the scan's segment count (tuning).
 Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
-1 / 64 / 256, with the state bytes moved per second. Each shape also records the relative error of
-our output against FLA's (same kernels underneath: it should be ~0).
+1 / 64 / 256, with the state bytes moved per second. GPU time two ways, both from CUDA graphs: one call
+per graph replay (``gpu_time``: includes the replay's own launch latency, a few microseconds), and
+``DECODE_STEPS_PER_GRAPH`` calls on distinct inputs and states captured back to back, per call
+(``gpu_time_per_step``: what each layer's kernel costs inside a model's decode graph; every step reads
+its own state and the timer flushes the L2 cache between replays, so no step finds its state cached). The state bandwidth and its
+fraction of the copy bandwidth are computed from the latter. Each shape also records the relative error of
+our output against FLA's.
 ``--profile`` adds where the time goes: per prefill shape, mode and provider the GPU time of every
 kernel (torch.profiler; CSV metric ``kernel_time: <kernel>``, and a table per shape in the log), and
 per decode batch and provider the host functions by own time (cProfile, in the log).
@@ -33,6 +38,7 @@ PREFILL_SHAPES = [  # (B, T, H): anchors.md (H100 table, then the H200 FLA-vs-Fl
 PREFILL_PROVIDERS = ("ours (own kernels)", "ours (FLA path)", "FLA")
 PREFILL_TARGET = 1.7  # issue 6: inference forward at least 1.7x FLA on every anchor shape
 DECODE_BATCHES = (1, 64, 256)
+DECODE_STEPS_PER_GRAPH = 8
 K = V = 128
 
 
@@ -247,18 +253,27 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
         # "ours (triton_decode)": the public op as it chooses (our fused Triton decode kernel on CUDA).
         decode = {"fla": providers["fla"][1], "ours (triton_decode)": providers["kda_compile"][1],
                   "ours (fla path)": fla_path}
+        # distinct inputs and states for the steps of one graph (the first is `step`)
+        steps = [step] + [{n: t.clone() for n, t in step.items()} for _ in range(DECODE_STEPS_PER_GRAPH - 1)]
         host, gpu, outputs = {}, {}, {}
         for name, recurrent in decode.items():
             def fn(recurrent=recurrent):
                 with torch.inference_mode():
                     return recurrent(**step, **common)
+
+            def fn_steps(recurrent=recurrent):
+                with torch.inference_mode():
+                    for inputs in steps:
+                        recurrent(**inputs, **common)
             outputs[name] = fn()[1]
             host[name] = _host_time_per_call(fn)
             if profile:
                 logger.info("decode %s, %s: host functions by own time\n%s", shape, name, host_profile(fn))
-            gpu[name] = cuda_graph_time(fn)
+            one_call = cuda_graph_time(fn)
+            gpu[name] = tuple(t / len(steps) for t in cuda_graph_time(fn_steps))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", host[name]))
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", gpu[name]))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", one_call))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time_per_step", "ms", gpu[name]))
             bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bw))
         for name in ("ours (triton_decode)", "ours (fla path)"):
@@ -270,7 +285,8 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
             bw_ours = state_bytes / (gpu[name][1] * 1e-3) / 1e12
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "fraction_of_copy_bandwidth", "1",
                             tuple(b / copy_bw[1] for b in bw)))
-            table.append([f"decode GPU (graph): {name}", shape, gpu["fla"][1], gpu[name][1],
+            table.append([f"decode GPU (graph, per step of {len(steps)}): {name}", shape, gpu["fla"][1],
+                          gpu[name][1],
                           gpu["fla"][1] / gpu[name][1],
                           f"state {bw_ours:.2f} TB/s = {100 * bw_ours / copy_bw[1]:.0f}% of copy {copy_bw[1]:.2f}"])
 

@@ -7,6 +7,9 @@ fastest registered backend that supports the call. A backend is a small object w
 - ``residual_meta(q, k, v, opts, save)``: the shapes/dtypes of what its forward saves for its backward
   (at most ``MAX_RESIDUALS`` tensors); used by the fake implementation, so it must be exact;
 - ``chunk_forward(...)``, ``chunk_backward(...)`` and ``recurrent_forward(...)``;
+- optionally ``input_stand_ins(q, k, v, opts, save) -> {"q": i, ...}``: inputs its backward reads only
+  through residual ``i`` (same shape and dtype, e.g. the L2-normalised q); the op then does not keep
+  the input itself for the backward and hands the backend the residual in its place;
 - optionally ``serves``: which of ``"chunk_kda"`` (forward, its fake and its backward: the backend
   chosen for a forward also runs that call's backward, possibly by delegating) and
   ``"fused_recurrent_kda"`` it implements; a backend without it implements both.
@@ -30,7 +33,7 @@ from kda_compile.ops.kda.reference import kda_reference
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
-MAX_RESIDUALS = 3
+MAX_RESIDUALS = 7
 
 
 @dataclass(frozen=True)

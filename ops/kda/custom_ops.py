@@ -3,13 +3,16 @@ implementations with the real outputs' strides, and autograd through ``register_
 
 Ops (schemas are inferred from the signatures below):
 
-- ``chunk_kda_fwd(...) -> (o, final_state, res0, res1, res2)``: ``o`` ``[B, T, HV, V]`` in q's dtype;
+- ``chunk_kda_fwd(...) -> (o, final_state, res0, ..., res6)``: ``o`` ``[B, T, HV, V]`` in q's dtype;
   ``final_state`` ``[N, HV, K, V]`` float32 (empty when not requested); ``res*``: what the serving
-  backend keeps for its backward (empty when ``save_for_backward`` is false or the slot is unused).
+  backend keeps for its backward (empty when ``save_for_backward`` is false or the slot is unused;
+  never differentiable).
 - ``chunk_kda_bwd(...) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: gradients; an empty
   tensor stands for an input that was absent. ``residuals_saved`` says whether the forward ran with
   ``save_for_backward``: when it did not (the public functions never differentiate such a call, but a
-  direct caller of the op may), the gradients are recomputed through the reference (logged).
+  direct caller of the op may), the gradients are recomputed through the reference (logged). Its ``q``
+  / ``k`` are the forward's, or the residuals the backend names as their stand-ins (same shape and
+  dtype, e.g. the L2-normalised q/k): autograd then does not keep the raw ones alive.
 - ``fused_recurrent_kda_fwd(...) -> (o, final_state)``: decode; no autograd (the public function
   takes the chunk op when gradients are needed).
 
@@ -53,6 +56,12 @@ def _final_state_shape(q, v, cu_seqlens):
     return (_num_states(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
 
 
+def _stand_ins(backend, q: Tensor, k: Tensor, v: Tensor, opts: KDAOptions, save: bool) -> dict:
+    """Inputs the backend's backward reads only through residuals: name -> residual index."""
+    stand_ins = getattr(backend, "input_stand_ins", None)
+    return stand_ins(q, k, v, opts, save) if stand_ins is not None else {}
+
+
 def _pad_residuals(q: Tensor, residuals: list) -> list:
     return list(residuals) + [q.new_empty(0) for _ in range(MAX_RESIDUALS - len(residuals))]
 
@@ -67,7 +76,7 @@ def chunk_kda_fwd(
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool,
     chunk_size: int, save_for_backward: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size)
     backend = _backend("chunk_kda", q, v, opts)
@@ -98,7 +107,8 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
 def chunk_kda_bwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
-    res0: Tensor, res1: Tensor, res2: Tensor, do: Tensor, dht: Optional[Tensor],
+    res0: Tensor, res1: Tensor, res2: Tensor, res3: Tensor, res4: Tensor, res5: Tensor, res6: Tensor,
+    do: Tensor, dht: Optional[Tensor],
     scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool, chunk_size: int,
     residuals_saved: bool = True,
@@ -107,7 +117,7 @@ def chunk_kda_bwd(
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size)
     backend = _backend("chunk_kda", q, v, opts)
     if residuals_saved:
-        residuals = [res0, res1, res2][:len(backend.residual_meta(q, k, v, opts, True))]
+        residuals = [res0, res1, res2, res3, res4, res5, res6][:len(backend.residual_meta(q, k, v, opts, True))]
     else:
         if backend is not REFERENCE:
             record_fallback("chunk_kda_backward", REFERENCE.name,
@@ -123,8 +133,8 @@ def chunk_kda_bwd(
 
 
 @chunk_kda_bwd.register_fake
-def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, do, dht,
-                        *flags):
+def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, res3, res4,
+                        res5, res6, do, dht, *flags):
     like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(t.new_empty(t.shape) if t is not None else q.new_empty(0) for t in like)
 
@@ -132,22 +142,36 @@ def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
      *flags, chunk_size, save_for_backward) = inputs
-    _, _, res0, res1, res2 = output
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2)
+    o, _, *residuals = output
+    ctx.mark_non_differentiable(*residuals)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the residuals (nor an unused state)
+    opts = _options(scale, *flags, chunk_size)
+    stand_ins = _stand_ins(_backend("chunk_kda", q, v, opts), q, k, v, opts, save_for_backward)
+    q_kept = None if "q" in stand_ins else q
+    k_kept = None if "k" in stand_ins else k
+    ctx.save_for_backward(q_kept, k_kept, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals)
+    ctx.stand_ins, ctx.o_meta = stand_ins, (o.shape, o.dtype)
     ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
     ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
 
 
 def _backward(ctx, do, dht, *residual_grads):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2 = ctx.saved_tensors
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
+    if "q" in ctx.stand_ins:
+        q = residuals[ctx.stand_ins["q"]]
+    if "k" in ctx.stand_ins:
+        k = residuals[ctx.stand_ins["k"]]
+    if do is None:  # o unused: its gradient is zero (grads are not materialised)
+        shape, dtype = ctx.o_meta
+        do = v.new_zeros(shape, dtype=dtype)
     if dht is not None and not ctx.output_final_state:
         dht = None
     grads = chunk_kda_bwd(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, do.contiguous(), dht,
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(), dht,
         ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved)
+    needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (
-        grad if ref is not None else None
-        for grad, ref in zip(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state)))
+        grad if ref is not None else None for grad, ref in zip(grads, needed))
     # one gradient per input of chunk_kda_fwd (non-tensors and cu_seqlens get None)
     return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None,
             None, None)

@@ -1,15 +1,18 @@
 """KDA on CUDA through flash-linear-attention's (FLA) Triton kernels.
 
 We call FLA 0.6's internal, autograd-free functions (``chunk_kda_fwd`` / ``chunk_kda_bwd`` /
-``fused_recurrent_kda_fwd`` and the l2norm / beta-sigmoid helpers), never its public entry points:
-those are marked for Dynamo to skip (a graph break at every call) and wrapped in an
-``autograd.Function`` that Dynamo cannot see through. Our custom ops own autograd instead.
+``fused_recurrent_kda_fwd`` and the beta-sigmoid helpers), never its public entry points: those are
+marked for Dynamo to skip (a graph break at every call) and wrapped in an ``autograd.Function`` that
+Dynamo cannot see through. Our custom ops own autograd instead.
 
-What the forward keeps for the backward is exactly what FLA's own autograd function keeps, minus
-what is cheaper to recompute than to store: the L2-normalised q/k and the activated beta are
-recomputed in the backward (one memory-bound pass each); the chunk-local gate cumsum and the
-intra-chunk ``Aqk`` / ``Akk`` blocks are kept. So forward and backward launch the same kernels as
-FLA's ``chunk_kda`` and the op layer adds no kernel work.
+Around FLA's kernels, the in-kernel q/k L2 norm (forward and backward, so that its outputs can be kept)
+and the zeroing of what FLA leaves unwritten in ``Aqk`` (its upper triangles: our op's outputs must not
+depend on what the allocator held; FLA allocates ``Akk`` zero-filled) run in our own kernels
+(``triton_glue.py``). What the forward keeps for the backward is what FLA's own autograd
+function keeps: the chunk-local gate cumsum (when the gate is not computed in the kernel), ``Aqk``,
+``Akk``, and, with the in-kernel L2 norm, the normalised q/k and their ``rstd``; these stand in for the
+raw q/k, which the op then does not keep (``input_stand_ins``), so activation memory is FLA's. The
+activated beta (``[B, T, HV]``, one tiny launch) is recomputed.
 
 FLA is imported lazily on the first CUDA call; a missing or incompatible fla-core makes the
 backend report itself unsupported (with the reason) and the reference serves instead.
@@ -23,10 +26,12 @@ from functools import cache
 import torch
 
 from kda_compile.ops.kda.backends import KDAOptions, register_backend
+from kda_compile.ops.kda.triton_glue import l2norm_bwd, l2norm_fwd, zero_above_diagonal_
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
 SUPPORTED_FLA = "0.6."
+NORMALISED_QK = 3  # residuals[3:7] = normalised q, its rstd, normalised k, its rstd (in-kernel L2 norm only)
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -45,8 +50,6 @@ def _load_fla():
             "chunk_kda_fwd": importlib.import_module("fla.ops.kda.chunk_fwd").chunk_kda_fwd,
             "chunk_kda_bwd": importlib.import_module("fla.ops.kda.chunk_bwd").chunk_kda_bwd,
             "fused_recurrent_kda_fwd": importlib.import_module("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd,
-            "l2norm_fwd": importlib.import_module("fla.modules.norm.l2norm").l2norm_fwd,
-            "l2norm_bwd": importlib.import_module("fla.modules.norm.l2norm").l2norm_bwd,
             "beta_sigmoid_fwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_fwd,
             "beta_sigmoid_bwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_bwd,
             "prepare_chunk_indices": importlib.import_module("fla.ops.utils.index").prepare_chunk_indices,
@@ -59,26 +62,6 @@ def _load_fla():
 
 def _contiguous(*tensors):
     return [t.contiguous() if t is not None else None for t in tensors]
-
-
-def _zero_above_diagonal(blocks, cu_seqlens, chunk_size: int) -> None:
-    """Zero the entries above the diagonal of FLA's per-chunk ``[B, T, HV, chunk]`` matrices, in place.
-
-    FLA writes only the lower triangle of ``Aqk`` / ``Akk`` (its backward never reads the rest), so
-    the rest is whatever the allocator held: outputs of our op must not depend on that (opcheck
-    compares two runs). Chunks restart at every packed sequence's start.
-    """
-    T, device = blocks[0].shape[1], blocks[0].device
-    t = torch.arange(T, device=device)
-    if cu_seqlens is None:
-        row = t % chunk_size
-    else:
-        starts = cu_seqlens.to(device=device, dtype=torch.long)
-        seq = torch.searchsorted(starts[1:], t, right=True).clamp_(max=starts.numel() - 2)
-        row = (t - starts[seq]) % chunk_size
-    above = torch.arange(chunk_size, device=device)[None, :] > row[:, None]  # [T, chunk]
-    for block in blocks:
-        block.masked_fill_(above[None, :, None, :], 0)
 
 
 class FLABackend:
@@ -101,17 +84,23 @@ class FLABackend:
         HV = v.shape[2]
         bt = opts.chunk_size
         g_cumsum = ((0,), torch.float32) if opts.use_gate_in_kernel else ((B, T, HV, K), torch.float32)
-        return [g_cumsum, ((B, T, HV, bt), k.dtype), ((B, T, HV, bt), k.dtype)]
+        metas = [g_cumsum, ((B, T, HV, bt), k.dtype), ((B, T, HV, bt), k.dtype)]
+        if opts.use_qk_l2norm_in_kernel:  # the normalised q / k and their rstd (NORMALISED_QK)
+            metas += [(tuple(q.shape), q.dtype), ((B, T, q.shape[2]), torch.float32),
+                      (tuple(k.shape), k.dtype), ((B, T, k.shape[2]), torch.float32)]
+        return metas
 
-    def _prologue(self, fla, q, k, beta, opts):
-        """The in-kernel q/k L2 norm and beta sigmoid, as FLA's autograd function applies them."""
-        q_rstd = k_rstd = None
-        if opts.use_qk_l2norm_in_kernel:
-            q, q_rstd = fla["l2norm_fwd"](q)
-            k, k_rstd = fla["l2norm_fwd"](k)
-        if opts.use_beta_sigmoid_in_kernel:
-            beta = fla["beta_sigmoid_fwd"](beta, scale=2.0 if opts.allow_neg_eigval else 1.0)
-        return q, q_rstd, k, k_rstd, beta
+    def input_stand_ins(self, q, k, v, opts, save):
+        """With the in-kernel L2 norm the backward reads q / k only through their normalised copies."""
+        if not (save and opts.use_qk_l2norm_in_kernel):
+            return {}
+        return {"q": NORMALISED_QK, "k": NORMALISED_QK + 2}
+
+    @staticmethod
+    def _beta(fla, beta, opts):
+        if not opts.use_beta_sigmoid_in_kernel:
+            return beta
+        return fla["beta_sigmoid_fwd"](beta, scale=2.0 if opts.allow_neg_eigval else 1.0)
 
     def _chunk_indices(self, fla, cu_seqlens, opts):
         return None if cu_seqlens is None else fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
@@ -119,7 +108,11 @@ class FLABackend:
     def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
         fla = _load_fla()[0]
         q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
-        qn, _, kn, _, beta_act = self._prologue(fla, q, k, beta, opts)
+        qn, kn, normalised = q, k, []
+        if opts.use_qk_l2norm_in_kernel:
+            (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
+            normalised = [qn, q_rstd, kn, k_rstd]
+        beta_act = self._beta(fla, beta, opts)
         o, final, g_cumsum, Aqk, Akk, *_ = fla["chunk_kda_fwd"](
             q=qn, k=kn, v=v, g=g, beta=beta_act, scale=opts.scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -130,15 +123,17 @@ class FLABackend:
         residuals = []
         if save:
             g_saved = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum
-            _zero_above_diagonal((Aqk, Akk), cu_seqlens, opts.chunk_size)
-            residuals = [g_saved, Aqk, Akk]
+            zero_above_diagonal_(Aqk, cu_seqlens)  # FLA zero-fills Akk itself, not Aqk
+            residuals = [g_saved, Aqk, Akk, *normalised]
         return o.to(q.dtype), final, residuals
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
         fla = _load_fla()[0]
         q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, h0, do, dht)
-        g_cumsum, Aqk, Akk = residuals
-        qn, q_rstd, kn, k_rstd, beta_act = self._prologue(fla, q, k, beta, opts)
+        g_cumsum, Aqk, Akk, *normalised = residuals
+        # With the in-kernel L2 norm, q / k are the normalised copies standing in for the raw ones
+        qn, q_rstd, kn, k_rstd = normalised if opts.use_qk_l2norm_in_kernel else (q, None, k, None)
+        beta_act = self._beta(fla, beta, opts)
         dq, dk, dv, db, dg, dh0, dA, dbias = fla["chunk_kda_bwd"](
             q=qn, k=kn, v=v, beta=beta_act, Aqk=Aqk, Akk=Akk, scale=opts.scale, initial_state=h0, do=do,
             dht=dht, g=None if opts.use_gate_in_kernel else g_cumsum,
@@ -148,8 +143,7 @@ class FLABackend:
             A_log=A_log, dt_bias=dt_bias,
         )
         if opts.use_qk_l2norm_in_kernel:
-            dq = fla["l2norm_bwd"](qn, q_rstd, dq)
-            dk = fla["l2norm_bwd"](kn, k_rstd, dk)
+            dq, dk = l2norm_bwd(qn, q_rstd, dq), l2norm_bwd(kn, k_rstd, dk)
         if opts.use_beta_sigmoid_in_kernel:
             db = fla["beta_sigmoid_bwd"](x=beta, dy=db, scale=2.0 if opts.allow_neg_eigval else 1.0)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype),

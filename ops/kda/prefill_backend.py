@@ -10,7 +10,9 @@ Inference runs our two-to-three-launch forward. Training (the op saves residuals
 backward kernels, which the forward must feed in FLA's formats:
 
 - FLA usable and ``chunk_size == 64``: our forward also writes FLA's residuals (chunk-local gate
-  cumsum, ``Aqk``, ``Akk = (I + A_kk)^-1``, chunk 64); the backward runs FLA's ``chunk_kda_bwd``.
+  cumsum, ``Aqk``, ``Akk = (I + A_kk)^-1``, chunk 64; with the in-kernel L2 norm, also the normalised
+  q / k and their rstd from the FLA path's own kernel, kept as the FLA backend keeps them); the backward
+  runs FLA's ``chunk_kda_bwd``.
 - FLA usable, ``chunk_size`` 32: FLA's residuals depend on its chunk size, so FLA's own forward runs
   (logged through ``record_fallback`` with the reason); the backward is FLA's.
 - FLA unusable (not installed, wrong version): our forward saves nothing and the backward is the
@@ -31,6 +33,7 @@ import torch
 from kda_compile.ops._common import module_unusable, record_fallback
 from kda_compile.ops.kda.backends import REFERENCE, KDAOptions, register_backend
 from kda_compile.ops.kda.fla_backend import FLABackend
+from kda_compile.ops.kda.triton_glue import l2norm_fwd
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
@@ -105,6 +108,12 @@ class TritonChunkBackend:
         path, _ = training_path(q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
         return [] if path == REFERENCE_BACKWARD else _FLA.residual_meta(q, k, v, opts, save)
 
+    def input_stand_ins(self, q, k, v, opts, save):
+        if not save:
+            return {}
+        path, _ = training_path(q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
+        return {} if path == REFERENCE_BACKWARD else _FLA.input_stand_ins(q, k, v, opts, save)
+
     def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
         """``(o, final state or None, residuals)``; inputs as the op got them (any strides)."""
         path = None
@@ -116,6 +125,13 @@ class TritonChunkBackend:
                                           output_final_state, save)
             if path == REFERENCE_BACKWARD:
                 record_fallback("chunk_kda_backward", REFERENCE.name, reason)
+        normalised = []
+        if path == OWN_RESIDUALS and opts.use_qk_l2norm_in_kernel:
+            # FLA's backward takes the normalised q / k, kept in q's dtype as FLA keeps them. Our forward
+            # still normalises in fp32 in its kernel: feeding it the rounded copies instead cost accuracy
+            # (bf16, packed sequences, V = 100 on an H100: dA_log 2.5e-2 from the recurrence, over FLA's 2e-2).
+            (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q.contiguous()), l2norm_fwd(k.contiguous())
+            normalised = [qn, q_rstd, kn, k_rstd]
         kwargs = dict(
             scale=opts.scale, output_final_state=output_final_state,
             use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_gate_in_kernel=opts.use_gate_in_kernel,
@@ -131,7 +147,7 @@ class TritonChunkBackend:
             try:
                 with torch.cuda.device(q.device):  # Triton launches on the current device
                     o, final, residuals = _launcher()(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
-                return o, final, residuals or []
+                return o, final, (residuals + normalised if residuals else [])
             except _compile_errors() as error:
                 # A kernel that does not compile for this GPU / configuration is our bug, not the user's.
                 # Nothing was written yet (compilation precedes each kernel's first launch); later calls

@@ -1,16 +1,18 @@
 """The FLA backend's glue on CPU: ``fla_backend.FLABackend`` driven by a stand-in for FLA's internal
 functions, so the op layer's side of that path (the q/k L2 norm and beta sigmoid around FLA's kernels,
 their backward chain, residual shapes and the zeroed triangles, dtype conversions, which gradient is
-which) is checked without CUDA. The real kernels are checked on the GPU box (tests marked ``cuda``).
+which, what autograd keeps alive) is checked without CUDA. The L2 norm and the triangle zeroing are our
+own Triton kernels (``triton_glue.py``), which run here under the Triton interpreter. The real FLA
+kernels are checked on the GPU box (tests marked ``cuda``).
 
-The stand-in follows fla-core 0.6's contracts as its source writes them: ``l2norm_fwd`` returns the
-normalised tensor and a float32 ``rstd`` of shape ``x.shape[:-1]``; ``fused_beta_sigmoid_fwd`` returns
-float32; ``chunk_kda_fwd`` returns ``(o, final, g_cumsum, Aqk, Akk, ...)`` with ``g_cumsum`` None under
-the in-kernel gate and ``Aqk`` / ``Akk`` ``[B, T, HV, chunk]`` written below the diagonal only (the
-stand-in fills the rest with fresh noise, as FLA leaves whatever the allocator held); ``chunk_kda_bwd``
+The stand-in follows fla-core 0.6's contracts as its source writes them: ``fused_beta_sigmoid_fwd``
+returns float32; ``chunk_kda_fwd`` returns ``(o, final, g_cumsum, Aqk, Akk, ...)`` with ``g_cumsum`` None
+under the in-kernel gate and ``Aqk`` / ``Akk`` ``[B, T, HV, chunk]`` written on and below the diagonal only:
+``Akk`` is allocated zero-filled, ``Aqk`` is not (the stand-in fills its rest with fresh noise, as FLA leaves
+whatever the allocator held); ``chunk_kda_bwd``
 takes the normalised q/k and the activated beta and returns ``(dq, dk, dv, dbeta, dg, dh0, dA_log,
 ddt_bias)``. Its math is our reference (fp64 here), so the op on this path must match the reference
-path: relative error < 1e-6 in float64 (FLA's float32 beta and rstd round; see TOL).
+path: relative error < 1e-6 in float64 (the L2 norm, FLA's activated beta and rstd are float32; see TOL).
 """
 from __future__ import annotations
 
@@ -26,10 +28,13 @@ from kda_compile.ops.kda.backends import only_backends
 from kda_compile.ops.kda.reference import kda_reference
 from kda_compile.testing import KDAShape, assert_rel_close, make_kda_args
 
-# float64 on both paths, but FLA's activated beta and L2-norm rstd are float32 (their contract): measured
-# up to ~3e-8; a plumbing mistake (a gradient of the wrong input, a missing chain rule) is O(1).
+from triton_device import triton_device  # noqa: E402
+
+DEVICE = triton_device("the FLA path's Triton glue kernels")
+
+# float64 on both paths, but the L2 norm runs in float32 and FLA's activated beta is float32 (their
+# contract); a plumbing mistake (a gradient of the wrong input, a missing chain rule) is O(1).
 TOL = 1e-6
-L2NORM_EPS = 1e-6
 
 
 class FakeFLA:
@@ -43,19 +48,8 @@ class FakeFLA:
 
     def namespace(self) -> dict:
         return {name: getattr(self, name) for name in (
-            "chunk_kda_fwd", "chunk_kda_bwd", "l2norm_fwd", "l2norm_bwd", "beta_sigmoid_fwd", "beta_sigmoid_bwd",
+            "chunk_kda_fwd", "chunk_kda_bwd", "beta_sigmoid_fwd", "beta_sigmoid_bwd",
             "prepare_chunk_indices")}
-
-    def l2norm_fwd(self, x):
-        self._count("l2norm_fwd")
-        wide = x if x.dtype == torch.float64 else x.float()  # FLA accumulates in fp32
-        rstd = (wide.square().sum(-1) + L2NORM_EPS).rsqrt()
-        return (wide * rstd[..., None]).to(x.dtype), rstd.float()
-
-    def l2norm_bwd(self, y, rstd, dy):
-        self._count("l2norm_bwd")
-        r = rstd.to(y.dtype)[..., None]
-        return dy * r - (dy * y).sum(-1, keepdim=True) * y * r
 
     def beta_sigmoid_fwd(self, x, scale=1.0):
         self._count("beta_sigmoid_fwd")
@@ -83,9 +77,17 @@ class FakeFLA:
                                    cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                                    dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size)
         B, T, HV = v.shape[:3]
-        noise = lambda: torch.randn(B, T, HV, chunk_size, dtype=k.dtype)  # noqa: E731  (whatever memory held)
+        noise = lambda: torch.randn(B, T, HV, chunk_size, dtype=k.dtype, device=k.device)  # noqa: E731  (whatever memory held)
+        t = torch.arange(T, device=k.device)
+        if cu_seqlens is None:
+            row = t % chunk_size
+        else:
+            seq = torch.searchsorted(cu_seqlens[1:], t, right=True).clamp(max=cu_seqlens.numel() - 2)
+            row = (t - cu_seqlens[seq]) % chunk_size
+        above = (torch.arange(chunk_size, device=k.device)[None, :] > row[:, None])[None, :, None, :]
+        Akk = noise().masked_fill(above, 0)  # torch.zeros, then the lower triangle written
         g_cumsum = None if use_gate_in_kernel else g.float()  # the stand-in's own format: the gate itself
-        return o, (final if output_final_state else None), g_cumsum, noise(), noise(), None, None, None, None, None, \
+        return o, (final if output_final_state else None), g_cumsum, noise(), Akk, None, None, None, None, None, \
             None, initial_state
 
     def chunk_kda_bwd(self, *, q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g, g_org, cu_seqlens,
@@ -135,7 +137,7 @@ CASES = {
 def test_fla_path_matches_the_reference_forward_and_backward(fake_fla, name):
     options = dict(CASES[name])
     shape = options.pop("shape")
-    args = make_kda_args(shape, seed=11, dtype=torch.float64, requires_grad=True, output_final_state=True, **options)
+    args = make_kda_args(shape, device=DEVICE, seed=11, dtype=torch.float64, requires_grad=True, output_final_state=True, **options)
     leaves = {n: t for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad}
     results = {}
     for path in ("fla", "reference"):
@@ -150,14 +152,12 @@ def test_fla_path_matches_the_reference_forward_and_backward(fake_fla, name):
     for leaf, got, want in zip(leaves, grads, grads_ref):
         assert got.dtype == leaves[leaf].dtype and got.shape == leaves[leaf].shape, leaf
         assert_rel_close(got, want, TOL, name=f"d{leaf}")
-    if args["use_qk_l2norm_in_kernel"]:
-        assert fake_fla.calls["l2norm_bwd"] == 2  # q and k: the norm's backward runs outside FLA's kernel
 
 
 def test_fla_path_residuals_match_their_fake_and_are_deterministic(fake_fla):
     """opcheck on the forward op: the residual shapes the fake promises (``residual_meta``) are the
-    real ones, and two runs agree although FLA leaves the upper triangles of Aqk / Akk unwritten."""
-    args = make_kda_args(KDAShape(2, 70, 2, 2, 16, 8), seed=5, gate_form="softplus", qk_l2norm=True,
+    real ones, and two runs agree although FLA leaves the upper triangles of Aqk unwritten."""
+    args = make_kda_args(KDAShape(2, 70, 2, 2, 16, 8), device=DEVICE, seed=5, gate_form="softplus", qk_l2norm=True,
                          beta_sigmoid=True, output_final_state=True, dtype=torch.float32)
     op_args = (args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"], args["dt_bias"], None, None,
                float(args["scale"] or 16 ** -0.5), True, True, True, True, False, None, False, 64, True)
@@ -165,7 +165,7 @@ def test_fla_path_residuals_match_their_fake_and_are_deterministic(fake_fla):
         torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default, op_args)
         _, _, g_saved, Aqk, Akk, *_ = torch.ops.kda_compile.chunk_kda_fwd(*op_args)
     assert g_saved.numel() == 0  # the in-kernel gate: FLA's backward recomputes the cumsum from g
-    above = (torch.arange(64)[None, :] > (torch.arange(70) % 64)[:, None])[None, :, None, :]  # [1, T, 1, chunk]
+    above = (torch.arange(64)[None, :] > (torch.arange(70) % 64)[:, None])[None, :, None, :].to(DEVICE)
     assert Aqk.shape == Akk.shape == (2, 70, 2, 64)
     assert not Aqk.masked_select(above).any() and not Akk.masked_select(above).any()
     assert Aqk.masked_select(~above).all()  # the stand-in's noise below: nothing else was zeroed
@@ -176,3 +176,36 @@ def test_without_fla_the_backend_says_why(monkeypatch):
     reason = fla_backend.FLABackend().unsupported_reason(torch.device("cuda"), torch.bfloat16, 64, 64,
                                                          types.SimpleNamespace(chunk_size=64))
     assert reason == "fla-core is not importable (test)"
+
+
+@pytest.mark.parametrize("qk_l2norm", [True, False])
+def test_fla_path_keeps_what_flas_autograd_keeps(fake_fla, qk_l2norm):
+    """With the in-kernel L2 norm the op keeps the normalised q / k (and rstd) for the backward and lets
+    the raw ones go, as FLA's own autograd function does: the activation memory of the FLA path is FLA's.
+    Without the norm the raw q / k are what the backward reads, so they stay alive."""
+    import weakref
+
+    args = make_kda_args(KDAShape(1, 20, 2, 2, 8, 8), device=DEVICE, seed=3, gate_form="softplus", qk_l2norm=qk_l2norm,
+                         dtype=torch.float64, requires_grad=True)
+    q_leaf, k_leaf = args["q"], args["k"]
+    args["q"], args["k"] = q_leaf * 1.0, k_leaf * 1.0  # non-leaf inputs: only the graph could keep them
+    alive = [weakref.ref(args["q"]), weakref.ref(args["k"])]
+    with only_backends("fla"):
+        o, _ = chunk_kda(**args)
+        del args["q"], args["k"]
+        assert all((ref() is None) == qk_l2norm for ref in alive)
+        o.sum().backward()
+    assert q_leaf.grad is not None and k_leaf.grad is not None and torch.isfinite(q_leaf.grad).all()
+
+
+def test_fla_path_residuals_hold_the_normalised_qk(fake_fla):
+    args = make_kda_args(KDAShape(1, 20, 2, 2, 8, 8), device=DEVICE, seed=4, gate_form="softplus", qk_l2norm=True,
+                         dtype=torch.float32)
+    op_args = (args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"], args["dt_bias"], None, None,
+               8 ** -0.5, False, True, True, False, False, None, False, 64, True)
+    with only_backends("fla"):
+        _, _, _, _, _, qn, q_rstd, kn, k_rstd = torch.ops.kda_compile.chunk_kda_fwd(*op_args)
+    for x, xn, rstd in ((args["q"], qn, q_rstd), (args["k"], kn, k_rstd)):
+        want = (x.double().square().sum(-1) + 1e-6).rsqrt()
+        assert_rel_close(rstd, want, 1e-6, name="rstd")
+        assert_rel_close(xn, x.double() * want[..., None], 1e-6, name="normalised")

@@ -16,7 +16,6 @@ Tolerances, relative RMS error against the recurrence on the same (already round
 interpreted (exact fp32 products; measured about 1e-6), TF32's 2e-3 for float32 on CUDA.
 """
 import math
-import os
 
 import pytest
 import torch
@@ -27,10 +26,9 @@ from kda_compile.testing import KDAShape, kda_inputs, make_kda_args, rel_error
 
 from .recurrence import compare_with_recurrence, kda_recurrence, tolerances_for
 
-triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not (torch.cuda.is_available() or INTERPRETED):
-    pytest.skip("the Triton prefill kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from triton_device import INTERPRETED, triton_device  # noqa: E402
+
+DEVICE = triton_device("the Triton prefill kernels")
 
 from kda_compile.ops.kda import backends  # noqa: E402
 from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
@@ -42,7 +40,6 @@ from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill, choose_segments 
 # The interpreter reads a program id as a 1-element array where a loop bound wants a scalar.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 

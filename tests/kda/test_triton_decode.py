@@ -15,7 +15,6 @@ over a few tokens, 2e-5 for every input dtype (measured about 2e-7 interpreted; 
 exp2 / rsqrt add a few ulp). ``o`` is rounded to the input dtype once: fp32 2e-5, fp16 1e-3 (half
 an fp16 ulp is 2.4e-4 relative), bf16 8e-3 (half a bf16 ulp is 2e-3).
 """
-import os
 
 import pytest
 import torch
@@ -25,17 +24,15 @@ from kda_compile.testing import KDAShape, kda_inputs, make_kda_args, rel_error
 
 from .recurrence import compare_with_recurrence, kda_recurrence
 
-triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not (torch.cuda.is_available() or INTERPRETED):
-    pytest.skip("the Triton decode kernel needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from triton_device import INTERPRETED, triton_device  # noqa: E402
+
+DEVICE = triton_device("the Triton decode kernel")
 
 from kda_compile.ops.kda import backends  # noqa: E402
 from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
 from kda_compile.ops.kda.decode_backend import TritonDecodeBackend  # noqa: E402
 from kda_compile.ops.kda.triton_decode import fused_recurrent_kda_triton, grid_class  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 O_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 STATE_TOL = 2e-5

@@ -10,7 +10,6 @@ cover float32 and float16 (bfloat16 dots are unreliable there); CUDA adds bfloat
 (relative RMS error): float32 1e-5, float16 5e-3, bfloat16 2e-2; lse: absolute 1e-5 (float32 math).
 """
 import math
-import os
 
 import pytest
 import torch
@@ -21,15 +20,13 @@ from kda_compile.testing import assert_rel_close
 
 from .naive import Case, make_inputs, naive_mla
 
-triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if not (torch.cuda.is_available() or INTERPRETED):
-    pytest.skip("the Triton kernels need CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+from triton_device import triton_device  # noqa: E402
+
+DEVICE = triton_device("the Triton kernels")
 
 from kda_compile.ops.mla.custom_ops import absorbed_mla_triton  # noqa: E402
 from kda_compile.ops.mla.triton_decode import choose_num_splits, mla_decode_attention  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 

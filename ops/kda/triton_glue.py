@@ -34,12 +34,18 @@ def _row_block(D: int) -> tuple[int, int]:
 
 
 @triton.jit
-def l2norm_fwd_kernel(x, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr):
+def _row_tile(M, D, BM: tl.constexpr, BD: tl.constexpr):
+    """This program's ``BM`` rows of an ``[M, D]`` row-major tensor: row indices, their mask, the
+    element mask and the element offsets ``[BM, BD]``."""
     rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.arange(0, BD)
     m_rows = rows < M
-    mask = m_rows[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]
+    return rows, m_rows, m_rows[:, None] & (cols[None, :] < D), rows[:, None] * D + cols[None, :]
+
+
+@triton.jit
+def l2norm_fwd_kernel(x, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr):
+    rows, m_rows, mask, offsets = _row_tile(M, D, BM, BD)
     b_x = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
     b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, axis=1) + eps)
     tl.store(y + offsets, (b_x * b_rstd[:, None]).to(y.dtype.element_ty), mask=mask)
@@ -48,11 +54,7 @@ def l2norm_fwd_kernel(x, y, rstd, M, D, eps, BM: tl.constexpr, BD: tl.constexpr)
 
 @triton.jit
 def l2norm_bwd_kernel(y, rstd, dy, dx, M, D, BM: tl.constexpr, BD: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-    cols = tl.arange(0, BD)
-    m_rows = rows < M
-    mask = m_rows[:, None] & (cols[None, :] < D)
-    offsets = rows[:, None] * D + cols[None, :]
+    rows, m_rows, mask, offsets = _row_tile(M, D, BM, BD)
     b_y = tl.load(y + offsets, mask=mask, other=0.0).to(tl.float32)
     b_dy = tl.load(dy + offsets, mask=mask, other=0.0).to(tl.float32)
     b_rstd = tl.load(rstd + rows, mask=m_rows, other=0.0)

@@ -97,3 +97,15 @@ def test_compile_caches_are_keyed_by_the_ops_source(monkeypatch):
     monkeypatch.setattr(torch.compiler.config, "cache_key_tag", f"user-tag {CACHE_TAG_PREFIX}0123")
     tag_compile_caches()
     assert torch.compiler.config.cache_key_tag == f"user-tag {CACHE_TAG_PREFIX}{ops_source_digest()}"
+
+
+def test_the_package_imports_without_triton():
+    """triton is optional (CPU wheels of torch do not bring it): importing kda_compile, its ops and its
+    passes must not need it; our Triton kernels are imported where a call first needs them."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['triton'] = None; import kda_compile, kda_compile.ops, kda_compile.passes; "
+            "print('imported')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=300)
+    assert done.stdout.strip() == "imported", done.stderr[-2000:]

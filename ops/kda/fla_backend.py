@@ -26,7 +26,6 @@ from functools import cache
 import torch
 
 from kda_compile.ops.kda.backends import KDAOptions, register_backend
-from kda_compile.ops.kda.triton_glue import l2norm_bwd, l2norm_fwd, zero_above_diagonal_
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
@@ -58,6 +57,13 @@ def _load_fla():
         return None, f"fla-core {version} is missing an internal function ({type(exc).__name__}: {exc})"
     logger.info("KDA on CUDA uses fla-core %s kernels", version)
     return ns, None
+
+
+@cache
+def glue_kernels():
+    """Our Triton kernels around FLA's (``triton_glue.py``), imported on first use: triton is there
+    whenever fla-core is, but importing kda_compile must not need it."""
+    return importlib.import_module("kda_compile.ops.kda.triton_glue")
 
 
 def _contiguous(*tensors):
@@ -110,7 +116,7 @@ class FLABackend:
         q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
         qn, kn, normalised = q, k, []
         if opts.use_qk_l2norm_in_kernel:
-            (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q), l2norm_fwd(k)
+            (qn, q_rstd), (kn, k_rstd) = glue_kernels().l2norm_fwd(q), glue_kernels().l2norm_fwd(k)
             normalised = [qn, q_rstd, kn, k_rstd]
         beta_act = self._beta(fla, beta, opts)
         o, final, g_cumsum, Aqk, Akk, *_ = fla["chunk_kda_fwd"](
@@ -123,7 +129,7 @@ class FLABackend:
         residuals = []
         if save:
             g_saved = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum
-            zero_above_diagonal_(Aqk, cu_seqlens)  # FLA zero-fills Akk itself, not Aqk
+            glue_kernels().zero_above_diagonal_(Aqk, cu_seqlens)  # FLA zero-fills Akk itself, not Aqk
             residuals = [g_saved, Aqk, Akk, *normalised]
         return o.to(q.dtype), final, residuals
 
@@ -143,7 +149,7 @@ class FLABackend:
             A_log=A_log, dt_bias=dt_bias,
         )
         if opts.use_qk_l2norm_in_kernel:
-            dq, dk = l2norm_bwd(qn, q_rstd, dq), l2norm_bwd(kn, k_rstd, dk)
+            dq, dk = glue_kernels().l2norm_bwd(qn, q_rstd, dq), glue_kernels().l2norm_bwd(kn, k_rstd, dk)
         if opts.use_beta_sigmoid_in_kernel:
             db = fla["beta_sigmoid_bwd"](x=beta, dy=db, scale=2.0 if opts.allow_neg_eigval else 1.0)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype),

@@ -32,8 +32,7 @@ import torch
 
 from kda_compile.ops._common import module_unusable, record_fallback
 from kda_compile.ops.kda.backends import REFERENCE, KDAOptions, register_backend
-from kda_compile.ops.kda.fla_backend import FLABackend
-from kda_compile.ops.kda.triton_glue import l2norm_fwd
+from kda_compile.ops.kda.fla_backend import FLABackend, glue_kernels
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
@@ -130,6 +129,7 @@ class TritonChunkBackend:
             # FLA's backward takes the normalised q / k, kept in q's dtype as FLA keeps them. Our forward
             # still normalises in fp32 in its kernel: feeding it the rounded copies instead cost accuracy
             # (bf16, packed sequences, V = 100 on an H100: dA_log 2.5e-2 from the recurrence, over FLA's 2e-2).
+            l2norm_fwd = glue_kernels().l2norm_fwd
             (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q.contiguous()), l2norm_fwd(k.contiguous())
             normalised = [qn, q_rstd, kn, k_rstd]
         kwargs = dict(

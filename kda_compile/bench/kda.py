@@ -12,9 +12,9 @@ Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
 per graph replay (``gpu_time``: includes the replay's own launch latency, a few microseconds), and
 ``DECODE_STEPS_PER_GRAPH`` calls on distinct inputs and states captured back to back, per call
 (``gpu_time_per_step``: what each layer's kernel costs inside a model's decode graph; every step reads
-its own state and the timer flushes the L2 cache between replays, so no step finds its state cached). The state bandwidth and its
-fraction of the copy bandwidth are computed from the latter. Each shape also records the relative error of
-our output against FLA's.
+its own state and the timer flushes the L2 cache between replays, so no step finds its state cached).
+The state bandwidth and its fraction of the copy bandwidth are computed from the latter. Each shape
+also records the relative error of our output against FLA's.
 ``--profile`` adds where the time goes: per prefill shape, mode and provider the GPU time of every
 kernel (torch.profiler; CSV metric ``kernel_time: <kernel>``, and a table per shape in the log), and
 per decode batch and provider the host functions by own time (cProfile, in the log).

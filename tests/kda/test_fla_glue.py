@@ -77,7 +77,8 @@ class FakeFLA:
                                    cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                                    dt_bias=dt_bias, lower_bound=lower_bound, chunk_size=chunk_size)
         B, T, HV = v.shape[:3]
-        noise = lambda: torch.randn(B, T, HV, chunk_size, dtype=k.dtype, device=k.device)  # noqa: E731  (whatever memory held)
+        # whatever memory held
+        noise = lambda: torch.randn(B, T, HV, chunk_size, dtype=k.dtype, device=k.device)  # noqa: E731
         t = torch.arange(T, device=k.device)
         if cu_seqlens is None:
             row = t % chunk_size
@@ -137,7 +138,8 @@ CASES = {
 def test_fla_path_matches_the_reference_forward_and_backward(fake_fla, name):
     options = dict(CASES[name])
     shape = options.pop("shape")
-    args = make_kda_args(shape, device=DEVICE, seed=11, dtype=torch.float64, requires_grad=True, output_final_state=True, **options)
+    args = make_kda_args(shape, device=DEVICE, seed=11, dtype=torch.float64, requires_grad=True,
+                         output_final_state=True, **options)
     leaves = {n: t for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad}
     results = {}
     for path in ("fla", "reference"):

@@ -72,8 +72,7 @@ def launch(step, A_log, dt_bias, BV, warps, stages, per_sm):
 
 
 def main():
-    H = K = V = 128
-    H = 32
+    H, K, V = 32, 128, 128
     copy = measure_copy_bandwidth()[1]
     p(f"copy bandwidth {copy:.3f} TB/s")
     for B in (64, 256):
@@ -112,7 +111,8 @@ def main():
                                     launch(s, A_log, dt_bias, BV, warps, stages, per_sm)
                             t = cuda_graph_time(var, rep_ms=60)[1] / len(steps)
                             p(f"B={B} persistent BV={BV} warps={warps} stages={stages} per_sm={per_sm}: "
-                              f"{t * 1e3:.2f} us/step, {100 * state_bytes / t / 1e9 / copy:.1f}% of copy, err {err:.1e}")
+                              f"{t * 1e3:.2f} us/step, {100 * state_bytes / t / 1e9 / copy:.1f}% of copy, "
+                              f"err {err:.1e}")
                         except Exception as exc:  # noqa: BLE001
                             p(f"B={B} BV={BV} warps={warps} stages={stages} per_sm={per_sm}: {type(exc).__name__} "
                               f"{str(exc)[:200]}")

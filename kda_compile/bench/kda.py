@@ -283,6 +283,7 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                           host["fla"][1] / host[name][1],
                           f"{err:.1e}; {1e3 * (host[name][1] - host['fla'][1]):+.1f} us per call"])
             bw_ours = state_bytes / (gpu[name][1] * 1e-3) / 1e12
+            bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))  # this provider's
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "fraction_of_copy_bandwidth", "1",
                             tuple(b / copy_bw[1] for b in bw)))
             table.append([f"decode GPU (graph, per step of {len(steps)}): {name}", shape, gpu["fla"][1],

@@ -17,7 +17,10 @@ registers, and stores it once at the end, only when the final state is requested
     o     <- S^T (scale * q)
 
 Every program of a head recomputes the prologue over the full K (cheap: K loads per token), so the
-V-split costs no extra state traffic: each state element is still read once and written once.
+V-split costs no extra state traffic: each state element is still read once and written once. A
+token's q / k / g / beta / v loads are all issued before its prologue math: loaded one at a time
+between the L2-norm reductions, their round trips queued behind each other (batch 64 on an H100:
+101.7 us, 88% of the copy bandwidth, before this order; kda_compile/bench/results/README.md).
 Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` are autotuned per (K, V, grid size
 class, dtypes); a small grid (batch 1) favours a small ``BV`` to spread the state over more SMs.
 Under the interpreter one fixed config runs (it cannot benchmark).
@@ -78,6 +81,54 @@ def grid_class(state_heads: int) -> int:
     return c
 
 
+@triton.jit
+def kda_token_prologue(b_q, b_k, b_g, b_beta, b_bias, decay, scale, lower_bound,
+                       USE_QK_L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+                       HAS_DT_BIAS: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr, ALLOW_NEG_EIGVAL: tl.constexpr):
+    """One token's fused prologue in fp32: ``(scale * l2norm(q), l2norm(k), log-decay g, beta)``.
+
+    ``b_q`` / ``b_k`` / ``b_g`` are ``[BK]`` rows (padded lanes 0), ``b_beta`` a scalar, any float dtype;
+    ``b_bias`` the head's ``[BK]`` dt_bias row (fp32, unused without HAS_DT_BIAS), ``decay`` = exp(A_log).
+    """
+    b_q = b_q.to(tl.float32)
+    b_k = b_k.to(tl.float32)
+    b_g = b_g.to(tl.float32)
+    b_beta = b_beta.to(tl.float32)
+    if USE_QK_L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + L2NORM_EPS)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + L2NORM_EPS)
+    b_q = b_q * scale
+    if GATE != GATE_PRECOMPUTED:
+        x = b_g
+        if HAS_DT_BIAS:
+            x = x + b_bias
+        if GATE == GATE_SOFTPLUS:
+            # softplus with torch's threshold (x > 20 -> x); exp(x) itself below -15, where
+            # log(1 + exp(x)) would round to 0 in fp32. Padded lanes (x = 0) stay finite.
+            e = tl.exp(tl.minimum(x, 20.0))
+            soft = tl.where(x > 20.0, x, tl.where(x < -15.0, e, tl.log(1.0 + e)))
+            b_g = -decay * soft
+        else:
+            if HAS_A_LOG:
+                x = decay * x
+            b_g = lower_bound * tl.sigmoid(x)
+    if USE_BETA_SIGMOID:
+        b_beta = tl.sigmoid(b_beta)
+        if ALLOW_NEG_EIGVAL:
+            b_beta = b_beta * 2.0
+    return b_q, b_k, b_g, b_beta
+
+
+@triton.jit
+def kda_state_update(b_h, b_q, b_k, b_v, b_g, b_beta):
+    """One token of the recurrence on a ``[BK, BV]`` fp32 state tile: decay, delta-rule write, read.
+    Returns the new tile and the ``[BV]`` fp32 output row."""
+    b_h = b_h * tl.exp(b_g)[:, None]
+    b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_h * b_k[:, None], axis=0))
+    b_h = b_h + b_k[:, None] * b_u[None, :]
+    return b_h, tl.sum(b_h * b_q[:, None], axis=0)
+
+
 @triton.autotune(configs=_configs(), key=["BK", "V", "NH_CLASS"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
@@ -133,42 +184,21 @@ def fused_recurrent_kda_decode_kernel(
     decay = 1.0
     if HAS_A_LOG:
         decay = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_bias = 0.0
     if HAS_DT_BIAS:
         b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
 
     for _ in range(0, (eos - bos).to(tl.int32)):
-        b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
-        b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
-        b_v = tl.load(p_v, mask=m_v, other=0.0).to(tl.float32)
-        b_g = tl.load(p_g, mask=m_k, other=0.0).to(tl.float32)
-        b_beta = tl.load(p_beta).to(tl.float32)
-        if USE_QK_L2NORM:
-            b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + L2NORM_EPS)
-            b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + L2NORM_EPS)
-        b_q = b_q * scale
-        if GATE != GATE_PRECOMPUTED:
-            x = b_g
-            if HAS_DT_BIAS:
-                x = x + b_bias
-            if GATE == GATE_SOFTPLUS:
-                # softplus with torch's threshold (x > 20 -> x); exp(x) itself below -15, where
-                # log(1 + exp(x)) would round to 0 in fp32. Padded lanes (x = 0) stay finite.
-                e = tl.exp(tl.minimum(x, 20.0))
-                soft = tl.where(x > 20.0, x, tl.where(x < -15.0, e, tl.log(1.0 + e)))
-                b_g = -decay * soft
-            else:
-                if HAS_A_LOG:
-                    x = decay * x
-                b_g = lower_bound * tl.sigmoid(x)
-        if USE_BETA_SIGMOID:
-            b_beta = tl.sigmoid(b_beta)
-            if ALLOW_NEG_EIGVAL:
-                b_beta = b_beta * 2.0
-
-        b_h = b_h * tl.exp(b_g)[:, None]
-        b_u = b_beta * (b_v - tl.sum(b_h * b_k[:, None], axis=0))
-        b_h = b_h + b_k[:, None] * b_u[None, :]
-        b_o = tl.sum(b_h * b_q[:, None], axis=0)
+        # Every load of the token first, then the math (see the module docstring).
+        b_q = tl.load(p_q, mask=m_k, other=0.0)
+        b_k = tl.load(p_k, mask=m_k, other=0.0)
+        b_g = tl.load(p_g, mask=m_k, other=0.0)
+        b_beta = tl.load(p_beta)
+        b_v = tl.load(p_v, mask=m_v, other=0.0)
+        b_q, b_k, b_g, b_beta = kda_token_prologue(b_q, b_k, b_g, b_beta, b_bias, decay, scale, lower_bound,
+                                                   USE_QK_L2NORM, GATE, HAS_A_LOG, HAS_DT_BIAS, USE_BETA_SIGMOID,
+                                                   ALLOW_NEG_EIGVAL)
+        b_h, b_o = kda_state_update(b_h, b_q, b_k, b_v, b_g, b_beta)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
         p_q += s_qt

@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kda_compile.ops._common import cdiv, next_power_of_2
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 
 MAX_HEAD_DIM = 256
@@ -65,7 +66,7 @@ def _prune_configs(configs, named_args, **kwargs):
     150-185, 128 spill (the q/k/decay vectors are replicated along each thread's K rows)."""
     args = {**named_args, **kwargs}
     BK, V = args["BK"], args["V"]
-    bv_max = max(16, triton.next_power_of_2(V))
+    bv_max = max(16, next_power_of_2(V))
     kept = [c for c in configs
             if c.kwargs["BV"] <= bv_max and 8 <= BK * c.kwargs["BV"] // (32 * c.num_warps) <= 64]
     return kept or [min(configs, key=lambda c: (c.kwargs["BV"], c.num_warps))]
@@ -213,6 +214,9 @@ def fused_recurrent_kda_decode_kernel(
         tl.store(p_ht, b_h, mask=m_h, eviction_policy="evict_first")
 
 
+# The gate codes as plain ints for the launcher (unwrapping a constexpr costs host time per call).
+_GATE_PRECOMPUTED, _GATE_SOFTPLUS, _GATE_LOWER_BOUND = int(GATE_PRECOMPUTED), int(GATE_SOFTPLUS), int(GATE_LOWER_BOUND)
+
 # key of the autotuner's cache -> the launch kwargs of the config it picked (BV, num_warps, ...)
 _TUNED: dict[tuple, dict] = {}
 
@@ -270,16 +274,16 @@ def fused_recurrent_kda_triton(
             ht.zero_()
         return o, ht
 
-    gate = int(GATE_PRECOMPUTED)
+    gate = _GATE_PRECOMPUTED
     if use_gate_in_kernel:
-        gate = int(GATE_SOFTPLUS if lower_bound is None else GATE_LOWER_BOUND)
+        gate = _GATE_SOFTPLUS if lower_bound is None else _GATE_LOWER_BOUND
         A_log, dt_bias = _flat(A_log), _flat(dt_bias)
     else:
         A_log = dt_bias = None
     h0 = q if initial_state is None else initial_state  # placeholders for absent tensors: never read
     tensors = (q, k, v, g, beta, q if A_log is None else A_log, q if dt_bias is None else dt_bias, h0, o,
                o if ht is None else ht, q if cu_seqlens is None else cu_seqlens)
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(16, next_power_of_2(K))
     nh_class = grid_class(N * HV)
     args = (
         *tensors,
@@ -294,13 +298,13 @@ def fused_recurrent_kda_triton(
         HAS_H0=initial_state is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
     )
     # The autotuner's own key: its key arguments plus the dtype of every tensor argument.
-    key = (BK, V, nh_class, *(t.dtype for t in tensors))
+    key = (BK, V, nh_class, *[t.dtype for t in tensors])
     tuned = _TUNED.get(key)
     if tuned is None:
-        fused_recurrent_kda_decode_kernel[lambda meta: (triton.cdiv(V, meta["BV"]), N * HV)](*args, **flags)
+        fused_recurrent_kda_decode_kernel[lambda meta: (cdiv(V, meta["BV"]), N * HV)](*args, **flags)
         _TUNED[key] = fused_recurrent_kda_decode_kernel.best_config.all_kwargs()
     else:
         # Later calls launch the tuned config directly: the autotuner rebuilds its key from all ~45
         # arguments on every call, microseconds of host time in a launch-bound batch-1 decode step.
-        fused_recurrent_kda_decode_kernel.fn[(triton.cdiv(V, tuned["BV"]), N * HV)](*args, **flags, **tuned)
+        fused_recurrent_kda_decode_kernel.fn[(cdiv(V, tuned["BV"]), N * HV)](*args, **flags, **tuned)
     return o, ht

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kda_compile.ops._common import cdiv, next_power_of_2
+
 LOG2E = tl.constexpr(1.4426950408889634)  # a plain global is rejected by the compiler (not by the interpreter)
 
 
@@ -230,8 +232,8 @@ def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min
     most = max(1, min(MAX_SPLITS, num_tiles // max(1, min_tiles_per_split)))
 
     def cost(splits: int) -> float:
-        waves = triton.cdiv(max(1, programs_per_split) * splits, max(1, num_sms))
-        return waves * triton.cdiv(num_tiles, splits) + SPLIT_COST_TILES * (splits - 1)
+        waves = cdiv(max(1, programs_per_split) * splits, max(1, num_sms))
+        return waves * cdiv(num_tiles, splits) + SPLIT_COST_TILES * (splits - 1)
 
     return min(range(1, most + 1), key=lambda s: (cost(s), s))
 
@@ -279,11 +281,11 @@ def mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: flo
     """
     b, h, sq, r = q_lat.shape
     t, dr = kv_latent.shape[1], q_rope.shape[3]
-    block_r = max(16, triton.next_power_of_2(r))
-    block_dr = max(16, triton.next_power_of_2(dr))
+    block_r = max(16, next_power_of_2(r))
+    block_dr = max(16, next_power_of_2(dr))
     cfg = config or default_config(sq * h, block_r, kv_latent.dtype)
-    row_blocks = triton.cdiv(sq * h, cfg.block_m)
-    num_tiles = triton.cdiv(t, cfg.block_n)
+    row_blocks = cdiv(sq * h, cfg.block_m)
+    num_tiles = cdiv(t, cfg.block_n)
     if num_splits is None:
         if kv_latent.is_cuda:
             index = kv_latent.device.index
@@ -291,8 +293,8 @@ def mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: flo
         else:  # the interpreter: a pretend 4-SM device, so moderate caches already split
             sms = 4
         num_splits = choose_num_splits(b * row_blocks, num_tiles, sms, 1 if interpreted() else 4)
-    tiles_per_split = triton.cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
-    num_splits = triton.cdiv(num_tiles, tiles_per_split)  # no split left without a tile
+    tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
+    num_splits = cdiv(num_tiles, tiles_per_split)  # no split left without a tile
 
     o_lat = torch.empty((h, b, sq, r), dtype=kv_latent.dtype, device=kv_latent.device).permute(1, 0, 2, 3)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=kv_latent.device)
@@ -317,7 +319,7 @@ def mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: flo
     if partial:
         mla_decode_merge_kernel[(sq * h, b)](
             out_buf, row_max, row_sum, o_lat, lse, *out_buf.stride(), *row_max.stride(), *o_lat.stride(),
-            *lse.stride(), h, r, num_splits, BLOCK_R=block_r, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            *lse.stride(), h, r, num_splits, BLOCK_R=block_r, BLOCK_S=max(2, next_power_of_2(num_splits)),
             num_warps=1 if interpreted() else 4,
         )
     return o_lat, lse

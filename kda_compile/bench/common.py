@@ -126,3 +126,19 @@ def host_profile(fn, *, calls: int = 300, top: int = 15) -> str:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
 
+
+def experiment_log(filename: str):
+    """A ``report(*parts)`` for the experiment scripts in ``results/``: prints the line and appends it to
+    ``$OUT/filename`` (the device's output folder; /tmp without OUT), flushed at once so a run cut off by its
+    time limit keeps what it measured."""
+    import os
+
+    log = open(os.path.join(os.environ.get("OUT", "/tmp"), filename), "w")
+
+    def report(*parts) -> None:
+        line = " ".join(str(part) for part in parts)
+        print(line, flush=True)
+        log.write(line + "\n")
+        log.flush()
+
+    return report

@@ -8,22 +8,15 @@ A_log and dt_bias, beta sigmoid, initial and final state), bf16, H = 32, K = V =
     python kda_decode_load_order.py old.py
 """
 import importlib.util
-import os
 import sys
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, measure_copy_bandwidth, rel_error
+from kda_compile.bench.common import cuda_graph_time, experiment_log, measure_copy_bandwidth, rel_error
 from kda_compile.ops.kda import triton_decode
 
 STEPS = 8
-log = open(os.path.join(os.environ.get("OUT", "/tmp"), "kda_decode_load_order.log"), "w")
-
-
-def report(line: str) -> None:
-    print(line, flush=True)
-    log.write(line + "\n")
-    log.flush()
+report = experiment_log("kda_decode_load_order.log")
 
 
 def load_module(path: str):

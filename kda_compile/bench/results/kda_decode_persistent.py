@@ -2,7 +2,6 @@
 (programs loop over (head, V-block) work items, so Triton can pipeline the next state tile's load under
 the current one's math) vs the current kernel, B = 64 / 256. Options fixed to the benchmark's (in-kernel
 l2norm, softplus gate with A_log and dt_bias, beta sigmoid, initial and final state, contiguous)."""
-import os
 import sys
 
 import torch
@@ -10,16 +9,9 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops import fused_recurrent_kda
-from kda_compile.bench.common import cuda_graph_time, measure_copy_bandwidth
+from kda_compile.bench.common import cuda_graph_time, experiment_log, measure_copy_bandwidth
 
-out = open(os.path.join(os.environ.get("OUT", "/tmp"), "decode_var.log"), "w")
-
-
-def p(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    out.write(s + "\n")
-    out.flush()
+p = experiment_log("decode_var.log")
 
 
 @triton.jit

@@ -18,18 +18,11 @@ import triton
 import triton.language as tl
 
 import kda_compile.ops.mla.triton_decode as production
-from kda_compile.bench.common import cuda_graph_time, measure_copy_bandwidth
+from kda_compile.bench.common import cuda_graph_time, experiment_log, measure_copy_bandwidth
 from kda_compile.ops.mla.triton_decode import default_config, mla_decode_attention
 
 LOG2E = production.LOG2E
-out = open(os.path.join(os.environ.get("OUT", "/tmp"), "mla_var.log"), "w")
-
-
-def p(*a):
-    s = " ".join(str(x) for x in a)
-    print(s, flush=True)
-    out.write(s + "\n")
-    out.flush()
+p = experiment_log("mla_var.log")
 
 
 # (production text, variant text): applied in order; each must match exactly once.

@@ -213,21 +213,28 @@ def _plot_prefill_speedup(table: list[list], path) -> None:
     logger.info("prefill speedup plot written to %s", path)
 
 
-def _host_time_per_call(fn, calls: int = 500) -> tuple[float, float, float]:
+def _host_times_per_call(fns: dict, calls: int = 500, repetitions: int = 7) -> dict:
     """Wall-clock ms per eager call over back-to-back calls (launch-bound decode: this is what a
-    serving loop without CUDA graphs sees), p20/p50/p80 over 5 repetitions."""
+    serving loop without CUDA graphs sees), p20/p50/p80 over the repetitions, per provider. The
+    providers take turns within each repetition, so a drift of the host's speed during the run (it moved
+    FLA's batch-1 figure from 0.09 to 0.14 ms between runs) falls on all of them alike."""
     import time
 
-    samples = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / calls * 1e3)
-    samples.sort()
-    return samples[1], samples[2], samples[3]
+    samples = {name: [] for name in fns}
+    for _ in range(repetitions):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / calls * 1e3)
+    result = {}
+    for name, values in samples.items():
+        values.sort()
+        n = len(values)
+        result[name] = (values[n // 5], values[n // 2], values[min(n - 1, (4 * n) // 5)])
+    return result
 
 
 def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
@@ -255,7 +262,7 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                   "ours (fla path)": fla_path}
         # distinct inputs and states for the steps of one graph (the first is `step`)
         steps = [step] + [{n: t.clone() for n, t in step.items()} for _ in range(DECODE_STEPS_PER_GRAPH - 1)]
-        host, gpu, outputs = {}, {}, {}
+        gpu, outputs, eager = {}, {}, {}
         for name, recurrent in decode.items():
             def fn(recurrent=recurrent):
                 with torch.inference_mode():
@@ -266,16 +273,18 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                     for inputs in steps:
                         recurrent(**inputs, **common)
             outputs[name] = fn()[1]
-            host[name] = _host_time_per_call(fn)
+            eager[name] = fn
             if profile:
                 logger.info("decode %s, %s: host functions by own time\n%s", shape, name, host_profile(fn))
             one_call = cuda_graph_time(fn)
             gpu[name] = tuple(t / len(steps) for t in cuda_graph_time(fn_steps))
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", host[name]))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", one_call))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time_per_step", "ms", gpu[name]))
             bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bw))
+        host = _host_times_per_call(eager)
+        for name, times in host.items():
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", times))
         for name in ("ours (triton_decode)", "ours (fla path)"):
             err = rel_error(outputs[name], outputs["fla"])  # final states: fp32, so differences are the kernels'
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "rel_err_vs_fla", "1", (err, err, err)))

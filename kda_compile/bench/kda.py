@@ -262,7 +262,7 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                   "ours (fla path)": fla_path}
         # distinct inputs and states for the steps of one graph (the first is `step`)
         steps = [step] + [{n: t.clone() for n, t in step.items()} for _ in range(DECODE_STEPS_PER_GRAPH - 1)]
-        gpu, outputs, eager = {}, {}, {}
+        gpu, bandwidth, outputs, eager = {}, {}, {}, {}
         for name, recurrent in decode.items():
             def fn(recurrent=recurrent):
                 with torch.inference_mode():
@@ -280,8 +280,8 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
             gpu[name] = tuple(t / len(steps) for t in cuda_graph_time(fn_steps))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", one_call))
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time_per_step", "ms", gpu[name]))
-            bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bw))
+            bandwidth[name] = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bandwidth[name]))
         host = _host_times_per_call(eager)
         for name, times in host.items():
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", times))
@@ -291,10 +291,9 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
             table.append([f"decode host/call: {name}", shape, host["fla"][1], host[name][1],
                           host["fla"][1] / host[name][1],
                           f"{err:.1e}; {1e3 * (host[name][1] - host['fla'][1]):+.1f} us per call"])
-            bw_ours = state_bytes / (gpu[name][1] * 1e-3) / 1e12
-            bw = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))  # this provider's
+            bw_ours = bandwidth[name][1]
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "fraction_of_copy_bandwidth", "1",
-                            tuple(b / copy_bw[1] for b in bw)))
+                            tuple(b / copy_bw[1] for b in bandwidth[name])))
             table.append([f"decode GPU (graph, per step of {len(steps)}): {name}", shape, gpu["fla"][1],
                           gpu[name][1],
                           gpu["fla"][1] / gpu[name][1],

@@ -117,7 +117,7 @@ def autograd_inside_op():
 
 
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for ints. Launchers on a decode step's hot path use this and ``next_power_of_2``
+    """ceil(a / b) for ints. Launchers that run per decode step use this and ``next_power_of_2``
     rather than triton's: in Triton 3.6 those are constexpr functions, about 5 us per host call."""
     return -(-a // b)
 

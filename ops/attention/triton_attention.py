@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from kda_compile.ops._common import cdiv, next_power_of_2
 from kda_compile.ops.attention.triton_kernel import (
     attn_bwd_delta_kernel,
     attn_bwd_dkdv_kernel,
@@ -44,7 +44,7 @@ MIN_HEAD_BLOCK = 32
 
 
 def _head_block(d: int) -> int:
-    return max(MIN_HEAD_BLOCK, triton.next_power_of_2(d))
+    return max(MIN_HEAD_BLOCK, next_power_of_2(d))
 
 
 # Fixed configs per padded head dim (no autotuning: deterministic, and the interpreter cannot tune).
@@ -114,7 +114,7 @@ def triton_attention_forward(q, k, v, attn_mask, sinks, scale: float, softcap: f
     mask, kind, ms = mask_for_kernel(attn_mask, b, h, sq, sk)
     bdq, bdv = _head_block(dqk), _head_block(dv)
     cfg = _config(_FWD, max(bdq, bdv))
-    grid = (triton.cdiv(sq, cfg.block_m), b * h)
+    grid = (cdiv(sq, cfg.block_m), b * h)
     attn_fwd_kernel[grid](
         q, k, v, out, lse, mask if mask is not None else q, sinks if sinks is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *ms,
@@ -156,7 +156,7 @@ def triton_row_delta(out, grad_out):
     b, h, sq, dv = out.shape
     delta = torch.empty((b, h, sq), dtype=torch.float32, device=out.device)
     block_m = 16 if _interpreted() else 64
-    attn_bwd_delta_kernel[(triton.cdiv(sq, block_m), b * h)](
+    attn_bwd_delta_kernel[(cdiv(sq, block_m), b * h)](
         out, grad_out, delta, *out.stride(), *grad_out.stride(), h, sq, dv,
         BLOCK_M=block_m, BLOCK_DV=_head_block(dv),
     )
@@ -188,7 +188,7 @@ def triton_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, 
               rng if dropout_p > 0.0 else q)
     mask_arg = mask if mask is not None else q
     cfg = _config(_DQ, max(bdq, bdv))
-    attn_bwd_dq_kernel[(triton.cdiv(sq, cfg.block_m), b * h)](
+    attn_bwd_dq_kernel[(cdiv(sq, cfg.block_m), b * h)](
         q, k, v, grad_out, dq, lse_k, row_scale, row_bias, mask_arg, dmask if dmask is not None else q,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *ms,
         h, sq, sk, *common,
@@ -197,7 +197,7 @@ def triton_attention_backward(grad_out, grad_lse, q, k, v, out, lse, attn_mask, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
     cfg = _config(_DKDV, max(bdq, bdv))
-    attn_bwd_dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hkv)](
+    attn_bwd_dkdv_kernel[(cdiv(sk, cfg.block_n), b * hkv)](
         q, k, v, grad_out, dk, dvv, lse_k, row_scale, row_bias, mask_arg,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dvv.stride(), *ms,
         h, hkv, sq, sk, *common,

@@ -78,6 +78,44 @@ def test_chunk_kda_matches_fla(case, opts):
 
 
 @needs_fla
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] is None])
+@pytest.mark.parametrize("opts", OPTIONS)
+def test_disable_recompute_matches_fla_and_keeps_the_intermediates(case, opts):
+    """``disable_recompute=True`` is honoured as FLA honours it: the same outputs and gradients as FLA's call
+    with the flag, and the forward leaves FLA's intermediates alive (w, u, qg, kg, v_new: five ``[B, T, HV, .]``
+    tensors; h: one state per chunk) where the default leaves them to the backward to recompute."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    tensors, extra = _inputs(*case, opts)
+    do = torch.randn(*tensors["v"].shape, device="cuda")
+    dht = torch.randn_like(tensors["initial_state"])
+    keep = dict(extra, disable_recompute=True)
+    clear_fallback_events()
+    o, ht, grads = _run(chunk_kda, tensors, keep, do, dht)
+    o_ref, ht_ref, grads_ref = _run(fla_chunk_kda, tensors, keep, do, dht)
+    assert not fallback_events(), f"expected FLA kernels, got fallbacks {fallback_events()}"
+    assert_rel_close(o, o_ref, 1e-3, name="o")
+    assert_rel_close(ht, ht_ref, 1e-4, name="final_state")
+    for name in grads_ref:
+        assert_rel_close(grads[name], grads_ref[name], 1e-3, name=f"d{name}")
+
+    def kept_bytes(flags):
+        leaves = {n: t.detach().clone().requires_grad_() for n, t in tensors.items()}
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = chunk_kda(**leaves, **flags)
+        torch.cuda.synchronize()
+        used = torch.cuda.memory_allocated() - before
+        del out
+        return used
+
+    B, T, H, HV, K, V, _ = case
+    chunks = -(-T // 64)
+    intermediates = 2 * (B * T * HV * (3 * K + 2 * V) + B * chunks * HV * K * V)  # bf16
+    assert kept_bytes(keep) - kept_bytes(extra) >= intermediates
+
+
+@needs_fla
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_recurrent_matches_fla(batch):
     from fla.ops.kda import fused_recurrent_kda as fla_recurrent

@@ -33,7 +33,7 @@ from kda_compile.ops.kda.reference import kda_reference
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
-MAX_RESIDUALS = 7
+MAX_RESIDUALS = 13  # FLA's 7 (gate cumsum, Aqk, Akk, normalised q/k and rstd) + its 6 kept intermediates
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,9 @@ class KDAOptions:
     lower_bound: float | None = None
     safe_gate: bool = False
     chunk_size: int = 64
+    # FLA's ``disable_recompute``: a training forward keeps the intermediates its backward would otherwise
+    # recompute (more activation memory, a faster backward). Backends that cannot keep them ignore it.
+    keep_intermediates: bool = False
 
 
 class ReferenceBackend:

@@ -3,10 +3,12 @@ implementations with the real outputs' strides, and autograd through ``register_
 
 Ops (schemas are inferred from the signatures below):
 
-- ``chunk_kda_fwd(...) -> (o, final_state, res0, ..., res6)``: ``o`` ``[B, T, HV, V]`` in q's dtype;
+- ``chunk_kda_fwd(...) -> (o, final_state, res0, ..., res12)``: ``o`` ``[B, T, HV, V]`` in q's dtype;
   ``final_state`` ``[N, HV, K, V]`` float32 (empty when not requested); ``res*``: what the serving
   backend keeps for its backward (empty when ``save_for_backward`` is false or the slot is unused;
-  never differentiable).
+  never differentiable). ``keep_intermediates`` (the public ``disable_recompute``) lets a backend keep
+  more, so that its backward recomputes less (FLA's: ``w, u, qg, kg, v_new, h``); the backward op gets
+  the same flag.
 - ``chunk_kda_bwd(...) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: gradients; an empty
   tensor stands for an input that was absent. ``residuals_saved`` says whether the forward ran with
   ``save_for_backward``: when it did not (the public functions never differentiate such a call, but a
@@ -34,11 +36,11 @@ from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, s
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-             allow_neg_eigval, lower_bound, safe_gate, chunk_size) -> KDAOptions:
+             allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates=False) -> KDAOptions:
     return KDAOptions(
         scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
-        lower_bound=lower_bound, safe_gate=safe_gate, chunk_size=chunk_size,
+        lower_bound=lower_bound, safe_gate=safe_gate, chunk_size=chunk_size, keep_intermediates=keep_intermediates,
     )
 
 
@@ -75,10 +77,11 @@ def chunk_kda_fwd(
     A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
     use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool,
-    chunk_size: int, save_for_backward: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    chunk_size: int, save_for_backward: bool, keep_intermediates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
     backend = _backend("chunk_kda", q, v, opts)
     o, final, residuals = backend.chunk_forward(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state, save_for_backward)
@@ -89,9 +92,9 @@ def chunk_kda_fwd(
 @chunk_kda_fwd.register_fake
 def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                        lower_bound, safe_gate, chunk_size, save_for_backward):
+                        lower_bound, safe_gate, chunk_size, save_for_backward, keep_intermediates=False):
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
     backend = _backend("chunk_kda", q, v, opts)
     o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
     final_shape = _final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
@@ -108,16 +111,18 @@ def chunk_kda_bwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
     res0: Tensor, res1: Tensor, res2: Tensor, res3: Tensor, res4: Tensor, res5: Tensor, res6: Tensor,
+    res7: Tensor, res8: Tensor, res9: Tensor, res10: Tensor, res11: Tensor, res12: Tensor,
     do: Tensor, dht: Optional[Tensor],
     scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool, chunk_size: int,
-    residuals_saved: bool = True,
+    residuals_saved: bool = True, keep_intermediates: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
     backend = _backend("chunk_kda", q, v, opts)
     if residuals_saved:
-        residuals = [res0, res1, res2, res3, res4, res5, res6][:len(backend.residual_meta(q, k, v, opts, True))]
+        saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
+        residuals = saved[:len(backend.residual_meta(q, k, v, opts, True))]
     else:
         if backend is not REFERENCE:
             record_fallback("chunk_kda_backward", REFERENCE.name,
@@ -134,18 +139,18 @@ def chunk_kda_bwd(
 
 @chunk_kda_bwd.register_fake
 def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, res3, res4,
-                        res5, res6, do, dht, *flags):
+                        res5, res6, res7, res8, res9, res10, res11, res12, do, dht, *flags):
     like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     return tuple(t.new_empty(t.shape) if t is not None else q.new_empty(0) for t in like)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
-     *flags, chunk_size, save_for_backward) = inputs
+     *flags, chunk_size, save_for_backward, keep_intermediates) = inputs
     o, _, *residuals = output
     ctx.mark_non_differentiable(*residuals)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the residuals (nor an unused state)
-    opts = _options(scale, *flags, chunk_size)
+    opts = _options(scale, *flags, chunk_size, keep_intermediates)
     stand_ins = _stand_ins(_backend("chunk_kda", q, v, opts), q, k, v, opts, save_for_backward)
     q_kept = None if "q" in stand_ins else q
     k_kept = None if "k" in stand_ins else k
@@ -153,6 +158,7 @@ def _setup_context(ctx, inputs, output):
     ctx.stand_ins, ctx.o_meta = stand_ins, (o.shape, o.dtype)
     ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
     ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
+    ctx.keep_intermediates = keep_intermediates
 
 
 def _backward(ctx, do, dht, *residual_grads):
@@ -168,13 +174,13 @@ def _backward(ctx, do, dht, *residual_grads):
         dht = None
     grads = chunk_kda_bwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(), dht,
-        ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved)
+        ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved, ctx.keep_intermediates)
     needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (
         grad if ref is not None else None for grad, ref in zip(grads, needed))
     # one gradient per input of chunk_kda_fwd (non-tensors and cu_seqlens get None)
     return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None,
-            None, None)
+            None, None, None)
 
 
 torch.library.register_autograd("kda_compile::chunk_kda_fwd", _backward, setup_context=_setup_context)

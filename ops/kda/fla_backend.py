@@ -12,7 +12,9 @@ depend on what the allocator held; FLA allocates ``Akk`` zero-filled) run in our
 function keeps: the chunk-local gate cumsum (when the gate is not computed in the kernel), ``Aqk``,
 ``Akk``, and, with the in-kernel L2 norm, the normalised q/k and their ``rstd``; these stand in for the
 raw q/k, which the op then does not keep (``input_stand_ins``), so activation memory is FLA's. The
-activated beta (``[B, T, HV]``, one tiny launch) is recomputed.
+activated beta (``[B, T, HV]``, one tiny launch) is recomputed. With ``keep_intermediates`` (FLA's
+``disable_recompute``) the forward also keeps FLA's ``w, u, qg, kg, v_new, h`` (and the gate cumsum under
+the in-kernel gate), and the backward takes them instead of recomputing them.
 
 FLA is imported lazily on the first CUDA call; a missing or incompatible fla-core makes the
 backend report itself unsupported (with the reason) and the reference serves instead.
@@ -87,13 +89,18 @@ class FLABackend:
         if not save:
             return []
         B, T, _, K = q.shape
-        HV = v.shape[2]
+        HV, V = v.shape[2], v.shape[3]
         bt = opts.chunk_size
-        g_cumsum = ((0,), torch.float32) if opts.use_gate_in_kernel else ((B, T, HV, K), torch.float32)
+        keep = opts.keep_intermediates
+        # FLA keeps the gate cumsum under the in-kernel gate only when it keeps its intermediates
+        g_cumsum = ((0,), torch.float32) if opts.use_gate_in_kernel and not keep else ((B, T, HV, K), torch.float32)
         metas = [g_cumsum, ((B, T, HV, bt), k.dtype), ((B, T, HV, bt), k.dtype)]
         if opts.use_qk_l2norm_in_kernel:  # the normalised q / k and their rstd (NORMALISED_QK)
             metas += [(tuple(q.shape), q.dtype), ((B, T, q.shape[2]), torch.float32),
                       (tuple(k.shape), k.dtype), ((B, T, k.shape[2]), torch.float32)]
+        if keep:  # FLA 0.6's w, u, qg, kg, v_new [B, T, HV, .] and the chunk states h [B, chunks, HV, K, V]
+            qk_like, v_like = ((B, T, HV, K), k.dtype), ((B, T, HV, V), v.dtype)
+            metas += [qk_like, v_like, qk_like, qk_like, v_like, ((B, -(-T // bt), HV, K, V), k.dtype)]
         return metas
 
     def input_stand_ins(self, q, k, v, opts, save):
@@ -119,34 +126,39 @@ class FLABackend:
             (qn, q_rstd), (kn, k_rstd) = glue_kernels().l2norm_fwd(q), glue_kernels().l2norm_fwd(k)
             normalised = [qn, q_rstd, kn, k_rstd]
         beta_act = self._beta(fla, beta, opts)
-        o, final, g_cumsum, Aqk, Akk, *_ = fla["chunk_kda_fwd"](
+        keep = save and opts.keep_intermediates
+        o, final, g_cumsum, Aqk, Akk, w, u, qg, kg, v_new, h, _ = fla["chunk_kda_fwd"](
             q=qn, k=kn, v=v, g=g, beta=beta_act, scale=opts.scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             chunk_indices=self._chunk_indices(fla, cu_seqlens, opts), chunk_size=opts.chunk_size,
             safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, use_gate_in_kernel=opts.use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias,
+            A_log=A_log, dt_bias=dt_bias, disable_recompute=keep,
         )
         residuals = []
         if save:
             g_saved = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum
             glue_kernels().zero_above_diagonal_(Aqk, cu_seqlens)  # FLA zero-fills Akk itself, not Aqk
             residuals = [g_saved, Aqk, Akk, *normalised]
+            if keep:
+                residuals += [w, u, qg, kg, v_new, h]
         return o.to(q.dtype), final, residuals
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
         fla = _load_fla()[0]
         q, k, v, g, beta, h0, do, dht = _contiguous(q, k, v, g, beta, h0, do, dht)
-        g_cumsum, Aqk, Akk, *normalised = residuals
+        g_cumsum, Aqk, Akk, *rest = residuals
         # With the in-kernel L2 norm, q / k are the normalised copies standing in for the raw ones
+        normalised, kept = (rest[:4], rest[4:]) if opts.use_qk_l2norm_in_kernel else ([], rest)
         qn, q_rstd, kn, k_rstd = normalised if opts.use_qk_l2norm_in_kernel else (q, None, k, None)
         beta_act = self._beta(fla, beta, opts)
+        intermediates = dict(zip(("w", "u", "qg", "kg", "v_new", "h"), kept))  # with keep_intermediates
         dq, dk, dv, db, dg, dh0, dA, dbias = fla["chunk_kda_bwd"](
             q=qn, k=kn, v=v, beta=beta_act, Aqk=Aqk, Akk=Akk, scale=opts.scale, initial_state=h0, do=do,
-            dht=dht, g=None if opts.use_gate_in_kernel else g_cumsum,
+            dht=dht, g=None if opts.use_gate_in_kernel and not kept else g_cumsum,
             g_org=g if opts.use_gate_in_kernel else None, cu_seqlens=cu_seqlens,
             chunk_indices=self._chunk_indices(fla, cu_seqlens, opts), chunk_size=opts.chunk_size,
             safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, use_gate_in_kernel=opts.use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias,
+            A_log=A_log, dt_bias=dt_bias, disable_recompute=bool(kept), **intermediates,
         )
         if opts.use_qk_l2norm_in_kernel:
             dq, dk = glue_kernels().l2norm_bwd(qn, q_rstd, dq), glue_kernels().l2norm_bwd(kn, k_rstd, dk)

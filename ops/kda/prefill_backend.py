@@ -13,7 +13,8 @@ backward kernels, which the forward must feed in FLA's formats:
   cumsum, ``Aqk``, ``Akk = (I + A_kk)^-1``, chunk 64; with the in-kernel L2 norm, also the normalised
   q / k and their rstd from the FLA path's own kernel, kept as the FLA backend keeps them); the backward
   runs FLA's ``chunk_kda_bwd``.
-- FLA usable, ``chunk_size`` 32: FLA's residuals depend on its chunk size, so FLA's own forward runs
+- FLA usable, ``chunk_size`` 32, or ``keep_intermediates`` (FLA's ``disable_recompute``): FLA's residuals
+  depend on its chunk size, and its kept intermediates are in its own formats, so FLA's own forward runs
   (logged through ``record_fallback`` with the reason); the backward is FLA's.
 - FLA unusable (not installed, wrong version): our forward saves nothing and the backward is the
   reference's (autograd through the reference math; logged).
@@ -81,6 +82,9 @@ def training_path(device: torch.device, dtype: torch.dtype, K: int, V: int, opts
     if opts.chunk_size != CHUNK:
         return FLA_FORWARD, (f"training with chunk_size={opts.chunk_size}: FLA's backward needs residuals of its "
                              f"chunk size and our forward writes them for chunk_size={CHUNK} only")
+    if opts.keep_intermediates:
+        return FLA_FORWARD, ("training with disable_recompute=True: FLA's backward then takes FLA's forward "
+                             "intermediates (w, u, qg, kg, v_new, h), which our kernels do not write in its formats")
     return OWN_RESIDUALS, ""
 
 

@@ -71,7 +71,8 @@ class FakeFLA:
                              lower_bound=lower_bound, chunk_size=chunk_size)
 
     def chunk_kda_fwd(self, *, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                      chunk_indices, chunk_size, safe_gate, lower_bound, use_gate_in_kernel, A_log, dt_bias):
+                      chunk_indices, chunk_size, safe_gate, lower_bound, use_gate_in_kernel, A_log, dt_bias,
+                      disable_recompute=False):
         self._count("chunk_kda_fwd")
         o, final = self._reference(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                    cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
@@ -88,12 +89,27 @@ class FakeFLA:
         above = (torch.arange(chunk_size, device=k.device)[None, :] > row[:, None])[None, :, None, :]
         Akk = noise().masked_fill(above, 0)  # torch.zeros, then the lower triangle written
         g_cumsum = None if use_gate_in_kernel else g.float()  # the stand-in's own format: the gate itself
-        return o, (final if output_final_state else None), g_cumsum, noise(), Akk, None, None, None, None, None, \
-            None, initial_state
+        kept = [None] * 6
+        if disable_recompute:  # FLA 0.6 keeps its intermediates (and the gate cumsum) for its backward
+            K, V = k.shape[-1], v.shape[-1]
+            like_k = lambda: torch.randn(B, T, HV, K, dtype=k.dtype, device=k.device)  # noqa: E731
+            like_v = lambda: torch.randn(B, T, HV, V, dtype=v.dtype, device=v.device)  # noqa: E731
+            chunks = -(-T // chunk_size)
+            kept = [like_k(), like_v(), like_k(), like_k(), like_v(),
+                    torch.randn(B, chunks, HV, K, V, dtype=k.dtype, device=k.device)]
+            self.kept = kept
+            if use_gate_in_kernel:
+                g_cumsum = torch.randn(B, T, HV, K, dtype=torch.float32, device=k.device)
+        return o, (final if output_final_state else None), g_cumsum, noise(), Akk, *kept, initial_state
 
     def chunk_kda_bwd(self, *, q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g, g_org, cu_seqlens,
-                      chunk_indices, chunk_size, safe_gate, lower_bound, use_gate_in_kernel, A_log, dt_bias):
+                      chunk_indices, chunk_size, safe_gate, lower_bound, use_gate_in_kernel, A_log, dt_bias,
+                      disable_recompute=False, **intermediates):
         self._count("chunk_kda_bwd")
+        # FLA 0.6 reads its kept intermediates from these keywords when disable_recompute is set
+        self.received = [intermediates.get(n) for n in ("w", "u", "qg", "kg", "v_new", "h")] \
+            if disable_recompute else None
+        assert g is not None or not disable_recompute, "the kept gate cumsum must reach the backward"
         gate = g_org if use_gate_in_kernel else g
         named = {"q": q, "k": k, "v": v, "beta": beta, "g": gate, "h0": initial_state, "A_log": A_log,
                  "dt_bias": dt_bias}
@@ -206,8 +222,42 @@ def test_fla_path_residuals_hold_the_normalised_qk(fake_fla):
     op_args = (args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"], args["dt_bias"], None, None,
                8 ** -0.5, False, True, True, False, False, None, False, 64, True)
     with only_backends("fla"):
-        _, _, _, _, _, qn, q_rstd, kn, k_rstd = torch.ops.kda_compile.chunk_kda_fwd(*op_args)
+        _, _, _, _, _, qn, q_rstd, kn, k_rstd, *kept = torch.ops.kda_compile.chunk_kda_fwd(*op_args)
+    assert all(t.numel() == 0 for t in kept)  # no intermediates kept unless asked
     for x, xn, rstd in ((args["q"], qn, q_rstd), (args["k"], kn, k_rstd)):
         want = (x.double().square().sum(-1) + 1e-6).rsqrt()
         assert_rel_close(rstd, want, 1e-6, name="rstd")
         assert_rel_close(xn, x.double() * want[..., None], 1e-6, name="normalised")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_disable_recompute_hands_flas_intermediates_to_its_backward(fake_fla, name):
+    """``chunk_kda(disable_recompute=True)`` in training: the forward asks FLA to keep its intermediates,
+    the op keeps them as residuals and FLA's backward gets exactly those tensors (not recomputed ones);
+    the gradients are the default mode's. With ``cu_seqlens`` it is not honoured, and the report says why."""
+    from kda_compile.ops._common import clear_fallback_events, fallback_events
+
+    options = dict(CASES[name])
+    shape = options.pop("shape")
+    args = make_kda_args(shape, device=DEVICE, seed=12, dtype=torch.float64, requires_grad=True,
+                         output_final_state=True, **options)
+    leaves = {n: t for n, t in args.items() if isinstance(t, torch.Tensor) and t.requires_grad}
+    varlen = args["cu_seqlens"] is not None
+    grads = {}
+    clear_fallback_events()
+    with only_backends("fla"):
+        for keep in (False, True):
+            fake_fla.kept = fake_fla.received = None
+            o, final = chunk_kda(**args, disable_recompute=keep)
+            grads[keep] = torch.autograd.grad([o, final], list(leaves.values()),
+                                              [torch.ones_like(o), torch.full_like(final, 0.5)])
+            if keep and not varlen:
+                assert fake_fla.received is not None and all(
+                    got.data_ptr() == want.data_ptr() and got.shape == want.shape
+                    for got, want in zip(fake_fla.received, fake_fla.kept)), "intermediates not handed on"
+            else:
+                assert fake_fla.received is None
+    reasons = [event.reason for event in fallback_events() if event.op == "chunk_kda_backward"]
+    assert any("disable_recompute" in r for r in reasons) == varlen, reasons
+    for leaf, with_keep, without in zip(leaves, grads[True], grads[False]):
+        assert_rel_close(with_keep, without, 1e-12, name=f"d{leaf}")

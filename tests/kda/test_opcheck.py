@@ -46,8 +46,8 @@ def _flags(a):
             a["use_beta_sigmoid_in_kernel"], a["allow_neg_eigval"], a["lower_bound"])
 
 
-def chunk_fwd_args(a, *, save_for_backward, chunk_size=64):
-    return (*_tensors(a), *_flags(a), False, chunk_size, save_for_backward)
+def chunk_fwd_args(a, *, save_for_backward, chunk_size=64, keep_intermediates=False):
+    return (*_tensors(a), *_flags(a), False, chunk_size, save_for_backward, keep_intermediates)
 
 
 def recurrent_fwd_args(a):
@@ -84,6 +84,24 @@ def test_chunk_kda_bwd(options, noncontiguous, with_state, with_dht, device):
     dht = torch.randn(final.shape, generator=gen).to(device) if with_dht else None
     scale, _, *flags = _flags(args)
     bwd = (*_tensors(args), *residuals, do, dht, scale, *flags, False, 64)
+    torch.library.opcheck(torch.ops.kda_compile.chunk_kda_bwd.default, bwd)
+
+
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("options", [name for name in OPTION_SETS if "varlen" not in name])
+def test_chunk_kda_keeping_intermediates(options, noncontiguous, device):
+    """``keep_intermediates`` (FLA's ``disable_recompute``): on CUDA the FLA backend keeps FLA's ``w, u, qg,
+    kg, v_new, h`` as six more residuals; their fake shapes must be the real ones, and the backward op
+    must take them (on CPU the reference keeps nothing: the schema path is what runs)."""
+    args = _public_args(options, noncontiguous, True, device, requires_grad=True)
+    fwd = chunk_fwd_args(args, save_for_backward=True, keep_intermediates=True)
+    torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default, fwd)
+    o, final, *residuals = torch.ops.kda_compile.chunk_kda_fwd(*[a.detach() if isinstance(a, torch.Tensor) else a
+                                                                for a in fwd])
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=o.dtype)
+    scale, _, *flags = _flags(args)
+    bwd = (*[t.detach() if t is not None else None for t in _tensors(args)], *residuals, do, None, scale, *flags,
+           False, 64, True, True)
     torch.library.opcheck(torch.ops.kda_compile.chunk_kda_bwd.default, bwd)
 
 

@@ -390,6 +390,23 @@ def test_op_forward_and_gradients_on_cuda(case, dtype):
 
 @cuda
 @pytest.mark.cuda
+def test_training_with_disable_recompute_runs_fla_forward():
+    """FLA's kept intermediates are in FLA's formats: with ``disable_recompute`` the backend hands the
+    training forward to FLA (logged), and the result is still the recurrence's."""
+    from kda_compile.ops import chunk_kda
+
+    opts = KDAOptions(scale=0.1, keep_intermediates=True)
+    path, reason = training_path(torch.device("cuda"), torch.bfloat16, 64, 64, opts)
+    if path == REFERENCE_BACKWARD:
+        pytest.skip("FLA is not installed")
+    assert path == FLA_FORWARD and "disable_recompute" in reason
+    args = _args(KDAShape(1, 100, 1, 2, 64, 32), torch.bfloat16, initial_state=True)
+    with only_backends("triton_chunk"):
+        compare_with_recurrence(lambda **kw: chunk_kda(**kw, disable_recompute=True), args)
+
+
+@cuda
+@pytest.mark.cuda
 def test_training_with_chunk_size_32_runs_fla_forward():
     from kda_compile.ops import chunk_kda
 

@@ -64,6 +64,15 @@ def _stand_ins(backend, q: Tensor, k: Tensor, v: Tensor, opts: KDAOptions, save:
     return stand_ins(q, k, v, opts, save) if stand_ins is not None else {}
 
 
+def _check_keep_intermediates(keep_intermediates: bool, cu_seqlens: Optional[Tensor]) -> None:
+    """Kept intermediates include one state per chunk: with packed sequences their number depends on the
+    lengths (data), which the fake implementation cannot know. The public functions never ask for it."""
+    if keep_intermediates and cu_seqlens is not None:
+        raise ValueError("keep_intermediates=True needs cu_seqlens=None (the number of kept chunk states would "
+                         "depend on the sequence lengths); got cu_seqlens with "
+                         f"{cu_seqlens.shape[0] - 1} sequences")
+
+
 def _pad_residuals(q: Tensor, residuals: list) -> list:
     return list(residuals) + [q.new_empty(0) for _ in range(MAX_RESIDUALS - len(residuals))]
 
@@ -82,6 +91,7 @@ def chunk_kda_fwd(
            Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
+    _check_keep_intermediates(keep_intermediates, cu_seqlens)
     backend = _backend("chunk_kda", q, v, opts)
     o, final, residuals = backend.chunk_forward(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state, save_for_backward)
@@ -95,6 +105,7 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
                         lower_bound, safe_gate, chunk_size, save_for_backward, keep_intermediates=False):
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
+    _check_keep_intermediates(keep_intermediates, cu_seqlens)
     backend = _backend("chunk_kda", q, v, opts)
     o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
     final_shape = _final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)

@@ -105,6 +105,14 @@ def test_chunk_kda_keeping_intermediates(options, noncontiguous, device):
     torch.library.opcheck(torch.ops.kda_compile.chunk_kda_bwd.default, bwd)
 
 
+def test_keeping_intermediates_with_packed_sequences_is_refused():
+    """The public functions drop the request with a logged reason; a direct caller of the op gets an error
+    naming the argument (the kept chunk states would have a data-dependent count)."""
+    args = _public_args("varlen-empty-seqs", False, False, "cpu", requires_grad=True)
+    with pytest.raises(ValueError, match=r"keep_intermediates=True needs cu_seqlens=None .* 3 sequences"):
+        torch.ops.kda_compile.chunk_kda_fwd(*chunk_fwd_args(args, save_for_backward=True, keep_intermediates=True))
+
+
 @pytest.mark.parametrize("with_state", [False, True], ids=["no-state", "state"])
 @pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("options", OPTION_SETS)

@@ -4,8 +4,12 @@ Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fak
 H200 (2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta) the whole forward is 0.95x FLA's at
 8 x 4096 x 32, 0.91x at 1 x 32768 x 32 and 1.24x at 8 x 1024 x 32 (the prepare kernel is still
 instruction-bound), so FLA keeps serving CUDA where it is installed; without FLA this backend serves CUDA
-instead of the reference. Opt in with ``only_backends("triton_chunk")`` (``kda_compile.ops.kda.backends``);
-raise the priority once ``python -m kda_compile.bench kda`` shows it faster on every shape.
+instead of the reference. Its cost also depends on the data: with strong decays (a 16-token block whose decay
+spans more than 2^100 in some channel, e.g. Mamba-style ``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the
+prepare kernel adds its exact-diagonal pass and ran 3.5x slower on an H100 (13.1 vs 3.7 ms at 8 x 4096 x 32;
+``bench/results/kda_prepare_profile*``), where FLA's cost does not depend on the data. Opt in with
+``only_backends("triton_chunk")`` (``kda_compile.ops.kda.backends``); raise the priority once
+``python -m kda_compile.bench kda`` shows it faster on every shape.
 Inference runs our two-to-three-launch forward. Training (the op saves residuals) depends on FLA's
 backward kernels, which the forward must feed in FLA's formats:
 

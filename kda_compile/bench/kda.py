@@ -3,8 +3,9 @@
 Prefill (``chunk_kda``): forward in inference mode and forward+backward, bf16, K = V = 128, the
 in-kernel q/k L2 norm, gate and beta sigmoid, an fp32 initial state, on the shapes of the project's
 anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: "ours (own kernels)"
-(the op's automatic choice: our Triton prefill), "ours (FLA path)" (the op forced onto FLA's kernels
-with ``only_backends("fla")``) and "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the
+(our Triton prefill, opt-in: ``only_backends("triton_chunk")``), "ours (FLA path)" (the op's default on
+CUDA, ``only_backends("fla")``: FLA's gate and intra-chunk kernels, then our scan kernel; FLA's backward)
+and "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the
 speedup over FLA per shape (needs matplotlib; otherwise the log says why there is none).
 ``KDA_COMPILE_PREFILL_SEGMENTS=P`` forces the scan's segment count (tuning).
 Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch

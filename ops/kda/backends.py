@@ -14,9 +14,10 @@ fastest registered backend that supports the call. A backend is a small object w
   chosen for a forward also runs that call's backward, possibly by delegating) and
   ``"fused_recurrent_kda"`` it implements; a backend without it implements both.
 
-Backends, best first: FLA's Triton kernels on CUDA when fla-core 0.6 is importable
-(``fla_backend.py``), then the reference math (any device). Our own fused kernels (a later issue)
-register here with a higher priority and need no change to the op layer. When CUDA ends up on the
+Backends, best first: our fused decode step (``decode_backend.py``, decode only); FLA's Triton kernels on
+CUDA when fla-core 0.6 is importable, with our scan kernel in place of FLA's last two forward kernels
+(``fla_backend.py``); our own Triton prefill (``prefill_backend.py``: below FLA, opt-in, unless FLA is
+missing); then the reference math (any device). When CUDA ends up on the
 reference, the reason is logged once and recorded for the rewrite report (``record_fallback``).
 """
 from __future__ import annotations

@@ -5,6 +5,14 @@ We call FLA 0.6's internal, autograd-free functions (``chunk_kda_fwd`` / ``chunk
 marked for Dynamo to skip (a graph break at every call) and wrapped in an ``autograd.Function`` that
 Dynamo cannot see through. Our custom ops own autograd instead.
 
+The chunked forward runs FLA's gate cumsum and intra-chunk kernels (``w, u, qg, kg, A_qk, A_kk``), then
+our recurrence kernel over those intermediates (``triton_fla_scan.py``) in place of FLA's last two kernels
+(chunk states to memory, then the output from them): the same roundings in the same order, so in bf16
+its outputs equal FLA's bitwise, and the forward takes 0-14% less time (1.00-1.16x FLA's ``chunk_kda`` on
+the benchmark shapes, one H100: kda_compile/bench/results/README.md, session 10).
+Calls our scan kernel does not take (chunk size 32, K or V above 256) run FLA's whole forward, with a
+logged reason that the rewrite report shows.
+
 Around FLA's kernels, the in-kernel q/k L2 norm (forward and backward, so that its outputs can be kept)
 and the zeroing of what FLA leaves unwritten in ``Aqk`` (its upper triangles: our op's outputs must not
 depend on what the allocator held; FLA allocates ``Akk`` zero-filled) run in our own kernels
@@ -27,6 +35,7 @@ from functools import cache
 
 import torch
 
+from kda_compile.ops._common import record_fallback
 from kda_compile.ops.kda.backends import KDAOptions, register_backend
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -34,6 +43,8 @@ logger = logging.getLogger("kda_compile.ops.kda")
 SUPPORTED_FLA = "0.6."
 NORMALISED_QK = 3  # residuals[3:7] = normalised q, its rstd, normalised k, its rstd (in-kernel L2 norm only)
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+RCP_LN2 = 1.4426950408889634  # 1 / ln 2: FLA's gate cumsum is in log2 units
+SCAN_CHUNK, SCAN_MAX_HEAD_DIM = 64, 256  # what our scan kernel takes (triton_chunk.py)
 
 
 @cache
@@ -50,6 +61,9 @@ def _load_fla():
         ns = {
             "chunk_kda_fwd": importlib.import_module("fla.ops.kda.chunk_fwd").chunk_kda_fwd,
             "chunk_kda_bwd": importlib.import_module("fla.ops.kda.chunk_bwd").chunk_kda_bwd,
+            "chunk_kda_fwd_intra": importlib.import_module("fla.ops.kda.chunk_intra").chunk_kda_fwd_intra,
+            "kda_gate_chunk_cumsum": importlib.import_module("fla.ops.kda.gate").kda_gate_chunk_cumsum,
+            "chunk_local_cumsum": importlib.import_module("fla.ops.utils").chunk_local_cumsum,
             "fused_recurrent_kda_fwd": importlib.import_module("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd,
             "beta_sigmoid_fwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_fwd,
             "beta_sigmoid_bwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_bwd,
@@ -66,6 +80,21 @@ def glue_kernels():
     """Our Triton kernels around FLA's (``triton_glue.py``), imported on first use: triton is there
     whenever fla-core is, but importing kda_compile must not need it."""
     return importlib.import_module("kda_compile.ops.kda.triton_glue")
+
+
+@cache
+def scan_kernels():
+    """Our scan kernel over FLA's intermediates (``triton_fla_scan.py``), imported on first use."""
+    return importlib.import_module("kda_compile.ops.kda.triton_fla_scan")
+
+
+def our_scan_unsupported_reason(K: int, V: int, opts: KDAOptions) -> str | None:
+    """Why a chunked call runs FLA's own recurrence and output kernels instead of our scan (None: it does not)."""
+    if opts.chunk_size != SCAN_CHUNK:
+        return f"our scan kernel takes chunk_size {SCAN_CHUNK}, got {opts.chunk_size}"
+    if max(K, V) > SCAN_MAX_HEAD_DIM:
+        return f"our scan kernel takes K and V <= {SCAN_MAX_HEAD_DIM}, got K={K}, V={V}"
+    return None
 
 
 def _contiguous(*tensors):
@@ -127,13 +156,20 @@ class FLABackend:
             normalised = [qn, q_rstd, kn, k_rstd]
         beta_act = self._beta(fla, beta, opts)
         keep = save and opts.keep_intermediates
-        o, final, g_cumsum, Aqk, Akk, w, u, qg, kg, v_new, h, _ = fla["chunk_kda_fwd"](
-            q=qn, k=kn, v=v, g=g, beta=beta_act, scale=opts.scale, initial_state=h0,
-            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            chunk_indices=self._chunk_indices(fla, cu_seqlens, opts), chunk_size=opts.chunk_size,
-            safe_gate=opts.safe_gate, lower_bound=opts.lower_bound, use_gate_in_kernel=opts.use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias, disable_recompute=keep,
-        )
+        chunk_indices = self._chunk_indices(fla, cu_seqlens, opts)
+        reason = our_scan_unsupported_reason(q.shape[-1], v.shape[-1], opts)
+        if reason is None:
+            o, final, g_cumsum, Aqk, Akk, w, u, qg, kg, v_new, h = self._forward_with_our_scan(
+                fla, qn, kn, v, g, beta_act, A_log, dt_bias, h0, cu_seqlens, chunk_indices, opts,
+                output_final_state, keep)
+        else:
+            record_fallback("chunk_kda", "fla (FLA's own recurrence and output kernels)", reason)
+            o, final, g_cumsum, Aqk, Akk, w, u, qg, kg, v_new, h, _ = fla["chunk_kda_fwd"](
+                q=qn, k=kn, v=v, g=g, beta=beta_act, scale=opts.scale, initial_state=h0,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                chunk_size=opts.chunk_size, safe_gate=opts.safe_gate, lower_bound=opts.lower_bound,
+                use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, disable_recompute=keep,
+            )
         residuals = []
         if save:
             g_saved = q.new_empty(0, dtype=torch.float32) if g_cumsum is None else g_cumsum
@@ -142,6 +178,29 @@ class FLABackend:
             if keep:
                 residuals += [w, u, qg, kg, v_new, h]
         return o.to(q.dtype), final, residuals
+
+    @staticmethod
+    def _forward_with_our_scan(fla, qn, kn, v, g, beta_act, A_log, dt_bias, h0, cu_seqlens, chunk_indices, opts,
+                               output_final_state, keep):
+        """FLA 0.6's ``chunk_kda_fwd`` (same arguments and results) with our scan kernel in place of its
+        ``chunk_gated_delta_rule_fwd_h`` and ``chunk_gla_fwd_o_gk``. FLA's intra pass is asked for ``qg``
+        (``disable_recompute``), which our scan reads instead of forming ``q 2^G`` per value block."""
+        chunking = dict(chunk_size=opts.chunk_size, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+        if opts.use_gate_in_kernel:
+            g_cumsum = fla["kda_gate_chunk_cumsum"](g=g, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2,
+                                                   lower_bound=opts.lower_bound, **chunking)
+        else:
+            g_cumsum = fla["chunk_local_cumsum"](g=g, scale=RCP_LN2, **chunking)
+        w, u, qg, kg, Aqk, Akk = fla["chunk_kda_fwd_intra"](
+            q=qn, k=kn, v=v, gk=g_cumsum, beta=beta_act, scale=opts.scale, safe_gate=opts.safe_gate,
+            disable_recompute=True, **chunking)
+        o, final, h, v_new = scan_kernels().scan_fla_intermediates(
+            qg, w, u, kg, Aqk, g_cumsum, h0, cu_seqlens, scale=opts.scale, output_final_state=output_final_state,
+            store_states=keep)
+        if not keep:  # what FLA's forward returns: the intermediates only when kept, the gate cumsum unless in-kernel
+            w = u = qg = kg = None
+            g_cumsum = None if opts.use_gate_in_kernel else g_cumsum
+        return o, final, g_cumsum, Aqk, Akk, w, u, qg, kg, v_new, h
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
         fla = _load_fla()[0]

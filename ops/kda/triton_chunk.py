@@ -101,7 +101,9 @@ def _tuned(kernel_name: str):
     stages = [triton.Config({}, num_warps=8, num_stages=1), triton.Config({}, num_warps=8, num_stages=2),
               triton.Config({}, num_warps=4, num_stages=1)]
     kernel = kda_chunk_scan_kernel if kernel_name == "scan" else kda_segment_summary_kernel
-    key = ["HV", "K", "V", "BK", "DOT_BF16", "BV" if kernel_name == "scan" else "BX"]
+    key = ["HV", "K", "V", "BK", "DOT_BF16", "BV" if kernel_name == "scan" else "BX", "GATE_CUMSUM"]
+    if kernel_name == "scan":
+        key += ["STORE_O", "STORE_STATES"]
     return triton.autotune(stages, key=key, prune_configs_by={"early_config_prune": _scan_configs})(kernel)
 
 
@@ -141,6 +143,20 @@ def choose_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chu
 
     candidates = [P for P in range(1, max_segments + 1) if P == 1 or math.ceil(chunks / P) >= min_chunks]
     return min(candidates, key=lambda P: (cost(P), P))
+
+
+def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks: int, T: int, varlen: bool,
+                  segments: int | None) -> int:
+    """The scan's segment count: ``segments`` if given, else ``KDA_COMPILE_PREFILL_SEGMENTS``, else
+    ``choose_segments`` from the SM count (1 off CUDA)."""
+    if segments is None and os.environ.get(SEGMENTS_ENV):
+        segments = int(os.environ[SEGMENTS_ENV])
+    if segments is None:
+        sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+        chunks_per_sequence = triton.cdiv(T, CHUNK * N) if varlen else triton.cdiv(T, CHUNK)
+        segments = choose_segments(N, HV, v_blocks, x_blocks, chunks_per_sequence, sm_count)
+    return max(1, int(segments))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,14 +259,7 @@ def chunk_kda_prefill(
     BK, BV = _pow2(K), _state_block(K, V, dot_bf16)
     BX = BV
     v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BX)
-    if segments is None and os.environ.get(SEGMENTS_ENV):
-        segments = int(os.environ[SEGMENTS_ENV])
-    if segments is None:
-        sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
-        chunks_per_sequence = triton.cdiv(T, CHUNK * N) if varlen else triton.cdiv(T, CHUNK)
-        segments = choose_segments(N, HV, v_blocks, x_blocks, chunks_per_sequence, sm_count)
-    P = max(1, int(segments))
+    P = scan_segments(device, N, HV, v_blocks, x_blocks, T, varlen, segments)
     # Tokens past cu_seqlens[-1] belong to no sequence and read 0 (as in the reference); which tokens
     # those are is on the device, so varlen output starts zeroed.
     o = q.new_zeros(B, T, HV, V) if varlen else q.new_empty(B, T, HV, V)
@@ -259,7 +268,7 @@ def chunk_kda_prefill(
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     summary = scratch = dummy
     common = dict(HV=HV, K=K, V=V, BT=CHUNK, BK=BK, IS_VARLEN=varlen, DOT_BF16=dot_bf16,
-                  DOT_PRECISION=dot_precision)
+                  DOT_PRECISION=dot_precision, GATE_CUMSUM=False)
     fixed = dict(num_warps=1) if _interpreted() else {}
     if P > 1:
         summary = q.new_empty(N * P, HV, K, K + V, dtype=torch.float32)
@@ -271,7 +280,8 @@ def chunk_kda_prefill(
     kernel[(v_blocks * HV * N * P,)](
         w, u, qg, kd, a_qk, decay, o, h0, final, summary, scratch, cu_seqlens, chunk_offsets, T, P,
         *h0_strides, BV=BV, BKM=min(32, BK), HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, COMBINE_PRECISION=combine_precision, **common, **fixed)
+        STORE_HT=output_final_state, COMBINE_PRECISION=combine_precision, H_STATES=dummy, V_NEW=dummy, scale=1.0,
+        STORE_O=True, STORE_STATES=False, **common, **fixed)
     residuals = None
     if save_residuals:
         a_qk_res = a_qk if a_qk.dtype == k.dtype else a_qk.to(k.dtype)

@@ -56,8 +56,12 @@ def _segment(seq_len, p, P, BT: tl.constexpr):
 
 
 @triton.jit
-def _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, slot, kcols, HV: tl.constexpr, K: tl.constexpr):
+def _chunk_tiles(W, KD, DECAY, tok, rows_ok, last_tok, hv, slot, kcols, HV: tl.constexpr, K: tl.constexpr,
+                 GATE_CUMSUM: tl.constexpr):
     """``w`` ``[BT, BK]``, ``kd`` transposed ``[BK, BT]`` and ``decay`` ``[BK]`` of one chunk.
+
+    ``decay`` is read from ``DECAY [chunks, HV, K]`` (our prepare kernel), or with ``GATE_CUMSUM`` is
+    ``2^G`` of the chunk's last token ``last_tok`` in FLA's chunk-local gate cumsum ``DECAY [TT, HV, K]``.
 
     ``kd`` is loaded in the transposed layout its product takes (``kd^T v_new``), as FLA does, instead
     of a ``tl.trans`` of a ``[BT, BK]`` tile. Both measured the same on an H100 (0.448 / 0.450 ms, and
@@ -68,7 +72,10 @@ def _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, slot, kcols, HV: tl.constexpr, 
     w = tl.load(W + offs, mask=ok, other=0.0)
     kd_t = tl.load(KD + kcols[:, None] + (tok * HV + hv)[None, :] * K, mask=kok[:, None] & rows_ok[None, :],
                    other=0.0)
-    decay = tl.load(DECAY + (slot * HV + hv) * K + kcols, mask=kok, other=0.0)
+    if GATE_CUMSUM:
+        decay = tl.exp2(tl.load(DECAY + (last_tok * HV + hv) * K + kcols, mask=kok, other=0.0))
+    else:
+        decay = tl.load(DECAY + (slot * HV + hv) * K + kcols, mask=kok, other=0.0)
     return w, kd_t, decay
 
 
@@ -78,6 +85,7 @@ def kda_segment_summary_kernel(
     T, P,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BX: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GATE_CUMSUM: tl.constexpr = False,
 ):
     """``SUMMARY[n * P + p, hv] = [M | C]`` ``[K, K + V]`` fp32 of segment p (< P - 1) of sequence n.
 
@@ -103,7 +111,9 @@ def kda_segment_summary_kernel(
     for c in range(c0, c1):
         tok = bos + c * BT + rows
         rows_ok = c * BT + rows < seq_len
-        w, kd_t, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
+        last_tok = bos + tl.minimum(seq_len, c * BT + BT) - 1
+        w, kd_t, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, last_tok, hv, first_chunk + c, kcols, HV, K,
+                                      GATE_CUMSUM)
         u = tl.load(U + (tok * HV + hv)[:, None] * V + ucols[None, :], mask=rows_ok[:, None] & uok[None, :],
                     other=0.0).to(tl.float32)
         v_new = u - tl.dot(dot_operand(w, DOT_BF16), dot_operand(X, DOT_BF16), input_precision=DOT_PRECISION)
@@ -122,10 +132,19 @@ def kda_chunk_scan_kernel(
     BV: tl.constexpr, BKM: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
     STORE_HT: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COMBINE_PRECISION: tl.constexpr,
+    H_STATES=None, V_NEW=None, scale=1.0, GATE_CUMSUM: tl.constexpr = False,
+    STORE_O: tl.constexpr = True, STORE_STATES: tl.constexpr = False,
 ):
     """``o`` ``[TT, HV, V]`` for the chunks of segment p of sequence n; the last segment stores the
     final state ``HT [N, HV, K, V]``. Grid ``(cdiv(V, BV) * HV * N * P,)``: value block fastest (the
-    programs of one head read the same ``w / qg / kd`` tiles), then head, then segment."""
+    programs of one head read the same ``w / qg / kd`` tiles), then head, then segment.
+
+    Inputs in FLA 0.6's formats (``GATE_CUMSUM``): ``QG`` is FLA's unscaled ``q 2^G`` and ``DECAY`` the
+    chunk-local gate cumsum ``[TT, HV, K]`` fp32 (log2 units), whose last row per chunk gives ``decay``;
+    the inter-chunk product is scaled by ``scale`` (``A_qk`` is already scaled), as FLA's output kernel
+    does. ``STORE_STATES`` also writes the state at
+    the start of every chunk, ``H_STATES [chunk slots, HV, K, V]`` (FLA's ``h``), and ``v_new``
+    ``V_NEW [TT, HV, V]``; ``STORE_O = False`` skips ``o`` (FLA's backward only needs the states)."""
     pid = tl.program_id(0)
     num_v = tl.cdiv(V, BV)
     iv = pid % num_v
@@ -168,19 +187,33 @@ def kda_chunk_scan_kernel(
     for c in range(c0, c1):
         tok = bos + c * BT + rows
         rows_ok = c * BT + rows < seq_len
-        w, kd_t, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, hv, first_chunk + c, kcols, HV, K)
-        qg = tl.load(QG + (tok * HV + hv)[:, None] * K + kcols[None, :], mask=rows_ok[:, None] & kok[None, :],
-                     other=0.0)
-        a_qk = tl.load(AQK + (tok * HV + hv)[:, None] * BT + rows[None, :], mask=rows_ok[:, None], other=0.0)
+        last_tok = bos + tl.minimum(seq_len, c * BT + BT) - 1
+        w, kd_t, decay = _chunk_tiles(W, KD, DECAY, tok, rows_ok, last_tok, hv, first_chunk + c, kcols, HV, K,
+                                      GATE_CUMSUM)
+        if STORE_O:
+            qk_ok = rows_ok[:, None] & kok[None, :]
+            qg = tl.load(QG + (tok * HV + hv)[:, None] * K + kcols[None, :], mask=qk_ok, other=0.0)
+            a_qk = tl.load(AQK + (tok * HV + hv)[:, None] * BT + rows[None, :], mask=rows_ok[:, None], other=0.0)
+            if GATE_CUMSUM:  # FLA leaves A_qk's upper triangles unwritten
+                a_qk = tl.where(rows[:, None] >= rows[None, :], a_qk, 0.0)
         u = tl.load(U + (tok * HV + hv)[:, None] * V + vcols[None, :], mask=rows_ok[:, None] & vok[None, :],
                     other=0.0).to(tl.float32)
+        if STORE_STATES:  # FLA's h: the state the chunk starts from
+            tl.store(H_STATES + (((first_chunk + c) * HV + hv) * K + kcols[:, None]) * V + vcols[None, :],
+                     S.to(H_STATES.dtype.element_ty), mask=state_ok)
         S_op = dot_operand(S, DOT_BF16)
         v_new = u - tl.dot(dot_operand(w, DOT_BF16), S_op, input_precision=DOT_PRECISION)
         v_op = dot_operand(v_new, DOT_BF16)
-        o = tl.dot(dot_operand(qg, DOT_BF16), S_op, input_precision=DOT_PRECISION)
-        o += tl.dot(dot_operand(a_qk, DOT_BF16), v_op, input_precision=DOT_PRECISION)
-        tl.store(O + (tok * HV + hv)[:, None] * V + vcols[None, :], o.to(O.dtype.element_ty),
-                 mask=rows_ok[:, None] & vok[None, :])
+        if STORE_STATES:
+            tl.store(V_NEW + (tok * HV + hv)[:, None] * V + vcols[None, :], v_new.to(V_NEW.dtype.element_ty),
+                     mask=rows_ok[:, None] & vok[None, :])
+        if STORE_O:
+            o = tl.dot(dot_operand(qg, DOT_BF16), S_op, input_precision=DOT_PRECISION)
+            if GATE_CUMSUM:
+                o *= scale
+            o += tl.dot(dot_operand(a_qk, DOT_BF16), v_op, input_precision=DOT_PRECISION)
+            tl.store(O + (tok * HV + hv)[:, None] * V + vcols[None, :], o.to(O.dtype.element_ty),
+                     mask=rows_ok[:, None] & vok[None, :])
         S = S * decay[:, None] + tl.dot(dot_operand(kd_t, DOT_BF16), v_op, input_precision=DOT_PRECISION)
 
     if STORE_HT:

@@ -6,7 +6,10 @@ own Triton kernels (``triton_glue.py``), which run here under the Triton interpr
 kernels are checked on the GPU box (tests marked ``cuda``).
 
 The stand-in follows fla-core 0.6's contracts as its source writes them: ``fused_beta_sigmoid_fwd``
-returns float32; ``chunk_kda_fwd`` returns ``(o, final, g_cumsum, Aqk, Akk, ...)`` with ``g_cumsum`` None
+returns float32; the gate cumsums are chunk-local, float32, in log2 units; ``chunk_kda_fwd_intra`` returns
+``(w, u, qg, kg, Aqk, Akk)`` in FLA's formats (``fla_formats.py``), on which our scan kernel runs (under the
+interpreter here); ``chunk_kda_fwd`` (the whole forward, for calls our scan does not take)
+returns ``(o, final, g_cumsum, Aqk, Akk, ...)`` with ``g_cumsum`` None
 under the in-kernel gate and ``Aqk`` / ``Akk`` ``[B, T, HV, chunk]`` written on and below the diagonal only:
 ``Akk`` is allocated zero-filled, ``Aqk`` is not (the stand-in fills its rest with fresh noise, as FLA leaves
 whatever the allocator held); ``chunk_kda_bwd``
@@ -25,16 +28,20 @@ from kda_compile.ops import chunk_kda
 from kda_compile.ops._common import autograd_inside_op
 from kda_compile.ops.kda import fla_backend
 from kda_compile.ops.kda.backends import only_backends
-from kda_compile.ops.kda.reference import kda_reference
+from kda_compile.ops.kda.reference import kda_gate, kda_reference
 from kda_compile.testing import KDAShape, assert_rel_close, make_kda_args
+from triton_device import triton_device
 
-from triton_device import triton_device  # noqa: E402
+from .fla_formats import LN2, chunk_spans, intra, local_cumsum, states
 
 DEVICE = triton_device("the FLA path's Triton glue kernels")
 
 # float64 on both paths, but the L2 norm runs in float32 and FLA's activated beta is float32 (their
 # contract); a plumbing mistake (a gradient of the wrong input, a missing chain rule) is O(1).
 TOL = 1e-6
+# What our scan kernel computes (o, the final state, and v_new / h when kept): float32 products under the
+# interpreter; TF32 on CUDA (the stand-in lets float64 reach it, which real FLA refuses), 2^-11 per operand.
+SCAN_TOL = TOL if DEVICE.type == "cpu" else 2e-3
 
 
 class FakeFLA:
@@ -49,7 +56,33 @@ class FakeFLA:
     def namespace(self) -> dict:
         return {name: getattr(self, name) for name in (
             "chunk_kda_fwd", "chunk_kda_bwd", "beta_sigmoid_fwd", "beta_sigmoid_bwd",
-            "prepare_chunk_indices")}
+            "prepare_chunk_indices", "chunk_kda_fwd_intra", "kda_gate_chunk_cumsum", "chunk_local_cumsum")}
+
+    def kda_gate_chunk_cumsum(self, *, g, A_log, dt_bias, scale, lower_bound, chunk_size, cu_seqlens, chunk_indices):
+        self._count("kda_gate_chunk_cumsum")
+        return local_cumsum(kda_gate(g.double(), A_log, dt_bias, lower_bound), g.shape[1], cu_seqlens, chunk_size,
+                            scale)
+
+    def chunk_local_cumsum(self, *, g, scale, chunk_size, cu_seqlens, chunk_indices):
+        self._count("chunk_local_cumsum")
+        return local_cumsum(g, g.shape[1], cu_seqlens, chunk_size, scale)
+
+    def chunk_kda_fwd_intra(self, *, q, k, v, gk, beta, scale, safe_gate, disable_recompute, chunk_size, cu_seqlens,
+                            chunk_indices):
+        self._count("chunk_kda_fwd_intra")
+        assert disable_recompute, "our scan reads FLA's qg: the intra pass must be asked for it"
+        result = intra(q, k, v, gk, beta, scale, cu_seqlens, chunk_size)
+        self.kept, self.gate_cumsum = list(result[:4]), gk  # w, u, qg, kg
+        return result
+
+    @staticmethod
+    def _gate_from_cumsum(G, cu_seqlens, chunk_size):
+        """The per-token log decay back from FLA's chunk-local log2 cumsum."""
+        g = G.double().clone()
+        for spans in chunk_spans(G.shape[1], cu_seqlens, chunk_size):
+            for s, e in spans:
+                g[:, s + 1:e] = G[:, s + 1:e].double() - G[:, s:e - 1].double()
+        return g * LN2
 
     def beta_sigmoid_fwd(self, x, scale=1.0):
         self._count("beta_sigmoid_fwd")
@@ -88,7 +121,7 @@ class FakeFLA:
             row = (t - cu_seqlens[seq]) % chunk_size
         above = (torch.arange(chunk_size, device=k.device)[None, :] > row[:, None])[None, :, None, :]
         Akk = noise().masked_fill(above, 0)  # torch.zeros, then the lower triangle written
-        g_cumsum = None if use_gate_in_kernel else g.float()  # the stand-in's own format: the gate itself
+        g_cumsum = None if use_gate_in_kernel else local_cumsum(g, T, cu_seqlens, chunk_size, 1 / LN2)
         kept = [None] * 6
         if disable_recompute:  # FLA 0.6 keeps its intermediates (and the gate cumsum) for its backward
             K, V = k.shape[-1], v.shape[-1]
@@ -110,7 +143,7 @@ class FakeFLA:
         self.received = [intermediates.get(n) for n in ("w", "u", "qg", "kg", "v_new", "h")] \
             if disable_recompute else None
         assert g is not None or not disable_recompute, "the kept gate cumsum must reach the backward"
-        gate = g_org if use_gate_in_kernel else g
+        gate = g_org if use_gate_in_kernel else self._gate_from_cumsum(g, cu_seqlens, chunk_size)
         named = {"q": q, "k": k, "v": v, "beta": beta, "g": gate, "h0": initial_state, "A_log": A_log,
                  "dt_bias": dt_bias}
         leaves = {n: t.detach().double().requires_grad_() for n, t in named.items() if t is not None}
@@ -163,10 +196,12 @@ def test_fla_path_matches_the_reference_forward_and_backward(fake_fla, name):
             o, final = chunk_kda(**args)
             seeds = [torch.ones_like(o), torch.full_like(final, 0.5)]
             results[path] = (o, final, torch.autograd.grad([o, final], list(leaves.values()), seeds))
-    assert fake_fla.calls.get("chunk_kda_fwd") == 1 and fake_fla.calls.get("chunk_kda_bwd") == 1, fake_fla.calls
+    calls = fake_fla.calls
+    assert calls.get("chunk_kda_fwd_intra") == 1 and calls.get("chunk_kda_bwd") == 1, calls  # FLA's kernels, ...
+    assert "chunk_kda_fwd" not in calls, calls  # ... and our scan in place of FLA's last two
     (o, final, grads), (o_ref, final_ref, grads_ref) = results["fla"], results["reference"]
-    assert_rel_close(o, o_ref, TOL, name="o")
-    assert_rel_close(final, final_ref, TOL, name="final_state")
+    assert_rel_close(o, o_ref, SCAN_TOL, name="o")
+    assert_rel_close(final, final_ref, SCAN_TOL, name="final_state")
     for leaf, got, want in zip(leaves, grads, grads_ref):
         assert got.dtype == leaves[leaf].dtype and got.shape == leaves[leaf].shape, leaf
         assert_rel_close(got, want, TOL, name=f"d{leaf}")
@@ -232,8 +267,9 @@ def test_fla_path_residuals_hold_the_normalised_qk(fake_fla):
 
 @pytest.mark.parametrize("name", CASES)
 def test_disable_recompute_hands_flas_intermediates_to_its_backward(fake_fla, name):
-    """``chunk_kda(disable_recompute=True)`` in training: the forward asks FLA to keep its intermediates,
-    the op keeps them as residuals and FLA's backward gets exactly those tensors (not recomputed ones);
+    """``chunk_kda(disable_recompute=True)`` in training: the forward keeps FLA's intermediates (FLA's intra
+    outputs, and the chunk states and ``v_new`` our scan writes), the op keeps them as residuals and FLA's
+    backward gets exactly those tensors (not recomputed ones);
     the gradients are the default mode's. With ``cu_seqlens`` it is not honoured, and the report says why."""
     from kda_compile.ops._common import clear_fallback_events, fallback_events
 
@@ -251,13 +287,37 @@ def test_disable_recompute_hands_flas_intermediates_to_its_backward(fake_fla, na
             o, final = chunk_kda(**args, disable_recompute=keep)
             grads[keep] = torch.autograd.grad([o, final], list(leaves.values()),
                                               [torch.ones_like(o), torch.full_like(final, 0.5)])
-            if keep and not varlen:
-                assert fake_fla.received is not None and all(
+            if keep and not varlen:  # w, u, qg, kg: FLA's intra outputs; v_new and h: our scan's
+                received = fake_fla.received
+                assert received is not None and all(
                     got.data_ptr() == want.data_ptr() and got.shape == want.shape
-                    for got, want in zip(fake_fla.received, fake_fla.kept)), "intermediates not handed on"
+                    for got, want in zip(received[:4], fake_fla.kept)), "intermediates not handed on"
+                w, u, _, kg = fake_fla.kept
+                h_want, v_new_want, _ = states(w, u, kg, fake_fla.gate_cumsum, args["initial_state"], None, 64)
+                assert_rel_close(received[4], v_new_want, SCAN_TOL, name="v_new")
+                assert_rel_close(received[5], h_want, SCAN_TOL, name="h")
             else:
                 assert fake_fla.received is None
     reasons = [event.reason for event in fallback_events() if event.op == "chunk_kda_backward"]
     assert any("disable_recompute" in r for r in reasons) == varlen, reasons
     for leaf, with_keep, without in zip(leaves, grads[True], grads[False]):
         assert_rel_close(with_keep, without, 1e-12, name=f"d{leaf}")
+
+
+def test_calls_our_scan_does_not_take_run_flas_whole_forward_with_the_reason_recorded(fake_fla):
+    """Chunk size 32 (or K / V above 256): FLA's own recurrence and output kernels, and the report says why."""
+    from kda_compile.ops._common import clear_fallback_events, fallback_events
+    from kda_compile.ops.kda.backends import KDAOptions
+
+    args = make_kda_args(KDAShape(1, 40, 1, 1, 8, 8), device=DEVICE, seed=6, dtype=torch.float64)
+    opts = KDAOptions(scale=8 ** -0.5, chunk_size=32)
+    assert fla_backend.our_scan_unsupported_reason(8, 8, opts) == "our scan kernel takes chunk_size 64, got 32"
+    assert "K=264" in fla_backend.our_scan_unsupported_reason(264, 8, KDAOptions(scale=1.0))
+    clear_fallback_events()
+    o, _, _ = fla_backend.FLABackend().chunk_forward(
+        args["q"], args["k"], args["v"], args["g"], args["beta"], None, None, None, None, opts,
+        output_final_state=False, save=False)
+    assert fake_fla.calls.get("chunk_kda_fwd") == 1 and "chunk_kda_fwd_intra" not in fake_fla.calls
+    want, _ = kda_reference(args["q"], args["k"], args["v"], args["g"], args["beta"], scale=opts.scale, chunk_size=32)
+    assert_rel_close(o, want, TOL, name="o")
+    assert [(e.op, e.reason) for e in fallback_events()] == [("chunk_kda", "our scan kernel takes chunk_size 64, got 32")]

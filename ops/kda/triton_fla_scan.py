@@ -1,6 +1,6 @@
 """Our recurrence kernel (``triton_chunk_scan.py``) over FLA 0.6's chunk intermediates.
 
-FLA's chunk_kda forward is seven kernels: gate cumsum, the intra-chunk pass (``w, u, kg, A_qk, A_kk``),
+FLA's chunk_kda forward runs the gate cumsum, the intra-chunk pass (``w, u, kg, A_qk, A_kk``),
 then ``chunk_gated_delta_rule_fwd_h`` (the chunk states ``h`` and ``v_new``, written to memory) and
 ``chunk_gla_fwd_o_gk`` (reads them back for ``o``). Our scan kernel keeps the state on chip and writes
 ``o`` as it walks the chunks, and cuts long sequences into segments that run in parallel
@@ -10,8 +10,8 @@ then ``chunk_gated_delta_rule_fwd_h`` (the chunk states ``h`` and ``v_new``, wri
   chunk-local gate cumsum ``G`` (fp32, log2 units), whose last row per chunk gives the chunk decay
   (``GATE_CUMSUM``); the inter-chunk product is scaled as in FLA's output kernel;
 - ``A_qk`` as FLA leaves it: scaled, upper triangles unwritten (masked in the kernel);
-- for FLA's backward it can write the chunk states ``h [B, chunks, HV, K, V]`` and ``v_new`` instead
-  of ``o`` (FLA's recompute step, ``chunk_gated_delta_rule_fwd_h``).
+- it can also write what FLA's backward reads, the chunk states ``h [B, chunks, HV, K, V]`` and ``v_new``
+  (``disable_recompute``: besides ``o``; or instead of it, as FLA's recompute step).
 
 Device-agnostic like ``triton_chunk.py`` (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 """

@@ -162,6 +162,42 @@ def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks
 # ------------------------------------------------------------------------------------------------
 # Launcher
 # ------------------------------------------------------------------------------------------------
+def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, *, T: int, N: int,
+                segments: int | None, o=None, final=None, h=None, v_new=None, scale: float = 1.0,
+                gate_cumsum: bool = False) -> None:
+    """The recurrence over a chunk pass's tensors (ours, or FLA's with ``gate_cumsum``: ``decay`` is then
+    the gate cumsum and ``scale`` scales the inter-chunk product; ``triton_chunk_scan.py``), cut into
+    ``scan_segments`` segments (their summaries first). Writes the outputs given: ``o``, ``final``, and
+    ``h`` with ``v_new`` (FLA's chunk states); ``qg`` / ``a_qk`` are read only for ``o``. ``cu_seqlens`` /
+    ``chunk_offsets``: int tensors, or empty ones without packed sequences."""
+    HV, K, V = w.shape[-2], w.shape[-1], u.shape[-1]
+    varlen = cu_seqlens.numel() > 0
+    dot_bf16, dot_precision, _, combine_precision = _precisions(w.dtype)
+    BK, BV = _pow2(K), _state_block(K, V, dot_bf16)
+    v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BV)
+    P = scan_segments(w.device, N, HV, v_blocks, x_blocks, T, varlen, segments)
+    dummy = w.new_empty(1, dtype=torch.float32)
+    common = dict(HV=HV, K=K, V=V, BT=CHUNK, BK=BK, IS_VARLEN=varlen, DOT_BF16=dot_bf16,
+                  DOT_PRECISION=dot_precision, GATE_CUMSUM=gate_cumsum)
+    fixed = dict(num_warps=1) if _interpreted() else {}
+    summary = scratch = dummy
+    if P > 1:
+        summary = w.new_empty(N * P, HV, K, K + V, dtype=torch.float32)
+        scratch = w.new_empty(v_blocks * HV * N * P, BK, BV, dtype=torch.float32)
+        kernel = kda_segment_summary_kernel if _interpreted() else _tuned("summary")
+        kernel[(x_blocks * HV * N * (P - 1),)](w, u, kd, decay, summary, cu_seqlens, chunk_offsets, T, P, BX=BV,
+                                                **common, **fixed)
+    h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
+    or_dummy = lambda t: dummy if t is None else t  # noqa: E731
+    kernel = kda_chunk_scan_kernel if _interpreted() else _tuned("scan")
+    kernel[(v_blocks * HV * N * P,)](
+        w, u, or_dummy(qg), kd, or_dummy(a_qk), decay, or_dummy(o), or_dummy(initial_state), or_dummy(final),
+        summary, scratch, cu_seqlens, chunk_offsets, T, P, *h0_strides, BV=BV, BKM=min(32, BK),
+        HAS_H0=initial_state is not None, STORE_HT=final is not None, COMBINE_PRECISION=combine_precision,
+        H_STATES=or_dummy(h), V_NEW=or_dummy(v_new), scale=float(scale), STORE_O=o is not None,
+        STORE_STATES=h is not None, **common, **fixed)
+
+
 def _chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[N + 1]`` int32: the first chunk slot of each sequence (its chunks are numbered densely)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -202,7 +238,7 @@ def chunk_kda_prefill(
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"K and V must be <= {MAX_HEAD_DIM} for the Triton prefill kernels, got K={K}, V={V}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    device, dtype = q.device, q.dtype
+    dtype = q.dtype
     TT = B * T
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if TT == 0 or N == 0:  # no tokens (no launch): the states pass through unchanged
@@ -220,7 +256,7 @@ def chunk_kda_prefill(
     else:
         chunk_offsets = cu_seqlens = q.new_empty(0, dtype=torch.int32)
         slots = B * triton.cdiv(T, CHUNK)
-    dot_bf16, dot_precision, solve_precision, combine_precision = _precisions(dtype)
+    dot_bf16, dot_precision, solve_precision, _ = _precisions(dtype)
 
     w = q.new_empty(TT, HV, K)
     qg = q.new_empty(TT, HV, K)
@@ -256,34 +292,14 @@ def chunk_kda_prefill(
         _tuned("prepare")[(slots, HV)](*prepare_tensors, **prepare_args)
 
     # ---- the recurrence ---------------------------------------------------------------------------
-    BK, BV = _pow2(K), _state_block(K, V, dot_bf16)
-    BX = BV
-    v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BX)
-    P = scan_segments(device, N, HV, v_blocks, x_blocks, T, varlen, segments)
     # Tokens past cu_seqlens[-1] belong to no sequence and read 0 (as in the reference); which tokens
     # those are is on the device, so varlen output starts zeroed.
     o = q.new_zeros(B, T, HV, V) if varlen else q.new_empty(B, T, HV, V)
-    final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else dummy
-    h0 = initial_state if initial_state is not None else dummy
-    h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
-    summary = scratch = dummy
-    common = dict(HV=HV, K=K, V=V, BT=CHUNK, BK=BK, IS_VARLEN=varlen, DOT_BF16=dot_bf16,
-                  DOT_PRECISION=dot_precision, GATE_CUMSUM=False)
-    fixed = dict(num_warps=1) if _interpreted() else {}
-    if P > 1:
-        summary = q.new_empty(N * P, HV, K, K + V, dtype=torch.float32)
-        scratch = q.new_empty(v_blocks * HV * N * P, BK, BV, dtype=torch.float32)
-        grid = (x_blocks * HV * N * (P - 1),)
-        kernel = kda_segment_summary_kernel if _interpreted() else _tuned("summary")
-        kernel[grid](w, u, kd, decay, summary, cu_seqlens, chunk_offsets, T, P, BX=BX, **common, **fixed)
-    kernel = kda_chunk_scan_kernel if _interpreted() else _tuned("scan")
-    kernel[(v_blocks * HV * N * P,)](
-        w, u, qg, kd, a_qk, decay, o, h0, final, summary, scratch, cu_seqlens, chunk_offsets, T, P,
-        *h0_strides, BV=BV, BKM=min(32, BK), HAS_H0=initial_state is not None,
-        STORE_HT=output_final_state, COMBINE_PRECISION=combine_precision, H_STATES=dummy, V_NEW=dummy, scale=1.0,
-        STORE_O=True, STORE_STATES=False, **common, **fixed)
+    final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
+    launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, T=T, N=N, segments=segments,
+                o=o, final=final)
     residuals = None
     if save_residuals:
         a_qk_res = a_qk if a_qk.dtype == k.dtype else a_qk.to(k.dtype)
         residuals = [g_cumsum if save_g else q.new_empty(0, dtype=torch.float32), a_qk_res, a_kk]
-    return o, (final if output_final_state else None), residuals
+    return o, final, residuals

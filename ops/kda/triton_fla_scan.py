@@ -20,10 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kda_compile.ops.kda.triton_chunk import (
-    CHUNK, MAX_HEAD_DIM, _chunk_offsets, _interpreted, _pow2, _precisions, _state_block, _tuned, scan_segments,
-)
-from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
+from kda_compile.ops.kda.triton_chunk import CHUNK, MAX_HEAD_DIM, _chunk_offsets, launch_scan
 
 
 def scan_fla_intermediates(
@@ -51,10 +48,9 @@ def scan_fla_intermediates(
     V = u.shape[3]
     if store_o and qg is None:
         raise ValueError("scan_fla_intermediates: store_o=True needs qg (FLA's q 2^G), got None")
-    qg = w if qg is None else qg  # not read without store_o
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"K and V must be <= {MAX_HEAD_DIM} for the Triton scan kernel, got K={K}, V={V}")
-    for name, t in (("qg", qg), ("w", w), ("u", u), ("kg", kg), ("Aqk", Aqk), ("g_cumsum", g_cumsum)):
+    for name, t in (("qg", w if qg is None else qg), ("w", w), ("u", u), ("kg", kg), ("Aqk", Aqk), ("g_cumsum", g_cumsum)):
         if not t.is_contiguous():
             raise ValueError(f"scan_fla_intermediates: {name} must be contiguous (FLA's layout), got strides "
                              f"{tuple(t.stride())}")
@@ -68,7 +64,6 @@ def scan_fla_intermediates(
     else:
         chunk_offsets = cu_seqlens = w.new_empty(0, dtype=torch.int32)
         slots = triton.cdiv(T, CHUNK)
-    dummy = w.new_empty(1, dtype=torch.float32)
     o = h = v_new = final = None
     if store_o:
         o = w.new_zeros(B, T, HV, V) if varlen else w.new_empty(B, T, HV, V)
@@ -82,27 +77,6 @@ def scan_fla_intermediates(
             final = initial_state.float().clone() if initial_state is not None else final.zero_()
         return o, final, h, v_new
 
-    dot_bf16, dot_precision, _, combine_precision = _precisions(w.dtype)
-    BK, BV = _pow2(K), _state_block(K, V, dot_bf16)
-    v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BV)
-    P = scan_segments(w.device, N, HV, v_blocks, x_blocks, T, varlen, segments)
-    common = dict(HV=HV, K=K, V=V, BT=CHUNK, BK=BK, IS_VARLEN=varlen, DOT_BF16=dot_bf16,
-                  DOT_PRECISION=dot_precision, GATE_CUMSUM=True)
-    fixed = dict(num_warps=1) if _interpreted() else {}
-    summary = scratch = dummy
-    if P > 1:
-        summary = w.new_empty(N * P, HV, K, K + V, dtype=torch.float32)
-        scratch = w.new_empty(v_blocks * HV * N * P, BK, BV, dtype=torch.float32)
-        kernel = kda_segment_summary_kernel if _interpreted() else _tuned("summary")
-        kernel[(x_blocks * HV * N * (P - 1),)](w, u, kg, g_cumsum, summary, cu_seqlens, chunk_offsets, T, P, BX=BV,
-                                                **common, **fixed)
-    h0 = initial_state if initial_state is not None else dummy
-    h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
-    kernel = kda_chunk_scan_kernel if _interpreted() else _tuned("scan")
-    kernel[(v_blocks * HV * N * P,)](
-        w, u, qg, kg, Aqk, g_cumsum, o if store_o else dummy, h0, final if output_final_state else dummy, summary,
-        scratch, cu_seqlens, chunk_offsets, T, P, *h0_strides, BV=BV, BKM=min(32, BK),
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, COMBINE_PRECISION=combine_precision,
-        H_STATES=h if store_states else dummy, V_NEW=v_new if store_states else dummy, scale=float(scale),
-        STORE_O=store_o, STORE_STATES=store_states, **common, **fixed)
+    launch_scan(w, u, qg, kg, Aqk, g_cumsum, initial_state, cu_seqlens, chunk_offsets, T=T, N=N, segments=segments,
+                o=o, final=final, h=h, v_new=v_new, scale=scale, gate_cumsum=True)
     return o, final, h, v_new

@@ -53,3 +53,23 @@ def test_host_profile_names_the_functions_called():
         return sum(range(100))
 
     assert "launch_like" in host_profile(lambda: launch_like(), calls=20)
+
+
+def test_prefill_providers_take_turns_and_report_the_median_round(monkeypatch):
+    """The timer stands in for do_bench: the rounds alternate between providers, and each quantile is
+    the median over the rounds (a slow first round, as a GPU warming up, does not set the figure)."""
+    import kda_compile.bench.kda as kda_bench
+
+    calls = []
+    first_round_slow = {"a": [(9.0, 10.0, 11.0), (1.0, 2.0, 3.0), (1.5, 2.5, 3.5)],
+                        "b": [(7.0, 8.0, 9.0), (4.0, 5.0, 6.0), (3.0, 4.0, 5.0)]}
+
+    def fake_quantiles(fn):
+        name = fn()
+        calls.append(name)
+        return first_round_slow[name][sum(c == name for c in calls) - 1]
+
+    monkeypatch.setattr(kda_bench, "time_quantiles", fake_quantiles)
+    got = kda_bench._interleaved_quantiles({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert got == {"a": (1.5, 2.5, 3.5), "b": (4.0, 5.0, 6.0)}

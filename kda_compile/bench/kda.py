@@ -6,7 +6,8 @@ anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: 
 (our Triton prefill, opt-in: ``only_backends("triton_chunk")``), "ours (FLA path)" (the op's default on
 CUDA, ``only_backends("fla")``: FLA's gate and intra-chunk kernels, then our scan kernel; FLA's backward)
 and "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the
-speedup over FLA per shape (needs matplotlib; otherwise the log says why there is none).
+speedup over FLA per shape (needs matplotlib; otherwise the log says why there is none). The providers
+of a shape are timed in ``PREFILL_ROUNDS`` interleaved rounds, each quantile the median over the rounds.
 ``KDA_COMPILE_PREFILL_SEGMENTS=P`` forces the scan's segment count (tuning).
 Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
 1 / 64 / 256, with the state bytes moved per second. GPU time two ways, both from CUDA graphs: one call
@@ -38,6 +39,7 @@ PREFILL_SHAPES = [  # (B, T, H): anchors.md (H100 table, then the H200 FLA-vs-Fl
 ]
 PREFILL_PROVIDERS = ("ours (own kernels)", "ours (FLA path)", "FLA")
 PREFILL_TARGET = 1.7  # issue 6: inference forward at least 1.7x FLA on every anchor shape
+PREFILL_ROUNDS = 3  # interleaved timing rounds per shape and mode (_interleaved_quantiles)
 DECODE_BATCHES = (1, 64, 256)
 DECODE_STEPS_PER_GRAPH = 8
 K = V = 128
@@ -136,7 +138,7 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, p
         for mode in [m for m in modes if m in ("fwd", "fwd+bwd")]:
             inputs = _prefill_inputs(B, T, H, device, requires_grad=(mode == "fwd+bwd"))
             do = torch.randn(B, T, H, V, device=device, dtype=torch.bfloat16)
-            results, outputs = {}, {}
+            outputs, fns = {}, {}
             for name, (chunk, context) in providers.items():
                 if mode == "fwd":
                     def fn(chunk=chunk, context=context):
@@ -149,11 +151,13 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, p
                             o.backward(do)
                         return o
                 outputs[name] = fn().detach()  # also compiles and autotunes before timing
-                results[name] = time_quantiles(fn)
+                fns[name] = fn
+            results = _interleaved_quantiles(fns)
+            for name, fn in fns.items():
                 rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name]))
                 if profile:
                     _record_kernel_times(fn, name, mode, shape, rows)
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
             errors = {}
             for name in PREFILL_PROVIDERS[:2]:
                 errors[name] = rel_error(outputs[name], outputs["FLA"])
@@ -165,6 +169,19 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, p
                         mode, shape, fla_ms, path_ms, own_ms)
             checkpoint()
     return table
+
+
+def _interleaved_quantiles(fns: dict, rounds: int = PREFILL_ROUNDS) -> dict:
+    """p20 / p50 / p80 ms per provider, each the median over ``rounds`` rounds in which the providers take
+    turns: a slow spell of the machine during the run (on one H100 the first shape of a run measured one
+    provider 1.4x slower than every later run did) falls on all of them alike, or on one round only."""
+    import statistics
+
+    samples = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(time_quantiles(fn))
+    return {name: tuple(statistics.median(q) for q in zip(*values)) for name, values in samples.items()}
 
 
 def _record_kernel_times(fn, provider, mode, shape, rows) -> None:

@@ -91,17 +91,20 @@ def _log2_gate(x, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K: tl.constexpr
         if HAS_DT_BIAS:
             x += tl.load(Dt_bias + hv * K + cols, mask=col_ok, other=0.0).to(tl.float32)[None, None, :]
         if GATE == GATE_SOFTPLUS:
-            # -exp(A_log) * softplus(x) / ln 2, softplus = x above 20 (as HF and torch), else log1p(exp(x))
-            # with the log1p that keeps full relative precision for tiny exp(x):
-            # log2(1 + y) = log2(u) * y / (u - 1), u = 1 + y rounded. exp2 / log2 (one MUFU op each) and
-            # an approximate division: libdevice's log and an IEEE division cost tens of instructions per
-            # element, and 2 ulp are plenty here.
+            # -exp(A_log) * softplus(x) / ln 2, softplus = x above 20 (as HF and torch), else log1p(exp(x)).
+            # log2(1 + y) = log2(u) + log2(1 + c / u) with u = 1 + y rounded and c = y - (u - 1) its rounding
+            # error: for y < 1, u - 1 is exact, |c| <= 2^-24 and log2(1 + c / u) = c / ln 2 to within
+            # |c| y / (1 + y); for tiny y (u = 1) that is the whole value, y / ln 2. For y >= 1 the rounding
+            # of u moves log2(u) by at most 2^-24 / ln 2 and c is dropped. One exp2 and one log2 (MUFU),
+            # no division: libdevice's log1p and a division cost tens of instructions per element in the
+            # kernel's busiest loop.
             a = 1.0
             if HAS_A_LOG:  # (the op layer requires A_log here; no read of the 1-element dummy otherwise)
                 a = tl.exp2(tl.load(A_log + hv).to(tl.float32) * LOG2E)
             y = tl.exp2(tl.minimum(x, 20.0) * LOG2E)
             u = 1.0 + y
-            log2_1p = tl.where(u == 1.0, y * LOG2E, _log2(u) * tl.fdiv(y, tl.where(u == 1.0, 1.0, u - 1.0)))
+            c = tl.where(y < 1.0, y - (u - 1.0), 0.0)
+            log2_1p = _log2(u) + c * LOG2E
             x = -a * tl.where(x > 20.0, x * LOG2E, log2_1p)
         else:
             if HAS_A_LOG:

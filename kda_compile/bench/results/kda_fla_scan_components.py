@@ -19,6 +19,7 @@ from fla.ops.kda.wy_fast import recompute_w_u_fwd
 from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
 from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 from fla.ops.utils.constant import RCP_LN2
+from kda_compile.bench.common import rel_error as rel
 from kda_compile.ops.kda.triton_fla_scan import scan_fla_intermediates
 from kda_compile.ops.kda.triton_glue import l2norm_fwd
 
@@ -26,7 +27,6 @@ dev = "cuda"
 SHAPES = [tuple(int(x) for x in s.split("x")) for s in os.environ.get(
     "SHAPES", "8x4096x32,1x8192x32,1x32768x32,8x1024x32,1x8192x64,8x1024x64,1x8192x96,8x1024x96,16x2048x32,1x65536x16").split(",")]
 TRAIN = os.environ.get("TRAIN", "1") == "1"
-rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 def bench(fn):
     return do_bench(fn, warmup=10, rep=int(os.environ.get("REP", "100")))

@@ -8,6 +8,7 @@ import torch
 
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
 from kda_compile.ops._common import clear_fallback_events, fallback_events
+from kda_compile.ops.kda.backends import only_backends
 from kda_compile.testing import assert_rel_close
 
 pytestmark = pytest.mark.cuda
@@ -67,20 +68,51 @@ def test_chunk_kda_matches_fla(case, opts):
 
 
 def _assert_matches_fla(tensors, extra):
-    """Our chunk_kda against FLA's with the same arguments: outputs, final state and gradients, with no
-    fallback on our side."""
+    """Our chunk_kda on its FLA path (FLA's kernels with our scan; ``only_backends``: bounded lower-bound
+    gates would otherwise go to our own kernels, tested in tests/kda/test_triton_chunk.py and below) against
+    FLA's with the same arguments: outputs, final state and gradients, with no fallback on our side."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     do = torch.randn(*tensors["v"].shape, device="cuda")
     dht = torch.randn_like(tensors["initial_state"])
     clear_fallback_events()
-    o, ht, grads = _run(chunk_kda, tensors, extra, do, dht)
+    with only_backends("fla"):
+        o, ht, grads = _run(chunk_kda, tensors, extra, do, dht)
     o_ref, ht_ref, grads_ref = _run(fla_chunk_kda, tensors, extra, do, dht)
     assert not fallback_events(), f"expected FLA kernels, got fallbacks {fallback_events()}"
     assert_rel_close(o, o_ref, 1e-3, name="o")
     assert_rel_close(ht, ht_ref, 1e-4, name="final_state")
     for name in grads_ref:
         assert_rel_close(grads[name], grads_ref[name], 1e-3, name=f"d{name}")
+
+
+@needs_fla
+@pytest.mark.parametrize("case", CASES)
+def test_bounded_gate_runs_our_kernels_within_bf16_rounding_of_fla(case):
+    """The lower-bound gate with lower_bound = -5 (OPTIONS[2]) comes to our own prefill kernels by default
+    (prefill_backend.preferred_reason): outputs and gradients against FLA's call, to bf16 rounding (our
+    kernels keep other intermediates in bf16 than FLA's; both are held to FLA's tolerances of the fp64
+    recurrence in tests/kda/test_triton_chunk.py)."""
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+    from kda_compile.ops.kda.backends import KDAOptions, select_backend
+
+    opts = OPTIONS[2]
+    tensors, extra = _inputs(*case, opts)
+    chosen = select_backend("chunk_kda", torch.device("cuda"), torch.bfloat16, case[4], case[5],
+                            KDAOptions(scale=1.0, use_gate_in_kernel=True, lower_bound=opts["lower_bound"]))
+    assert chosen.name == "triton_chunk"
+    do = torch.randn(*tensors["v"].shape, device="cuda")
+    dht = torch.randn_like(tensors["initial_state"])
+    clear_fallback_events()
+    o, ht, grads = _run(chunk_kda, tensors, extra, do, dht)
+    o_ref, ht_ref, grads_ref = _run(fla_chunk_kda, tensors, extra, do, dht)
+    assert not fallback_events(), f"expected our kernels and FLA's backward, got fallbacks {fallback_events()}"
+    errors = {"o": assert_rel_close(o, o_ref, 1e-2, name="o"),
+              "final_state": assert_rel_close(ht, ht_ref, 1e-2, name="final_state")}
+    for name in grads_ref:
+        errors[f"d{name}"] = assert_rel_close(grads[name], grads_ref[name], 2e-2, name=f"d{name}")
+    print("relative errors against FLA:", " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 
 @needs_fla

@@ -339,6 +339,7 @@ def run(args) -> list[dict]:
         _plot_prefill_speedup(prefill_table, args.csv.with_name(args.csv.stem + "_prefill_speedup.png"))
     if "decode" in modes:
         _bench_decode(providers, args.gate, batches, "cuda", rows, table, profile=args.profile)
-    print(f"\nKDA, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
-    print(format_table(["mode", "B x T x H", "FLA", "kda_compile", "FLA / ours", "rel. err vs FLA"], table))
+    if table:  # decode rows (prefill modes alone leave it empty)
+        print(f"\nKDA, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
+        print(format_table(["mode", "B x T x H", "FLA", "kda_compile", "FLA / ours", "rel. err vs FLA"], table))
     return rows

@@ -10,15 +10,19 @@ fastest registered backend that supports the call. A backend is a small object w
 - optionally ``input_stand_ins(q, k, v, opts, save) -> {"q": i, ...}``: inputs its backward reads only
   through residual ``i`` (same shape and dtype, e.g. the L2-normalised q); the op then does not keep
   the input itself for the backward and hands the backend the residual in its place;
+- optionally ``preferred_reason(device, dtype, K, V, opts) -> str | None``: not ``None`` when this
+  backend should serve the call ahead of higher-priority ones (it is then tried first; the reason says
+  why, e.g. a gate form whose speed on its kernels cannot depend on the data);
 - optionally ``serves``: which of ``"chunk_kda"`` (forward, its fake and its backward: the backend
   chosen for a forward also runs that call's backward, possibly by delegating) and
   ``"fused_recurrent_kda"`` it implements; a backend without it implements both.
 
 Backends, best first: our fused decode step (``decode_backend.py``, decode only); FLA's Triton kernels on
 CUDA when fla-core 0.6 is importable, with our scan kernel in place of FLA's last two forward kernels
-(``fla_backend.py``); our own Triton prefill (``prefill_backend.py``: below FLA, opt-in, unless FLA is
-missing); then the reference math (any device). When CUDA ends up on the
-reference, the reason is logged once and recorded for the rewrite report (``record_fallback``).
+(``fla_backend.py``); our own Triton prefill (``prefill_backend.py``: below FLA, but preferred for the
+bounded lower-bound gate; otherwise opt-in, unless FLA is missing); then the reference math (any
+device). When CUDA ends up on the reference, the reason is logged once and recorded for the rewrite
+report (``record_fallback``).
 """
 from __future__ import annotations
 
@@ -148,12 +152,11 @@ def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V:
     """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
     reasons = []
     allowed = _restriction.names
-    for _, backend in _registry:
-        if allowed is not None and backend.name not in allowed:
-            continue
-        serves = getattr(backend, "serves", None)
-        if serves is not None and op not in serves:
-            continue
+    candidates = [backend for _, backend in _registry
+                  if (allowed is None or backend.name in allowed) and op in getattr(backend, "serves", (op,))]
+    preferred = [backend for backend in candidates
+                 if getattr(backend, "preferred_reason", None) and backend.preferred_reason(device, dtype, K, V, opts)]
+    for backend in preferred + [backend for backend in candidates if backend not in preferred]:
         reason = backend.unsupported_reason(device, dtype, K, V, opts)
         if reason is None:
             if backend is REFERENCE and device.type == "cuda":

@@ -1,15 +1,17 @@
 """Our fused Triton prefill (``triton_chunk.py``) as a KDA backend for ``chunk_kda``.
 
-Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fake and backward): on an
-H200 (2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta) the whole forward is 0.95x FLA's at
-8 x 4096 x 32, 0.91x at 1 x 32768 x 32 and 1.24x at 8 x 1024 x 32 (the prepare kernel is still
-instruction-bound), so FLA keeps serving CUDA where it is installed; without FLA this backend serves CUDA
-instead of the reference. Its cost also depends on the data: with strong decays (a 16-token block whose decay
-spans more than 2^100 in some channel, e.g. Mamba-style ``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the
-prepare kernel adds its exact-diagonal pass and ran 3.5x slower on an H100 (13.1 vs 3.7 ms at 8 x 4096 x 32;
-``bench/results/kda_prepare_profile*``), where FLA's cost does not depend on the data. Opt in with
-``only_backends("triton_chunk")`` (``kda_compile.ops.kda.backends``); raise the priority once
-``python -m kda_compile.bench kda`` shows it faster on every shape.
+Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fake and backward), and
+PREFERRED over it for the lower-bound gate with ``lower_bound >= -BOUNDED_GATE_LIMIT`` (``preferred_reason``).
+On an H100 (session 12, 2026-11-23, bf16, K = V = 128, in-kernel norm / gate / beta; ``bench/results``) our
+forward runs 1.19-1.60x FLA's over seven benchmark shapes with the softplus gate, but its cost depends on
+the data: with strong decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g.
+Mamba-style ``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the prepare kernel adds its exact-diagonal
+pass and runs 1.9x slower (5.1 vs 2.7 ms at 8 x 4096 x 32), about 0.75x FLA's whole forward, where FLA's cost
+does not depend on the data. The lower-bound gate bounds every step's decay by ``|lower_bound|`` nats, so
+with ``lower_bound >= -5`` no block can reach that limit (16 x 5 / ln 2 = 115.4 < 120, the kernel's
+``DIAG_RANGE_LIMIT``) and the speed cannot depend on the data: those calls come here first. Other calls opt
+in with ``only_backends("triton_chunk")`` (``kda_compile.ops.kda.backends``); without FLA this backend
+serves CUDA instead of the reference.
 Inference runs our two-to-three-launch forward. Training (the op saves residuals) depends on FLA's
 backward kernels, which the forward must feed in FLA's formats:
 
@@ -47,6 +49,9 @@ MAX_HEAD_DIM = 256  # the scan keeps a [next_pow2(K), BV] fp32 state tile on chi
 CHUNK = 64  # the chunk of our prepare kernel, hence of the FLA residuals it can write
 
 OWN_RESIDUALS, FLA_FORWARD, REFERENCE_BACKWARD = "own", "fla", "reference"
+# |lower_bound| (nats per step) up to which a block's decay range stays within the prepare kernel's
+# DIAG_RANGE_LIMIT (120 log2 units over 16 steps: 120 ln 2 / 16 = 5.2); tests/kda/test_triton_chunk.py checks it.
+BOUNDED_GATE_LIMIT = 5.0
 _FLA = FLABackend()
 _failed_variants: dict[tuple, str] = {}  # call variants whose kernels did not compile -> the reason
 
@@ -108,6 +113,12 @@ class TritonChunkBackend:
         if dtype == torch.float32 and K > 128:  # measured on an H200: the scan's fp32 tiles overflow shared memory
             return f"float32 inputs with K > 128 need more shared memory than the scan kernel has, got K={K}"
         return _kernel_unusable()
+
+    def preferred_reason(self, device, dtype, K, V, opts: KDAOptions) -> str | None:
+        if opts.use_gate_in_kernel and opts.lower_bound is not None and opts.lower_bound >= -BOUNDED_GATE_LIMIT:
+            return (f"lower-bound gate with lower_bound={opts.lower_bound} >= -{BOUNDED_GATE_LIMIT}: no block takes "
+                    f"the exact-diagonal pass, so our kernels' speed does not depend on the data")
+        return None
 
     def residual_meta(self, q, k, v, opts, save):
         if not save:
@@ -176,4 +187,4 @@ class TritonChunkBackend:
         return REFERENCE.chunk_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts)
 
 
-register_backend(TritonChunkBackend(), priority=5)  # below FLA: see the module docstring
+register_backend(TritonChunkBackend(), priority=5)  # below FLA, preferred for bounded gates: see the docstring

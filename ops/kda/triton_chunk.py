@@ -86,16 +86,16 @@ def _tuned(kernel_name: str):
 
     tests/conftest.py makes every autotuner run only the first config during tests, so each list
     starts with a safe default."""
-    # The prepare kernel (offline sm_90 compiles, ptxas -v, /tmp/hP/check_compile.py), all 4 warps: 16-
-    # channel K slices with 2 stages (pipelined loads) spill at most 16 B over every dtype, K, V and flag
-    # combination, so it leads; 32-channel slices with one stage issue ~30% fewer instructions per chunk
-    # (K = 128) but spill up to ~280 B (~250 B more with two stages); the third takes pass 2 in
-    # 128-column slices. Which is fastest is for the GPU to say (autotuned).
+    # The prepare kernel (offline sm_90 compiles with ptxas, all 4 warps): 16-channel K slices lay each
+    # 16-row block inside one warp (kda_compile/bench/results/README.md, session 12) and spill at most
+    # 56 B over every dtype, K <= 256, pass-2 slice and flag combination, so they lead; pass 2 in 64- or
+    # 128-column slices; 32-channel slices with one stage as the third. Which is fastest is for the GPU to
+    # say (autotuned).
     # The scan spills at 4 warps for K >= 128 and needs > 227 KiB of shared memory with 3 stages (and
     # for K = 256 bf16 with 2): 8 warps lead; the stage count depends on dtype and K (_scan_configs).
     if kernel_name == "prepare":
-        configs = [triton.Config({"BKC": 16, "BWC": 64}, num_warps=4, num_stages=2),
-                   triton.Config({"BKC": 32, "BWC": 64}, num_warps=4, num_stages=1),
+        configs = [triton.Config({"BKC": 16, "BWC": 64}, num_warps=4, num_stages=1),
+                   triton.Config({"BKC": 16, "BWC": 128}, num_warps=4, num_stages=1),
                    triton.Config({"BKC": 32, "BWC": 128}, num_warps=4, num_stages=1)]
         return triton.autotune(configs, key=["H", "HV", "K", "V", "GATE", "L2NORM", "SAVE_AKK"])(kda_prepare_kernel)
     stages = [triton.Config({}, num_warps=8, num_stages=1), triton.Config({}, num_warps=8, num_stages=2),

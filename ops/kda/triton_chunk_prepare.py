@@ -18,7 +18,11 @@ and writes ``w, u, qg, kd, A_qk`` (input dtype) and ``decay`` (fp32) for the rec
 formats: ``T`` (``Akk``, unit lower triangular, k's dtype) and the chunk-local ``G`` (fp32, log2 units).
 
 Work is on whole tiles: the chunk is held as ``[NB = 4, BC = 16, BKC]`` (16-row blocks x a K slice),
-so per-block quantities (block sums, anchors) broadcast along the middle axis, and the ``A`` matrices
+so per-block quantities (block sums, anchors) broadcast along the middle axis. Tiles are loaded and
+stored as 2-D ``[64, BKC]`` and reshaped (``_load_tile``): with ``BKC = 16`` Triton then puts each block
+in one warp, lanes along its rows, so the block scans and sums are shuffles; the block sums are
+exchanged between warps once per slice (``_block_gates``). On an H100 this layout made the kernel 1.35x
+faster, 2.8x with strong decays (``bench/results/README.md``, session 12). The ``A`` matrices
 are built as four column stripes ``[64, 16]`` (key block s), each from two ``[64, BKC] x [BKC, 16]``
 tensor-core products per K slice (TF32, ``A_PRECISION``). Pass 1 (per K slice) reads q, k, g once;
 pass 2 reads v and the ``beta 2^G k`` it left in ``W``.
@@ -32,14 +36,17 @@ Numerics (g <= 0, so G decreases along the chunk):
   For query blocks r > s every factor is <= 1 with ``a_s`` = the end of block s; a factor that
   underflows stands for a product that underflows too.
 - Diagonal blocks (r = s): in channels where the block's decay range ``R = p_s - c_s`` is at most
-  ``DIAG_RANGE_LIMIT`` = 100, ``a_s`` is the middle of that range: the query factor
+  ``DIAG_RANGE_LIMIT`` = 120, ``a_s`` is the middle of that range: the query factor
   ``2^(G_i - p_s) * 2^(p_s - a_s)`` and the key factor lie in ``[2^-R/2, 2^R/2]``, and the first factor
-  (>= 2^-100) is still a normal number (beyond about 126 it would underflow while the product does
-  not). For r > s the query factor is then <= 2^-R/2 and the key factor <= 2^50, so a query factor
-  that underflows loses less than ``2^-76 |q||k|``. Channels with a larger range (gates near -inf)
-  take ``a_s = c_s`` and their diagonal block is summed exactly, element by element with the decay
-  masked to ``-inf`` above the diagonal before exp2 (``_exact_diagonal``: slow, in a second pass over
-  K that runs only when some slice needs it and reloads its inputs).
+  (>= 2^-120) is still a normal number (beyond about 126 it would underflow while the product does
+  not). For r > s the query factor is then <= 2^-R/2 and the key factor <= 2^60, so a query factor
+  that underflows loses less than ``2^-66 |q||k|``. The limit covers every block of the lower-bound
+  gate with ``lower_bound >= -5`` (16 steps of at most 5 / ln 2 = 7.21: R <= 115.4), so that gate
+  never takes the slow path below (``prefill_backend.py`` relies on it). Channels with a larger range
+  (gates near -inf, strong softplus decays) take ``a_s = c_s`` and their diagonal block is summed
+  exactly, element by element with the decay masked to ``-inf`` above the diagonal before exp2
+  (``_exact_diagonal``: slow, in a second pass over K that runs only when some slice needs it and
+  reloads its inputs).
 - Gates are floored at ``GATE_FLOOR`` (log2 units): any span containing such a step decays by less
   than 2^-150, which is 0 in fp32 either way; the floor keeps ``-inf`` gates from producing NaN.
 - The triangular inverse: forward substitution on the four 16 x 16 diagonal blocks at once (fp32),
@@ -66,7 +73,7 @@ from kda_compile.ops.kda.triton_common import GATE_PRECOMPUTED, GATE_SOFTPLUS, d
 LOG2E = tl.constexpr(1.4426950408889634)
 L2NORM_EPS = tl.constexpr(1e-6)
 GATE_FLOOR = tl.constexpr(-150.0)  # log2 units: 2^-150 rounds to 0 in fp32
-DIAG_RANGE_LIMIT = tl.constexpr(100.0)  # beyond it (per block and channel), the exact diagonal
+DIAG_RANGE_LIMIT = tl.constexpr(120.0)  # beyond it (per block and channel), the exact diagonal
 
 # The hardware log2 (MUFU) instead of libdevice's polynomial log2f; the interpreter has no libdevice.
 FAST_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -114,6 +121,24 @@ def _log2_gate(x, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K: tl.constexpr
 
 
 @triton.jit
+def _load_tile(ptr, rows, ok, cols, col_ok, stride, NB: tl.constexpr, BC: tl.constexpr):
+    """The chunk's ``[BT, BKC]`` tile of a row-major tensor as fp32 ``[NB, BC, BKC]`` (0 outside). Loaded
+    as a 2-D tile and reshaped: Triton then lays each 16-row block out inside one warp (lanes along
+    the rows), so the block scans and sums below stay in registers and shuffles; a 3-D load puts the
+    warps along the rows of every block instead."""
+    x = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
+    return tl.reshape(x.to(tl.float32), [NB, BC, cols.shape[0]])
+
+
+@triton.jit
+def _store_tile(ptr, x3, rows, ok, cols, col_ok, stride):
+    """Store an ``[NB, BC, BKC]`` tile as the chunk's ``[BT, BKC]`` rows (the inverse of ``_load_tile``)."""
+    x = tl.reshape(x3, [rows.shape[0], cols.shape[0]])
+    tl.store(ptr + rows[:, None] * stride + cols[None, :], x.to(ptr.dtype.element_ty),
+             mask=ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _beta(Beta, rows, ok, beta_scale, HV: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     """beta of the chunk rows ``rows`` (any shape; ``Beta`` points at the chunk's first row), 0 outside
     the sequence."""
@@ -124,9 +149,37 @@ def _beta(Beta, rows, ok, beta_scale, HV: tl.constexpr, BETA_SIGMOID: tl.constex
 
 
 @triton.jit
-def _block(x, s, NB: tl.constexpr):
-    """Block ``s`` of a ``[NB, D]`` tensor as ``[D]`` (exact: the other blocks add zeros)."""
-    return tl.sum(tl.where(tl.arange(0, NB)[:, None] == s, x, 0.0), 0)
+def _block_gates(L3, NB: tl.constexpr, BC: tl.constexpr):
+    """Per-block gate quantities of a K slice from the block-local cumsum ``L3`` ``[NB, BC, BKC]``.
+
+    Each 16-row block lives in one warp, so what combines blocks needs the other warps' block sums:
+    they are exchanged once (``S_all[r, :, s] = S[s]`` in every warp r, one layout conversion; each
+    thread holds the block axis) and the rest is computed in every warp from its copy, instead of one
+    cross-warp reduction per quantity. Returns, ``[NB, BKC]`` each: ``P`` (gate before the own block),
+    ``G_last`` (the chunk's total, same in every row), ``anchors`` (the own block's: mid-range when its
+    range is within ``DIAG_RANGE_LIMIT``, else its end); ``slow`` ``[NB]`` (1 when some block of the
+    slice needs the exact diagonal); and ``m0 .. m3``, stripe s's query factors ``2^(p_r - a_s)``
+    ``[NB, BKC]`` (0 for blocks r < s, and for r = s in channels that take the exact diagonal)."""
+    S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)  # [NB, BKC] block sums
+    S_all = tl.trans(S)[None, :, :] + tl.zeros([NB, S.shape[1], NB], dtype=tl.float32)
+    own = tl.arange(0, NB)[None, None, :] == tl.arange(0, NB)[:, None, None]
+    P_all = tl.cumsum(S_all, 2) - S_all  # gate before block s (fp32 sums of the same terms in every warp)
+    fast_all = -S_all <= DIAG_RANGE_LIMIT
+    # mid-range of fast blocks, the end of slow ones
+    anchors_all = P_all + S_all - tl.where(fast_all, 0.5 * S_all, 0.0)
+    P = tl.sum(tl.where(own, P_all, 0.0), 2)
+    G_last = tl.sum(S_all, 2)
+    slow = tl.max(tl.max(tl.where(fast_all, 0, 1), 2), 1)
+    anchors = tl.sum(tl.where(own, anchors_all, 0.0), 2)
+    # the query factors of the four stripes s: 2^(p_r - a_s) for blocks r > s, and r = s in fast channels
+    r = tl.arange(0, NB)[:, None, None]
+    b = tl.arange(0, NB)[None, None, :]
+    keep = (r > b) | ((r == b) & fast_all)
+    middle = tl.exp2(tl.where(keep, P[:, :, None] - anchors_all, float("-inf")))
+    even, odd = tl.split(tl.reshape(middle, [NB, S.shape[1], 2, 2]))  # [..., s // 2, s % 2]
+    m0, m2 = tl.split(even)
+    m1, m3 = tl.split(odd)
+    return P, G_last, anchors, slow, m0, m1, m2, m3
 
 
 @triton.jit
@@ -141,17 +194,15 @@ def _blocks(x, NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def _stripe(qe, ke, key, P, anchors, fast, s: tl.constexpr, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr,
-            NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
+def _stripe(qe, ke, key, middle, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr, NB: tl.constexpr,
+            BC: tl.constexpr, BKC: tl.constexpr):
     """One K slice of column stripe s (keys of block s) of ``A_qk`` and ``A_kk``: two ``[NB * BC, BC]``
     fp32 products. ``qe, ke = q, k * 2^(G - p_own)`` ``[NB, BC, BKC]``, ``key = k * 2^(a_s - G)`` of the
-    block's 16 keys ``[BC, BKC]``; ``P`` (gate before each block), ``anchors`` and ``fast`` ``[NB, BKC]``.
+    block's 16 keys ``[BC, BKC]``, ``middle = 2^(p_r - a_s)`` ``[NB, BKC]`` (0 for the blocks and
+    channels the stripe leaves out; from ``_block_gates``).
     Diagonal entries of slow channels are left out (``_exact_diagonal`` adds them). For fp32 / fp16
     inputs the operands are rounded to TF32 (``tf32_round``); bf16 inputs skip it (pass 1 is
     instruction-bound, and their error is dominated by the bf16 intermediates)."""
-    blocks = tl.arange(0, NB)[:, None]
-    keep = (blocks > s) | ((blocks == s) & fast)
-    middle = tl.exp2(tl.where(keep, P - _block(anchors, s, NB)[None, :], float("-inf")))  # 2^(p_r - a_s)
     q_op = tl.reshape(qe * middle[:, None, :], [NB * BC, BKC])
     k_op = tl.reshape(ke * middle[:, None, :], [NB * BC, BKC])
     key_t = tl.trans(key)
@@ -161,10 +212,12 @@ def _stripe(qe, ke, key, P, anchors, fast, s: tl.constexpr, PRECISION: tl.conste
 
 
 @triton.jit
-def _gate_cumsum(G_in, A_log, Dt_bias, offs, m, hv, cols, col_ok, lower_bound, K: tl.constexpr,
-                 GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
-    """The block-local cumulative log2 gate ``L`` ``[NB, BC, BKC]`` (G = p_own + L) of one K slice."""
-    g = tl.load(G_in + offs, mask=m, other=0.0).to(tl.float32)
+def _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV: tl.constexpr,
+                 K: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+                 HAS_DT_BIAS: tl.constexpr):
+    """The block-local cumulative log2 gate ``L`` ``[NB, BC, BKC]`` (G = p_own + L) of one K slice
+    (``m`` ``[NB, BC, BKC]``: inside the sequence and K)."""
+    g = _load_tile(G_in, rows, ok, cols, col_ok, HV * K, NB, BC)
     g = tl.where(m, _log2_gate(g, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K, GATE, HAS_A_LOG, HAS_DT_BIAS),
                  0.0)
     return tl.cumsum(g, 1)
@@ -180,11 +233,11 @@ def _exact_diagonal(q3, k3, L3, slow, NB: tl.constexpr, BC: tl.constexpr):
     d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     for j in range(0, BC):
-        pick = rows == j
-        k_j = tl.sum(tl.where(pick, k3, 0.0), 1)  # [NB, BKC]
-        L_j = tl.sum(tl.where(pick, L3, 0.0), 1)
-        decay = tl.exp2(tl.where((rows >= j) & slow, L3 - L_j[:, None, :], float("-inf")))
-        kd = decay * k_j[:, None, :]
+        row_j = tl.zeros(k3.shape, dtype=tl.int32) + j  # row j of each block, broadcast by a gather
+        k_j = tl.gather(k3, row_j, 1)  # (a shuffle inside the warp that holds the block)
+        L_j = tl.gather(L3, row_j, 1)
+        decay = tl.exp2(tl.where((rows >= j) & slow, L3 - L_j, float("-inf")))
+        kd = decay * k_j
         d_qk = tl.where(cols == j, tl.sum(q3 * kd, 2)[:, :, None], d_qk)
         d_kk = tl.where(cols == j, tl.sum(k3 * kd, 2)[:, :, None], d_kk)
     return d_qk, d_kk
@@ -333,11 +386,9 @@ def kda_prepare_kernel(
         k_sq = tl.zeros([NB, BC, 1], dtype=tl.float32)
         for k0 in range(0, K, BKC):
             cols = k0 + tl.arange(0, BKC)
-            offs = rows3 * (H * K) + cols[None, None, :]
-            m = ok3 & (cols < K)[None, None, :]
-            x = tl.load(Q + offs, mask=m, other=0.0).to(tl.float32)
+            x = _load_tile(Q, rows, ok, cols, cols < K, H * K, NB, BC)
             q_sq += tl.sum(x * x, 2)[:, :, None]
-            x = tl.load(Kt + offs, mask=m, other=0.0).to(tl.float32)
+            x = _load_tile(Kt, rows, ok, cols, cols < K, H * K, NB, BC)
             k_sq += tl.sum(x * x, 2)[:, :, None]
         q_scale3 = scale / tl.sqrt(q_sq + L2NORM_EPS)
         k_scale3 = 1.0 / tl.sqrt(k_sq + L2NORM_EPS)
@@ -347,25 +398,18 @@ def kda_prepare_kernel(
     aqk0, aqk1, aqk2, aqk3 = zero, zero, zero, zero
     akk0, akk1, akk2, akk3 = zero, zero, zero, zero
     block_of_row = rows[:, None] // BC
-    slow_slices = 0  # K slices with a channel whose block range needs the exact diagonal
+    slow_slices = tl.zeros([NB], dtype=tl.int32)  # K slices with a block range that needs the exact diagonal
     for k0 in range(0, K, BKC):
         cols = k0 + tl.arange(0, BKC)
         col_ok = cols < K
         m = ok3 & col_ok[None, None, :]
-        offs = rows3 * (HV * K) + cols[None, None, :]  # [TT, HV, K] tensors
-        offs_qk = rows3 * (H * K) + cols[None, None, :]  # [TT, H, K] tensors
-        L3 = _gate_cumsum(G_in, A_log, Dt_bias, offs, m, hv, cols, col_ok, lower_bound, K, GATE, HAS_A_LOG,
-                          HAS_DT_BIAS)
-        S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)  # [NB, BKC] block sums
-        # gate before each block, as masked sums over the 4 blocks (tl.cumsum over them converts layouts)
-        P = tl.sum(tl.where(tl.arange(0, NB)[None, :, None] < tl.arange(0, NB)[:, None, None], S[None, :, :], 0.0), 1)
-        C = P + S  # gate at each block's end
-        G_last = tl.sum(S, 0)  # [BKC]
-        fast = -S <= DIAG_RANGE_LIMIT
-        anchors = C - tl.where(fast, 0.5 * S, 0.0)  # mid-range of fast blocks, the end of slow ones
+        L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE,
+                          HAS_A_LOG, HAS_DT_BIAS)
+        P, G_last, anchors, slow, m0, m1, m2, m3 = _block_gates(L3, NB, BC)
+        slow_slices += slow
 
-        q3 = tl.load(Q + offs_qk, mask=m, other=0.0).to(tl.float32)
-        k3 = tl.load(Kt + offs_qk, mask=m, other=0.0).to(tl.float32)
+        q3 = _load_tile(Q, rows, ok, cols, col_ok, H * K, NB, BC)
+        k3 = _load_tile(Kt, rows, ok, cols, col_ok, H * K, NB, BC)
         if L2NORM and K <= BKC:
             q_scale3 = scale / tl.sqrt(tl.sum(q3 * q3, 2)[:, :, None] + L2NORM_EPS)
             k_scale3 = 1.0 / tl.sqrt(tl.sum(k3 * k3, 2)[:, :, None] + L2NORM_EPS)
@@ -377,44 +421,43 @@ def kda_prepare_kernel(
         # What the recurrence reads, every factor <= 1 (one that underflows stands for a decay that
         # underflows too): qg = q 2^G, kd = k 2^(G_last - G), decay = 2^G_last; and x = beta 2^G k.
         start_decay = tl.exp2(P)[:, None, :]
-        tl.store(QG + offs, (qe * start_decay).to(QG.dtype.element_ty), mask=m)
-        tl.store(KD + offs, (k3 * tl.exp2(G_last[None, None, :] - G3)).to(KD.dtype.element_ty), mask=m)
-        tl.store(W + offs, (ke * beta3 * start_decay).to(W.dtype.element_ty), mask=m)
-        tl.store(DECAY + cols, tl.exp2(G_last), mask=col_ok)
+        _store_tile(QG, qe * start_decay, rows, ok, cols, col_ok, HV * K)
+        _store_tile(KD, k3 * tl.exp2(G_last[:, None, :] - G3), rows, ok, cols, col_ok, HV * K)
+        _store_tile(W, ke * beta3 * start_decay, rows, ok, cols, col_ok, HV * K)
+        first = tl.arange(0, NB)[:, None] == 0  # (every warp holds G_last; one writes it)
+        tl.store(DECAY + cols[None, :] + 0 * tl.arange(0, NB)[:, None], tl.exp2(G_last), mask=first & col_ok[None, :])
         if SAVE_G:
-            tl.store(G_OUT + offs, G3, mask=m)
+            _store_tile(G_OUT, G3, rows, ok, cols, col_ok, HV * K)
         keys = k3 * tl.exp2(anchors[:, None, :] - G3)  # k 2^(a_own - G)
 
         key0, key1, key2, key3 = _blocks(keys, NB, BC, BKC)
-        qk, kk = _stripe(qe, ke, key0, P, anchors, fast, 0, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key0, m0, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk0 += qk
         akk0 += kk
-        qk, kk = _stripe(qe, ke, key1, P, anchors, fast, 1, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key1, m1, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk1 += qk
         akk1 += kk
-        qk, kk = _stripe(qe, ke, key2, P, anchors, fast, 2, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key2, m2, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk2 += qk
         akk2 += kk
-        qk, kk = _stripe(qe, ke, key3, P, anchors, fast, 3, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        qk, kk = _stripe(qe, ke, key3, m3, A_PRECISION, DOT_BF16, NB, BC, BKC)
         aqk3 += qk
         akk3 += kk
-        slow_slices += tl.max(tl.max(tl.where(fast, 0, 1), 1), 0)
 
-    if slow_slices > 0:
+    if tl.max(slow_slices, 0) > 0:
         # Rare (gates near -inf): the exact diagonal blocks of the slow channels, in a second pass that
         # reloads what it needs (nothing of it stays live through the fast loop).
         for k0 in range(0, K, BKC):
             cols = k0 + tl.arange(0, BKC)
             col_ok = cols < K
             m = ok3 & col_ok[None, None, :]
-            L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows3 * (HV * K) + cols[None, None, :], m, hv, cols, col_ok,
-                              lower_bound, K, GATE, HAS_A_LOG, HAS_DT_BIAS)
+            L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE,
+                              HAS_A_LOG, HAS_DT_BIAS)
             S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)
             slow = -S > DIAG_RANGE_LIMIT
             if tl.max(tl.max(slow.to(tl.int32), 1), 0) > 0:
-                offs_qk = rows3 * (H * K) + cols[None, None, :]
-                q3 = tl.load(Q + offs_qk, mask=m, other=0.0).to(tl.float32) * q_scale3
-                k3 = tl.load(Kt + offs_qk, mask=m, other=0.0).to(tl.float32) * k_scale3
+                q3 = _load_tile(Q, rows, ok, cols, col_ok, H * K, NB, BC) * q_scale3
+                k3 = _load_tile(Kt, rows, ok, cols, col_ok, H * K, NB, BC) * k_scale3
                 d_qk, d_kk = _exact_diagonal(q3, k3, L3, slow[:, None, :], NB, BC)
                 d_qk = tl.reshape(d_qk, [BT, BC])  # row 16 b + i of block b's diagonal
                 d_kk = tl.reshape(d_kk, [BT, BC])

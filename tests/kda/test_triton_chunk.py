@@ -33,7 +33,7 @@ DEVICE = triton_device("the Triton prefill kernels")
 from kda_compile.ops.kda import backends  # noqa: E402
 from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
 from kda_compile.ops.kda.prefill_backend import (  # noqa: E402
-    FLA_FORWARD, OWN_RESIDUALS, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
+    BOUNDED_GATE_LIMIT, FLA_FORWARD, OWN_RESIDUALS, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
 )
 from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill, choose_segments  # noqa: E402
 
@@ -294,7 +294,7 @@ def test_backend_declines_what_it_cannot_serve():
     cuda = torch.device("cuda")
     assert "float64" in backend.unsupported_reason(cuda, torch.float64, 64, 64, opts)
     assert "K=300" in backend.unsupported_reason(cuda, torch.bfloat16, 300, 64, opts)
-    # Below FLA until measured faster (prefill_backend's docstring), above the reference.
+    # Below FLA (prefill_backend's docstring: preferred only for bounded gates), above the reference.
     assert registered_backends().index("fla") < registered_backends().index("triton_chunk")
     assert registered_backends().index("triton_chunk") < registered_backends().index("reference")
     assert "chunk_kda" in backend.serves and "fused_recurrent_kda" not in backend.serves
@@ -500,13 +500,15 @@ def _graded_gates(shape, per_token_log2, seed=11):
 @pytest.mark.parametrize("K", [40, 100])
 def test_exact_and_factored_diagonal_channels_mixed(K):
     """Channels whose 16-token block range is far beyond the factored limit (exact element-wise diagonal),
-    near it on both sides (about 90, 110 and 160 log2: a factor 2^-range underflows beyond about 126),
+    near it on both sides (about 90, 110, 130 and 160 log2 against the limit of 120: a factor 2^-range
+    underflows beyond about 126),
     and small, side by side in one K slice (and, for K = 100, over two slices under the interpreter):
     A_qk, Akk and the cumulative gate against fp64."""
     shape = KDAShape(1, 130, 1, 2, K, 16)
     args = _args(shape, weak_decay=False, qk_l2norm=True)
     rates = [0.05] * K
     rates[1], rates[2], rates[3], rates[4] = 90.0 / 16, 110.0 / 16, 160.0 / 16, 30.0  # ~90, 110, 160, 480 per block
+    rates[5] = 130.0 / 16
     rates[K - 1] = 100.0  # the last channel (second slice for K = 100): ~1600 per block, above the gate floor
     args["g"] = _graded_gates(shape, rates)
     got, want = _prepare_residuals(args)
@@ -514,6 +516,58 @@ def test_exact_and_factored_diagonal_channels_mixed(K):
     tol = 1e-5 if INTERPRETED else 3e-3
     assert rel_error(got[1], want[1]) < tol and rel_error(got[2], want[2]) < tol
     check(args)
+
+
+@pytest.mark.parametrize("saturation", [0.0, 8.0], ids=["exactly-lower-bound", "near-lower-bound"])
+def test_bounded_gate_at_its_bound_is_accurate(saturation):
+    """The lower-bound gate's largest decay, ``lower_bound = -BOUNDED_GATE_LIMIT`` nats on every step and
+    channel (the backend prefers our kernels for it): each block spans 115.4 log2, just under
+    ``DIAG_RANGE_LIMIT`` (test below), so the factored diagonal, with factors up to 2^58, serves it:
+    against fp64."""
+    shape = KDAShape(1, 130, 1, 2, 48, 16)
+    args = _args(shape, weak_decay=False, qk_l2norm=True)
+    raw = torch.randn(args["g"].shape, generator=torch.Generator().manual_seed(5)) + saturation
+    sigmoid = torch.sigmoid(raw) if saturation else torch.ones_like(raw)
+    args["g"] = (-BOUNDED_GATE_LIMIT * sigmoid).to(DEVICE)
+    got, want = _prepare_residuals(args)
+    assert rel_error(got[0], want[0]) < 1e-6
+    tol = 1e-5 if INTERPRETED else 3e-3
+    assert rel_error(got[1], want[1]) < tol and rel_error(got[2], want[2]) < tol
+    check(args)
+
+
+def test_bounded_gate_limit_matches_the_kernel():
+    """``BOUNDED_GATE_LIMIT`` nats per step over a 16-token block stays within the kernel's limit."""
+    from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT
+
+    assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
+
+
+def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch):
+    """A backend above ours serves every other call; the bounded lower-bound gate comes to ours first
+    (forward, fake and backward all ask ``select_backend`` the same question)."""
+    class Everything:
+        name, serves = "everything", frozenset({"chunk_kda", "fused_recurrent_kda"})
+
+        def unsupported_reason(self, *args):
+            return None
+
+    ours = TritonChunkBackend()
+    monkeypatch.setattr(backends, "_registry", [(10, Everything()), (5, ours), (0, backends.REFERENCE)])
+    cuda = torch.device("cuda")
+
+    def chosen(**options):
+        return select_backend("chunk_kda", cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **options)).name
+
+    bounded = dict(use_gate_in_kernel=True, lower_bound=-BOUNDED_GATE_LIMIT)
+    assert ours.preferred_reason(cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **bounded))
+    assert chosen(**bounded) == "triton_chunk"
+    assert chosen(use_gate_in_kernel=True, lower_bound=-0.5) == "triton_chunk"
+    assert chosen(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT) == "everything"
+    assert chosen(use_gate_in_kernel=True) == "everything"  # softplus: its speed on ours depends on the data
+    assert chosen(lower_bound=-1.0) == "everything"  # precomputed gates are not bounded
+    assert select_backend("chunk_kda", torch.device("cpu"), torch.float32, 64, 64,
+                          KDAOptions(scale=0.1, **bounded)).name == "everything"  # ours declines CPU
 
 
 def test_l2norm_with_several_k_slices():

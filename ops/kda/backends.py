@@ -148,19 +148,26 @@ def only_backends(*names: str):
         _restriction.names = previous
 
 
+_logged_preferences: set[tuple[str, str, str]] = set()  # (op, backend, reason) already logged
+
+
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions):
     """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
     reasons = []
     allowed = _restriction.names
     candidates = [backend for _, backend in _registry
                   if (allowed is None or backend.name in allowed) and op in getattr(backend, "serves", (op,))]
-    preferred = [backend for backend in candidates
-                 if getattr(backend, "preferred_reason", None) and backend.preferred_reason(device, dtype, K, V, opts)]
-    for backend in preferred + [backend for backend in candidates if backend not in preferred]:
+    preferred = {backend: backend.preferred_reason(device, dtype, K, V, opts) for backend in candidates
+                 if getattr(backend, "preferred_reason", None)}
+    preferred = {backend: why for backend, why in preferred.items() if why}
+    for backend in list(preferred) + [backend for backend in candidates if backend not in preferred]:
         reason = backend.unsupported_reason(device, dtype, K, V, opts)
         if reason is None:
             if backend is REFERENCE and device.type == "cuda":
                 record_fallback(op, REFERENCE.name, "; ".join(reasons) or "no fast backend registered")
+            if backend in preferred and (op, backend.name, preferred[backend]) not in _logged_preferences:
+                _logged_preferences.add((op, backend.name, preferred[backend]))
+                logger.info("%s: %s serves this call ahead of its priority: %s", op, backend.name, preferred[backend])
             return backend
         reasons.append(f"{backend.name}: {reason}")
     raise AssertionError("the reference backend supports every call")  # unreachable

@@ -15,6 +15,7 @@ Tolerances, relative RMS error against the recurrence on the same (already round
 5e-3; the kernels store w, u, qg, kd, A_qk in the input dtype, as FLA does), 1e-4 for float32 when
 interpreted (exact fp32 products; measured about 1e-6), TF32's 2e-3 for float32 on CUDA.
 """
+import logging
 import math
 
 import pytest
@@ -543,7 +544,7 @@ def test_bounded_gate_limit_matches_the_kernel():
     assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
 
 
-def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch):
+def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
     """A backend above ours serves every other call; the bounded lower-bound gate comes to ours first
     (forward, fake and backward all ask ``select_backend`` the same question)."""
     class Everything:
@@ -561,7 +562,12 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch):
 
     bounded = dict(use_gate_in_kernel=True, lower_bound=-BOUNDED_GATE_LIMIT)
     assert ours.preferred_reason(cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **bounded))
-    assert chosen(**bounded) == "triton_chunk"
+    monkeypatch.setattr(backends, "_logged_preferences", set())
+    with caplog.at_level(logging.INFO, logger="kda_compile.ops.kda"):
+        assert chosen(**bounded) == "triton_chunk"
+        assert chosen(**bounded) == "triton_chunk"
+    said = [r.getMessage() for r in caplog.records if "ahead of its priority" in r.getMessage()]
+    assert len(said) == 1 and "lower_bound=-5.0" in said[0]  # why, once
     assert chosen(use_gate_in_kernel=True, lower_bound=-0.5) == "triton_chunk"
     assert chosen(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT) == "everything"
     assert chosen(use_gate_in_kernel=True) == "everything"  # softplus: its speed on ours depends on the data

@@ -157,9 +157,8 @@ def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V:
     allowed = _restriction.names
     candidates = [backend for _, backend in _registry
                   if (allowed is None or backend.name in allowed) and op in getattr(backend, "serves", (op,))]
-    preferred = {backend: backend.preferred_reason(device, dtype, K, V, opts) for backend in candidates
-                 if getattr(backend, "preferred_reason", None)}
-    preferred = {backend: why for backend, why in preferred.items() if why}
+    preferred = {backend: why for backend in candidates if hasattr(backend, "preferred_reason")
+                 and (why := backend.preferred_reason(device, dtype, K, V, opts))}
     for backend in list(preferred) + [backend for backend in candidates if backend not in preferred]:
         reason = backend.unsupported_reason(device, dtype, K, V, opts)
         if reason is None:

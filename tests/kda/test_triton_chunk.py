@@ -1,5 +1,5 @@
-"""Our fused Triton KDA prefill (ops/kda/triton_chunk*.py) and its backend, against the fp64 token
-recurrence (tests/kda/recurrence.py).
+"""Our fused Triton KDA prefill (ops/kda/triton_chunk*.py) and its backend on CUDA, against the fp64 token
+recurrence (tests/kda/recurrence.py); the backend's host logic is in test_prefill_backend.py.
 
 Runs on CUDA, or on CPU under the Triton interpreter (one fixed config)::
 
@@ -15,7 +15,6 @@ Tolerances, relative RMS error against the recurrence on the same (already round
 5e-3; the kernels store w, u, qg, kd, A_qk in the input dtype, as FLA does), 1e-4 for float32 when
 interpreted (exact fp32 products; measured about 1e-6), TF32's 2e-3 for float32 on CUDA.
 """
-import logging
 import math
 
 import pytest
@@ -32,7 +31,7 @@ from triton_device import INTERPRETED, triton_device  # noqa: E402
 DEVICE = triton_device("the Triton prefill kernels")
 
 from kda_compile.ops.kda import backends  # noqa: E402
-from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
+from kda_compile.ops.kda.backends import KDAOptions, only_backends, select_backend  # noqa: E402
 from kda_compile.ops.kda.prefill_backend import (  # noqa: E402
     BOUNDED_GATE_LIMIT, FLA_FORWARD, OWN_RESIDUALS, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
 )
@@ -288,25 +287,6 @@ def test_choose_segments():
     assert choose_segments(1, 32, 2, 4, 128, sm_count=None) == 1
 
 
-def test_backend_declines_what_it_cannot_serve():
-    backend = TritonChunkBackend()
-    opts = KDAOptions(scale=0.1)
-    assert "needs CUDA" in backend.unsupported_reason(torch.device("cpu"), torch.float32, 64, 64, opts)
-    cuda = torch.device("cuda")
-    assert "float64" in backend.unsupported_reason(cuda, torch.float64, 64, 64, opts)
-    assert "K=300" in backend.unsupported_reason(cuda, torch.bfloat16, 300, 64, opts)
-    # Below FLA (prefill_backend's docstring: preferred only for bounded gates), above the reference.
-    assert registered_backends().index("fla") < registered_backends().index("triton_chunk")
-    assert registered_backends().index("triton_chunk") < registered_backends().index("reference")
-    assert "chunk_kda" in backend.serves and "fused_recurrent_kda" not in backend.serves
-
-
-def test_training_path_without_fla_uses_the_reference_backward():
-    # On CPU FLA never serves, so a training call would keep our forward and take the reference backward.
-    path, reason = training_path(torch.device("cpu"), torch.float32, 64, 64, KDAOptions(scale=0.1))
-    assert path == REFERENCE_BACKWARD and "FLA" in reason
-
-
 def test_launcher_rejects_head_dims_over_256():
     x = torch.zeros(1, 1, 1, 300)
     with pytest.raises(ValueError, match="K=300"):
@@ -537,45 +517,6 @@ def test_bounded_gate_at_its_bound_is_accurate(saturation):
     check(args)
 
 
-def test_bounded_gate_limit_matches_the_kernel():
-    """``BOUNDED_GATE_LIMIT`` nats per step over a 16-token block stays within the kernel's limit."""
-    from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT
-
-    assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
-
-
-def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
-    """A backend above ours serves every other call; the bounded lower-bound gate comes to ours first
-    (forward, fake and backward all ask ``select_backend`` the same question)."""
-    class Everything:
-        name, serves = "everything", frozenset({"chunk_kda", "fused_recurrent_kda"})
-
-        def unsupported_reason(self, *args):
-            return None
-
-    ours = TritonChunkBackend()
-    monkeypatch.setattr(backends, "_registry", [(10, Everything()), (5, ours), (0, backends.REFERENCE)])
-    cuda = torch.device("cuda")
-
-    def chosen(**options):
-        return select_backend("chunk_kda", cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **options)).name
-
-    bounded = dict(use_gate_in_kernel=True, lower_bound=-BOUNDED_GATE_LIMIT)
-    assert ours.preferred_reason(cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **bounded))
-    monkeypatch.setattr(backends, "_logged_preferences", set())
-    with caplog.at_level(logging.INFO, logger="kda_compile.ops.kda"):
-        assert chosen(**bounded) == "triton_chunk"
-        assert chosen(**bounded) == "triton_chunk"
-    said = [r.getMessage() for r in caplog.records if "ahead of its priority" in r.getMessage()]
-    assert len(said) == 1 and "lower_bound=-5.0" in said[0]  # why, once
-    assert chosen(use_gate_in_kernel=True, lower_bound=-0.5) == "triton_chunk"
-    assert chosen(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT) == "everything"
-    assert chosen(use_gate_in_kernel=True) == "everything"  # softplus: its speed on ours depends on the data
-    assert chosen(lower_bound=-1.0) == "everything"  # precomputed gates are not bounded
-    assert select_backend("chunk_kda", torch.device("cpu"), torch.float32, 64, 64,
-                          KDAOptions(scale=0.1, **bounded)).name == "everything"  # ours declines CPU
-
-
 def test_l2norm_with_several_k_slices():
     """K over one slice (the norms take their own pass over K) with a partial last slice, GVA and
     varlen: the norms must be applied to every slice."""
@@ -599,19 +540,3 @@ def test_identical_keys_across_blocks_with_strong_decay_elsewhere():
     tol = 1e-5 if INTERPRETED else 3e-3
     assert torch.isfinite(got[2]).all() and rel_error(got[2], want[2]) < tol
     check(args)
-
-
-def test_backend_restriction_reaches_other_threads():
-    """only_backends holds in every thread: autograd runs a CUDA backward on its own device thread, and
-    that backward must see the restriction its forward saw (GPU run 2026-11-22: it did not, and the
-    backward of a declined call went to FLA with no residuals)."""
-    import threading
-
-    seen = []
-    opts = KDAOptions(scale=0.1)
-    with only_backends("reference"):
-        worker = threading.Thread(target=lambda: seen.append(
-            select_backend("chunk_kda", torch.device("cuda"), torch.bfloat16, 64, 64, opts).name))
-        worker.start()
-        worker.join()
-    assert seen == ["reference"]

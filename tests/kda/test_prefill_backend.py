@@ -1,0 +1,91 @@
+"""How ``chunk_kda`` calls reach our Triton prefill backend (ops/kda/prefill_backend.py): what it declines,
+its training paths, its preference for the bounded lower-bound gate, and the backend restriction across
+threads. Host logic only: runs wherever triton is importable (the kernels are tested in
+test_triton_chunk.py)."""
+import logging
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the backend's module check and the kernel's limit need triton")
+
+from kda_compile.ops.kda import backends  # noqa: E402
+from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
+from kda_compile.ops.kda.prefill_backend import (  # noqa: E402
+    BOUNDED_GATE_LIMIT, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
+)
+
+
+def test_backend_declines_what_it_cannot_serve():
+    backend = TritonChunkBackend()
+    opts = KDAOptions(scale=0.1)
+    assert "needs CUDA" in backend.unsupported_reason(torch.device("cpu"), torch.float32, 64, 64, opts)
+    cuda = torch.device("cuda")
+    assert "float64" in backend.unsupported_reason(cuda, torch.float64, 64, 64, opts)
+    assert "K=300" in backend.unsupported_reason(cuda, torch.bfloat16, 300, 64, opts)
+    # Below FLA (prefill_backend's docstring: preferred only for bounded gates), above the reference.
+    assert registered_backends().index("fla") < registered_backends().index("triton_chunk")
+    assert registered_backends().index("triton_chunk") < registered_backends().index("reference")
+    assert "chunk_kda" in backend.serves and "fused_recurrent_kda" not in backend.serves
+
+
+def test_training_path_without_fla_uses_the_reference_backward():
+    # On CPU FLA never serves, so a training call would keep our forward and take the reference backward.
+    path, reason = training_path(torch.device("cpu"), torch.float32, 64, 64, KDAOptions(scale=0.1))
+    assert path == REFERENCE_BACKWARD and "FLA" in reason
+
+
+def test_bounded_gate_limit_matches_the_kernel():
+    """``BOUNDED_GATE_LIMIT`` nats per step over a 16-token block stays within the kernel's limit."""
+    from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT
+
+    assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
+
+
+def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
+    """A backend above ours serves every other call; the bounded lower-bound gate comes to ours first
+    (forward, fake and backward all ask ``select_backend`` the same question)."""
+    class Everything:
+        name, serves = "everything", frozenset({"chunk_kda", "fused_recurrent_kda"})
+
+        def unsupported_reason(self, *args):
+            return None
+
+    ours = TritonChunkBackend()
+    monkeypatch.setattr(backends, "_registry", [(10, Everything()), (5, ours), (0, backends.REFERENCE)])
+    cuda = torch.device("cuda")
+
+    def chosen(**options):
+        return select_backend("chunk_kda", cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **options)).name
+
+    bounded = dict(use_gate_in_kernel=True, lower_bound=-BOUNDED_GATE_LIMIT)
+    assert ours.preferred_reason(cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **bounded))
+    monkeypatch.setattr(backends, "_logged_preferences", set())
+    with caplog.at_level(logging.INFO, logger="kda_compile.ops.kda"):
+        assert chosen(**bounded) == "triton_chunk"
+        assert chosen(**bounded) == "triton_chunk"
+    said = [r.getMessage() for r in caplog.records if "ahead of its priority" in r.getMessage()]
+    assert len(said) == 1 and "lower_bound=-5.0" in said[0]  # why, once
+    assert chosen(use_gate_in_kernel=True, lower_bound=-0.5) == "triton_chunk"
+    assert chosen(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT) == "everything"
+    assert chosen(use_gate_in_kernel=True) == "everything"  # softplus: its speed on ours depends on the data
+    assert chosen(lower_bound=-1.0) == "everything"  # precomputed gates are not bounded
+    assert select_backend("chunk_kda", torch.device("cpu"), torch.float32, 64, 64,
+                          KDAOptions(scale=0.1, **bounded)).name == "everything"  # ours declines CPU
+
+
+def test_backend_restriction_reaches_other_threads():
+    """only_backends holds in every thread: autograd runs a CUDA backward on its own device thread, and
+    that backward must see the restriction its forward saw (GPU run 2026-11-22: it did not, and the
+    backward of a declined call went to FLA with no residuals)."""
+    import threading
+
+    seen = []
+    opts = KDAOptions(scale=0.1)
+    with only_backends("reference"):
+        worker = threading.Thread(target=lambda: seen.append(
+            select_backend("chunk_kda", torch.device("cuda"), torch.bfloat16, 64, 64, opts).name))
+        worker.start()
+        worker.join()
+    assert seen == ["reference"]

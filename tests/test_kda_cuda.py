@@ -1,6 +1,7 @@
 """KDA on CUDA: our ops against FLA's own public functions (same kernels underneath, so outputs and
 gradients must agree to rounding) and against the fp32 reference on CPU (kda.md section 7
 tolerances). Skipped without CUDA; FLA comparisons skipped without fla-core."""
+import contextlib
 import importlib.util
 
 import pytest
@@ -67,23 +68,25 @@ def test_chunk_kda_matches_fla(case, opts):
     _assert_matches_fla(tensors, extra)
 
 
-def _assert_matches_fla(tensors, extra):
-    """Our chunk_kda on its FLA path (FLA's kernels with our scan; ``only_backends``: bounded lower-bound
-    gates would otherwise go to our own kernels, tested in tests/kda/test_triton_chunk.py and below) against
-    FLA's with the same arguments: outputs, final state and gradients, with no fallback on our side."""
+def _assert_matches_fla(tensors, extra, path=("fla",), o_tol=1e-3, state_tol=1e-4, grad_tol=1e-3):
+    """Our chunk_kda against FLA's with the same arguments: outputs, final state and gradients, with no
+    fallback on our side; the relative errors by name. ``path``: the backends ours may use (by default its
+    FLA path, FLA's kernels with our scan: bounded lower-bound gates would otherwise go to our own
+    kernels; ``None``: the op's own choice)."""
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     do = torch.randn(*tensors["v"].shape, device="cuda")
     dht = torch.randn_like(tensors["initial_state"])
     clear_fallback_events()
-    with only_backends("fla"):
+    with only_backends(*path) if path else contextlib.nullcontext():
         o, ht, grads = _run(chunk_kda, tensors, extra, do, dht)
     o_ref, ht_ref, grads_ref = _run(fla_chunk_kda, tensors, extra, do, dht)
-    assert not fallback_events(), f"expected FLA kernels, got fallbacks {fallback_events()}"
-    assert_rel_close(o, o_ref, 1e-3, name="o")
-    assert_rel_close(ht, ht_ref, 1e-4, name="final_state")
+    assert not fallback_events(), f"expected no fallback, got {fallback_events()}"
+    errors = {"o": assert_rel_close(o, o_ref, o_tol, name="o"),
+              "final_state": assert_rel_close(ht, ht_ref, state_tol, name="final_state")}
     for name in grads_ref:
-        assert_rel_close(grads[name], grads_ref[name], 1e-3, name=f"d{name}")
+        errors[f"d{name}"] = assert_rel_close(grads[name], grads_ref[name], grad_tol, name=f"d{name}")
+    return errors
 
 
 @needs_fla
@@ -93,8 +96,6 @@ def test_bounded_gate_runs_our_kernels_within_bf16_rounding_of_fla(case):
     (prefill_backend.preferred_reason): outputs and gradients against FLA's call, to bf16 rounding (our
     kernels keep other intermediates in bf16 than FLA's; both are held to FLA's tolerances of the fp64
     recurrence in tests/kda/test_triton_chunk.py)."""
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
-
     from kda_compile.ops.kda.backends import KDAOptions, select_backend
 
     opts = OPTIONS[2]
@@ -102,16 +103,7 @@ def test_bounded_gate_runs_our_kernels_within_bf16_rounding_of_fla(case):
     chosen = select_backend("chunk_kda", torch.device("cuda"), torch.bfloat16, case[4], case[5],
                             KDAOptions(scale=1.0, use_gate_in_kernel=True, lower_bound=opts["lower_bound"]))
     assert chosen.name == "triton_chunk"
-    do = torch.randn(*tensors["v"].shape, device="cuda")
-    dht = torch.randn_like(tensors["initial_state"])
-    clear_fallback_events()
-    o, ht, grads = _run(chunk_kda, tensors, extra, do, dht)
-    o_ref, ht_ref, grads_ref = _run(fla_chunk_kda, tensors, extra, do, dht)
-    assert not fallback_events(), f"expected our kernels and FLA's backward, got fallbacks {fallback_events()}"
-    errors = {"o": assert_rel_close(o, o_ref, 1e-2, name="o"),
-              "final_state": assert_rel_close(ht, ht_ref, 1e-2, name="final_state")}
-    for name in grads_ref:
-        errors[f"d{name}"] = assert_rel_close(grads[name], grads_ref[name], 2e-2, name=f"d{name}")
+    errors = _assert_matches_fla(tensors, extra, path=None, o_tol=1e-2, state_tol=1e-2, grad_tol=2e-2)
     print("relative errors against FLA:", " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
 
 

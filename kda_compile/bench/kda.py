@@ -3,11 +3,12 @@
 Prefill (``chunk_kda``): forward in inference mode and forward+backward, bf16, K = V = 128, the
 in-kernel q/k L2 norm, gate and beta sigmoid, an fp32 initial state, on the shapes of the project's
 anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: "ours (own kernels)"
-(our Triton prefill, opt-in: ``only_backends("triton_chunk")``), "ours (FLA path)" (the op's default on
-CUDA, ``only_backends("fla")``: FLA's gate and intra-chunk kernels, then our scan kernel; FLA's backward)
-and "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the
-speedup over FLA per shape (needs matplotlib; otherwise the log says why there is none). The providers
-of a shape are timed in ``PREFILL_ROUNDS`` interleaved rounds, each quantile the median over the rounds.
+(our Triton prefill, ``only_backends("triton_chunk")``: the op's default for the lower-bound gate with
+``lower_bound >= -5``, else opt-in), "ours (FLA path)" (the op's default on CUDA for other gates,
+``only_backends("fla")``: FLA's gate and intra-chunk kernels, then our scan kernel; FLA's backward) and
+"FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the speedup over FLA per shape (needs
+matplotlib; otherwise the log says why there is none). The providers of a shape are timed in
+``PREFILL_ROUNDS`` interleaved rounds, each quantile the median over the rounds.
 ``KDA_COMPILE_PREFILL_SEGMENTS=P`` forces the scan's segment count (tuning).
 Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
 1 / 64 / 256, with the state bytes moved per second. GPU time two ways, both from CUDA graphs: one call

@@ -2,7 +2,7 @@
 
 Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fake and backward), and
 PREFERRED over it for the lower-bound gate with ``lower_bound >= -BOUNDED_GATE_LIMIT`` (``preferred_reason``).
-On an H100 (session 12, 2026-11-23, bf16, K = V = 128, in-kernel norm / gate / beta; ``bench/results``) our
+On an H100 (session 12, 2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta; ``bench/results``) our
 forward runs 1.19-1.60x FLA's over seven benchmark shapes with the softplus gate, but its cost depends on
 the data: with strong decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g.
 Mamba-style ``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the prepare kernel adds its exact-diagonal
@@ -50,7 +50,7 @@ CHUNK = 64  # the chunk of our prepare kernel, hence of the FLA residuals it can
 
 OWN_RESIDUALS, FLA_FORWARD, REFERENCE_BACKWARD = "own", "fla", "reference"
 # |lower_bound| (nats per step) up to which a block's decay range stays within the prepare kernel's
-# DIAG_RANGE_LIMIT (120 log2 units over 16 steps: 120 ln 2 / 16 = 5.2); tests/kda/test_triton_chunk.py checks it.
+# DIAG_RANGE_LIMIT (120 log2 units over 16 steps: 120 ln 2 / 16 = 5.2); tests/kda/test_prefill_backend.py checks it.
 BOUNDED_GATE_LIMIT = 5.0
 _FLA = FLABackend()
 _failed_variants: dict[tuple, str] = {}  # call variants whose kernels did not compile -> the reason

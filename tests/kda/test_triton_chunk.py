@@ -503,7 +503,7 @@ def test_exact_and_factored_diagonal_channels_mixed(K):
 def test_bounded_gate_at_its_bound_is_accurate(saturation):
     """The lower-bound gate's largest decay, ``lower_bound = -BOUNDED_GATE_LIMIT`` nats on every step and
     channel (the backend prefers our kernels for it): each block spans 115.4 log2, just under
-    ``DIAG_RANGE_LIMIT`` (test below), so the factored diagonal, with factors up to 2^58, serves it:
+    ``DIAG_RANGE_LIMIT`` (test_prefill_backend.py), so the factored diagonal, with factors up to 2^58, serves it:
     against fp64."""
     shape = KDAShape(1, 130, 1, 2, 48, 16)
     args = _args(shape, weak_decay=False, qk_l2norm=True)

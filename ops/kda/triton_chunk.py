@@ -28,7 +28,7 @@ import torch
 import triton
 
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
-from kda_compile.ops.kda.triton_chunk_prepare import kda_prepare_kernel
+from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
 from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
 
 CHUNK = 64  # BT: fixed by the prepare kernel (four 16-row sub-blocks)
@@ -97,7 +97,8 @@ def _tuned(kernel_name: str):
         configs = [triton.Config({"BKC": 16, "BWC": 64}, num_warps=4, num_stages=1),
                    triton.Config({"BKC": 16, "BWC": 128}, num_warps=4, num_stages=1),
                    triton.Config({"BKC": 32, "BWC": 128}, num_warps=4, num_stages=1)]
-        return triton.autotune(configs, key=["H", "HV", "K", "V", "GATE", "L2NORM", "SAVE_AKK"])(kda_prepare_kernel)
+        key = ["H", "HV", "K", "V", "GATE", "EXACT_DIAGONAL", "L2NORM", "SAVE_AKK"]
+        return triton.autotune(configs, key=key)(kda_prepare_kernel)
     stages = [triton.Config({}, num_warps=8, num_stages=1), triton.Config({}, num_warps=8, num_stages=2),
               triton.Config({}, num_warps=4, num_stages=1)]
     kernel = kda_chunk_scan_kernel if kernel_name == "scan" else kda_segment_summary_kernel
@@ -278,8 +279,8 @@ def chunk_kda_prefill(
         T=T, N=N, scale=float(scale), beta_scale=2.0 if allow_neg_eigval else 1.0,
         lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
         H=H, HV=HV, K=K, V=V, SEARCH_STEPS=max(1, math.ceil(math.log2(N + 1)) + 1), IS_VARLEN=varlen,
-        L2NORM=use_qk_l2norm_in_kernel, GATE=gate, HAS_A_LOG=A_log_arg is not dummy,
-        HAS_DT_BIAS=dt_bias_arg is not dummy, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
+        L2NORM=use_qk_l2norm_in_kernel, GATE=gate, EXACT_DIAGONAL=exact_diagonal_needed(gate, lower_bound),
+        HAS_A_LOG=A_log_arg is not dummy, HAS_DT_BIAS=dt_bias_arg is not dummy, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
         SAVE_AKK=save_residuals, SAVE_G=save_g, DOT_BF16=dot_bf16, A_PRECISION=dot_precision,
         SOLVE_PRECISION=solve_precision,
     )

@@ -46,7 +46,9 @@ Numerics (g <= 0, so G decreases along the chunk):
   (gates near -inf, strong softplus decays) take ``a_s = c_s`` and their diagonal block is summed
   exactly, element by element with the decay masked to ``-inf`` above the diagonal before exp2
   (``_exact_diagonal``: slow, in a second pass over K that runs only when some slice needs it and
-  reloads its inputs).
+  reloads its inputs). Launches that cannot need it (``exact_diagonal_needed``: the lower-bound gate
+  with ``lower_bound >= -MAX_BOUNDED_DECAY``) compile without it (``EXACT_DIAGONAL``): its code alone cost
+  6-8% of the kernel's time on an H100 (register allocation around it; session 13).
 - Gates are floored at ``GATE_FLOOR`` (log2 units): any span containing such a step decays by less
   than 2^-150, which is 0 in fp32 either way; the floor keeps ``-inf`` gates from producing NaN.
 - The triangular inverse: forward substitution on the four 16 x 16 diagonal blocks at once (fp32),
@@ -61,13 +63,15 @@ tokens, contiguous). Outputs ``w, qg, kd`` ``[TT, HV, K]``, ``u`` ``[TT, HV, V]`
 ``decay`` ``[chunks, HV, K]``. ``W`` doubles as scratch: pass 1 stores ``beta 2^G k`` there and pass 2
 overwrites it with ``T`` times it (same program, after a barrier).
 """
+import math
 import os
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kda_compile.ops.kda.triton_common import GATE_PRECOMPUTED, GATE_SOFTPLUS, dot_operand, tf32_round
+from kda_compile.ops.kda.triton_common import (GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS, dot_operand,
+                                               tf32_round)
 
 # Plain globals are rejected by the compiler (not by the interpreter): constexpr.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -75,13 +79,26 @@ L2NORM_EPS = tl.constexpr(1e-6)
 GATE_FLOOR = tl.constexpr(-150.0)  # log2 units: 2^-150 rounds to 0 in fp32
 DIAG_RANGE_LIMIT = tl.constexpr(120.0)  # beyond it (per block and channel), the exact diagonal
 
-# The hardware log2 (MUFU) instead of libdevice's polynomial log2f; the interpreter has no libdevice.
-FAST_LOG2 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+# The largest per-step decay (nats) of which 16 steps stay within DIAG_RANGE_LIMIT (log2 units), with a 1%
+# margin for the fp32 rounding of the in-kernel gate and its cumsum: 5.147 (the exact bound is 5.199).
+MAX_BOUNDED_DECAY = 0.99 * DIAG_RANGE_LIMIT.value * math.log(2.0) / 16
+
+
+def exact_diagonal_needed(gate: int, lower_bound: float | None) -> bool:
+    """Whether a launch must compile the exact-diagonal pass: always, except for the lower-bound gate with
+    ``lower_bound >= -MAX_BOUNDED_DECAY``, whose 16-token blocks cannot exceed ``DIAG_RANGE_LIMIT`` (each step
+    decays by ``lower_bound * sigmoid(x)``, at most ``-lower_bound`` nats)."""
+    return not (gate == GATE_LOWER_BOUND.value and lower_bound is not None and lower_bound >= -MAX_BOUNDED_DECAY)
+
+
+# The hardware log2 (MUFU) instead of libdevice's polynomial log2f, and the approximate division; the
+# interpreter has no libdevice.
+HARDWARE_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
 def _log2(x):
-    if FAST_LOG2:
+    if HARDWARE_MATH:
         y = libdevice.fast_log2f(x)
     else:
         y = tl.log2(x)
@@ -114,10 +131,24 @@ def _log2_gate(x, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K: tl.constexpr
             log2_1p = _log2(u) + c * LOG2E
             x = -a * tl.where(x > 20.0, x * LOG2E, log2_1p)
         else:
+            # lb * sigmoid(a x) / ln 2 = (lb / ln 2) / (1 + 2^(-a x / ln 2)): one scalar factor, two MUFU
+            # operations and an approximate division per element (``_divide``).
+            slope = -LOG2E
             if HAS_A_LOG:
-                x = tl.exp2(tl.load(A_log + hv).to(tl.float32) * LOG2E) * x
-            x = (lower_bound * LOG2E) * tl.fdiv(1.0, 1.0 + tl.exp2(-x * LOG2E))  # lb * sigmoid(x) / ln 2
+                slope = -tl.exp2(tl.load(A_log + hv).to(tl.float32) * LOG2E) * LOG2E
+            x = _divide(lower_bound * LOG2E, 1.0 + tl.exp2(x * slope))
     return tl.maximum(x, GATE_FLOOR)
+
+
+@triton.jit
+def _divide(a, b):
+    """``a / b`` for ``b >= 1``: the hardware reciprocal (2 ulp; 0 for ``b > 2^126``, where the exact
+    quotient is below 2^-123 |a|) instead of IEEE division's range checks; exact when interpreted."""
+    if HARDWARE_MATH:
+        y = libdevice.fast_dividef(a, b)
+    else:
+        y = a / b
+    return y
 
 
 @triton.jit
@@ -194,10 +225,11 @@ def _blocks(x, NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def _stripe(qe, ke, key, middle, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr, NB: tl.constexpr,
+def _stripe(aqk, akk, qe, ke, key, middle, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr, NB: tl.constexpr,
             BC: tl.constexpr, BKC: tl.constexpr):
-    """One K slice of column stripe s (keys of block s) of ``A_qk`` and ``A_kk``: two ``[NB * BC, BC]``
-    fp32 products. ``qe, ke = q, k * 2^(G - p_own)`` ``[NB, BC, BKC]``, ``key = k * 2^(a_s - G)`` of the
+    """Column stripe s (keys of block s) of ``A_qk`` and ``A_kk`` ``[NB * BC, BC]`` (fp32) plus one K slice's
+    products, accumulated in place on the tensor cores. ``qe, ke = q, k * 2^(G - p_own)`` ``[NB, BC, BKC]``,
+    ``key = k * 2^(a_s - G)`` of the
     block's 16 keys ``[BC, BKC]``, ``middle = 2^(p_r - a_s)`` ``[NB, BKC]`` (0 for the blocks and
     channels the stripe leaves out; from ``_block_gates``).
     Diagonal entries of slow channels are left out (``_exact_diagonal`` adds them). For fp32 / fp16
@@ -208,7 +240,7 @@ def _stripe(qe, ke, key, middle, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr
     key_t = tl.trans(key)
     if not DOT_BF16:
         q_op, k_op, key_t = tf32_round(q_op), tf32_round(k_op), tf32_round(key_t)
-    return (tl.dot(q_op, key_t, input_precision=PRECISION), tl.dot(k_op, key_t, input_precision=PRECISION))
+    return (tl.dot(q_op, key_t, aqk, input_precision=PRECISION), tl.dot(k_op, key_t, akk, input_precision=PRECISION))
 
 
 @triton.jit
@@ -314,7 +346,8 @@ def kda_prepare_kernel(
     T, N, scale, beta_scale, lower_bound,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BKC: tl.constexpr, BWC: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+    IS_VARLEN: tl.constexpr, L2NORM: tl.constexpr, GATE: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
+    HAS_A_LOG: tl.constexpr,
     HAS_DT_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr, SAVE_AKK: tl.constexpr, SAVE_G: tl.constexpr,
     DOT_BF16: tl.constexpr, A_PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
 ):
@@ -322,7 +355,8 @@ def kda_prepare_kernel(
     number the chunks of all sequences in order (``chunk_offsets[n]`` = first slot of sequence n,
     ``chunk_offsets[N]`` = total); slots past the total exit at once.
 
-    ``BKC``: the K slice of pass 1 (gates, A); ``BWC``: the column slice of pass 2 (w and u)."""
+    ``BKC``: the K slice of pass 1 (gates, A); ``BWC``: the column slice of pass 2 (w and u).
+    ``EXACT_DIAGONAL``: compile the exact-diagonal pass (``exact_diagonal_needed``)."""
     BT: tl.constexpr = 64
     BC: tl.constexpr = 16
     NB: tl.constexpr = 4
@@ -379,17 +413,23 @@ def kda_prepare_kernel(
     beta = _beta(Beta, rows, ok, beta_scale, HV, BETA_SIGMOID)  # [BT]
 
     # ---- the L2 norms, in a pass of their own when K spans several slices ---------------------------
+    # 64-channel tiles in an unrolled loop: every load is issued before the first sum waits (a loop of
+    # dependent BKC-wide iterations left each load's latency exposed: 11% of the kernel's stall samples
+    # on an H100, session 13).
     q_scale3 = tl.zeros([NB, BC, 1], dtype=tl.float32) + scale
     k_scale3 = tl.zeros([NB, BC, 1], dtype=tl.float32) + 1.0
     if L2NORM and K > BKC:
-        q_sq = tl.zeros([NB, BC, 1], dtype=tl.float32)
-        k_sq = tl.zeros([NB, BC, 1], dtype=tl.float32)
-        for k0 in range(0, K, BKC):
-            cols = k0 + tl.arange(0, BKC)
-            x = _load_tile(Q, rows, ok, cols, cols < K, H * K, NB, BC)
-            q_sq += tl.sum(x * x, 2)[:, :, None]
-            x = _load_tile(Kt, rows, ok, cols, cols < K, H * K, NB, BC)
-            k_sq += tl.sum(x * x, 2)[:, :, None]
+        q_sq = tl.zeros([BT], dtype=tl.float32)
+        k_sq = tl.zeros([BT], dtype=tl.float32)
+        for k0 in tl.static_range(0, K, 64):
+            wide = k0 + tl.arange(0, 64)
+            wide_ok = ok[:, None] & (wide < K)[None, :]
+            q_wide = tl.load(Q + rows[:, None] * (H * K) + wide[None, :], mask=wide_ok, other=0.0).to(tl.float32)
+            q_sq += tl.sum(q_wide * q_wide, 1)
+            k_wide = tl.load(Kt + rows[:, None] * (H * K) + wide[None, :], mask=wide_ok, other=0.0).to(tl.float32)
+            k_sq += tl.sum(k_wide * k_wide, 1)
+        q_sq = tl.reshape(q_sq, [NB, BC])[:, :, None]
+        k_sq = tl.reshape(k_sq, [NB, BC])[:, :, None]
         q_scale3 = scale / tl.sqrt(q_sq + L2NORM_EPS)
         k_scale3 = 1.0 / tl.sqrt(k_sq + L2NORM_EPS)
 
@@ -431,20 +471,12 @@ def kda_prepare_kernel(
         keys = k3 * tl.exp2(anchors[:, None, :] - G3)  # k 2^(a_own - G)
 
         key0, key1, key2, key3 = _blocks(keys, NB, BC, BKC)
-        qk, kk = _stripe(qe, ke, key0, m0, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk0 += qk
-        akk0 += kk
-        qk, kk = _stripe(qe, ke, key1, m1, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk1 += qk
-        akk1 += kk
-        qk, kk = _stripe(qe, ke, key2, m2, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk2 += qk
-        akk2 += kk
-        qk, kk = _stripe(qe, ke, key3, m3, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk3 += qk
-        akk3 += kk
+        aqk0, akk0 = _stripe(aqk0, akk0, qe, ke, key0, m0, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        aqk1, akk1 = _stripe(aqk1, akk1, qe, ke, key1, m1, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        aqk2, akk2 = _stripe(aqk2, akk2, qe, ke, key2, m2, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        aqk3, akk3 = _stripe(aqk3, akk3, qe, ke, key3, m3, A_PRECISION, DOT_BF16, NB, BC, BKC)
 
-    if tl.max(slow_slices, 0) > 0:
+    if EXACT_DIAGONAL and tl.max(slow_slices, 0) > 0:
         # Rare (gates near -inf): the exact diagonal blocks of the slow channels, in a second pass that
         # reloads what it needs (nothing of it stays live through the fast loop).
         for k0 in range(0, K, BKC):

@@ -43,6 +43,23 @@ def test_bounded_gate_limit_matches_the_kernel():
     assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
 
 
+def test_exact_diagonal_is_compiled_unless_the_gate_bounds_every_block():
+    """The prepare kernel leaves its exact-diagonal pass out only for lower-bound gates whose 16 steps stay
+    within ``DIAG_RANGE_LIMIT``; every call the backend prefers is one of them."""
+    from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT, MAX_BOUNDED_DECAY, exact_diagonal_needed
+    from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
+
+    assert 16 * MAX_BOUNDED_DECAY / math.log(2.0) < DIAG_RANGE_LIMIT.value
+    lower = int(GATE_LOWER_BOUND)
+    assert not exact_diagonal_needed(lower, -BOUNDED_GATE_LIMIT)
+    assert not exact_diagonal_needed(lower, -MAX_BOUNDED_DECAY)
+    assert not exact_diagonal_needed(lower, -0.01)
+    assert exact_diagonal_needed(lower, -MAX_BOUNDED_DECAY * 1.001)
+    assert exact_diagonal_needed(lower, None)
+    assert exact_diagonal_needed(int(GATE_SOFTPLUS), None)
+    assert exact_diagonal_needed(int(GATE_PRECOMPUTED), -1.0)
+
+
 def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
     """A backend above ours serves every other call; the bounded lower-bound gate comes to ours first
     (forward, fake and backward all ask ``select_backend`` the same question)."""

@@ -36,6 +36,8 @@ from kda_compile.ops.kda.prefill_backend import (  # noqa: E402
     BOUNDED_GATE_LIMIT, FLA_FORWARD, OWN_RESIDUALS, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
 )
 from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill, choose_segments  # noqa: E402
+from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY, exact_diagonal_needed  # noqa: E402
+from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND  # noqa: E402
 
 # The interpreter reads a program id as a 1-element array where a loop bound wants a scalar.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -514,6 +516,20 @@ def test_bounded_gate_at_its_bound_is_accurate(saturation):
     assert rel_error(got[0], want[0]) < 1e-6
     tol = 1e-5 if INTERPRETED else 3e-3
     assert rel_error(got[1], want[1]) < tol and rel_error(got[2], want[2]) < tol
+    check(args)
+
+
+@pytest.mark.parametrize("beyond", [False, True], ids=["at-the-bound", "beyond-the-bound"])
+def test_saturated_lower_bound_gate(beyond):
+    """The in-kernel lower-bound gate saturated (every step decays by ``-lower_bound`` nats) at the largest
+    bound the kernel serves without its exact-diagonal pass (``MAX_BOUNDED_DECAY``: each block spans 118.8
+    log2, just under ``DIAG_RANGE_LIMIT``), and beyond it (twice the bound: the pass is compiled and every
+    block takes it): against fp64."""
+    bound = MAX_BOUNDED_DECAY * (2.0 if beyond else 1.0)
+    assert exact_diagonal_needed(int(GATE_LOWER_BOUND), -bound) == beyond
+    args = _args(KDAShape(1, 80, 1, 2, 48, 16), weak_decay=False, gate_form="lower_bound", A_log=False,
+                 lower_bound=-bound, qk_l2norm=True, beta_sigmoid=True, initial_state=True)
+    args["g"] = torch.full_like(args["g"], 30.0)  # sigmoid(30 + dt_bias) = 1 in fp32
     check(args)
 
 

@@ -1,6 +1,7 @@
 """An older prepare kernel against the working tree's, side by side (run on the GPU box; not part of the package).
 
-Extract the old kernel first, e.g. `git show 57e3111:ops/kda/triton_chunk_prepare.py > .exp/prepare_old.py`.
+Extract the old kernel first, e.g. `git show 57e3111:ops/kda/triton_chunk_prepare.py > .exp/prepare_old.py`
+(``OLD``: another path; ``NEW``: a module file to time instead of the working tree's kernel).
 Same launch as kda_prepare_profile.py (bf16, K = V = 128, in-kernel L2 norm / softplus gate / beta sigmoid).
 ``CONFIGS``: launch configurations ``BKC/BWC/warps/stages[/maxnreg]`` separated by ``;`` (default: the
 autotuner's three). Per configuration: 5 interleaved do_bench rounds (median) of both kernels, on the benchmark's
@@ -31,11 +32,17 @@ def parse_config(text: str) -> dict:
     return config
 
 
+def load_kernel(name: str, path: str):
+    """``kda_prepare_kernel`` of the module file at ``path``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.kda_prepare_kernel
+
+
 def main() -> None:
-    spec = importlib.util.spec_from_file_location("prepare_old", ".exp/prepare_old.py")
-    old = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(old)
-    kernels = (("old", old.kda_prepare_kernel), ("new", new_kernel))
+    kernels = (("old", load_kernel("prepare_old", os.environ.get("OLD", ".exp/prepare_old.py"))),
+               ("new", load_kernel("prepare_new", os.environ["NEW"]) if os.environ.get("NEW") else new_kernel))
     configs = [parse_config(c) for c in os.environ.get("CONFIGS", DEFAULT_CONFIGS).split(";")]
     shapes = [tuple(int(x) for x in s.split("x")) for s in os.environ.get("SHAPES", "8x4096x32,1x8192x32").split(",")]
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -45,8 +52,9 @@ def main() -> None:
             reference = None
             for config in configs:
                 outs = {}
-                for name, kern in kernels:
-                    kern[grid](*tensors, **kwargs, **config)
+                own = {name: {k: v for k, v in kwargs.items() if k in kern.arg_names} for name, kern in kernels}
+                for name, kern in kernels:  # (an older kernel takes fewer arguments)
+                    kern[grid](*tensors, **own[name], **config)
                     torch.cuda.synchronize()
                     outs[name] = [t.float().clone() for t in tensors[7:12]]
                 reference = reference or outs["old"]
@@ -55,7 +63,7 @@ def main() -> None:
                 for _ in range(5):
                     for name, kern in kernels:
                         times[name].append(triton.testing.do_bench(
-                            lambda: kern[grid](*tensors, **kwargs, **config), warmup=25, rep=100))
+                            lambda: kern[grid](*tensors, **own[name], **config), warmup=25, rep=100))
                 o, n = statistics.median(times["old"]), statistics.median(times["new"])
                 print(f"{B}x{T}x{H} strong={int(strong)} {config}: old {o:.3f} new {n:.3f} old/new {o / n:.3f}"
                       f"   new vs old (first config) rel err w,u,qg,kd,Aqk: " + " ".join(f"{e:.1e}" for e in errs),

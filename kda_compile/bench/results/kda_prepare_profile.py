@@ -7,7 +7,8 @@ K = V = 128, in-kernel L2 norm / softplus gate with A_log and dt_bias / beta sig
 - ``STRONG=1``: strong decays (``A_log = log U(1, 16)`` as Mamba-style inits, raw gate ~ N(0, 1)): most
   16-token blocks then exceed ``DIAG_RANGE_LIMIT`` in some channel and take the exact-diagonal pass;
 - ``NOSLOW=1``: lift ``DIAG_RANGE_LIMIT`` (no exact-diagonal pass; outputs wrong for strong decays; timing only);
-- ``OVERRIDE='SOLVE_PRECISION="tf32";L2NORM=False'``: replace kernel arguments, to time the kernel with a
+- ``OVERRIDE='SOLVE_PRECISION="tf32";L2NORM=False'``: replace kernel arguments (``'GATE=2;lower_bound=-5.0'``:
+  the lower-bound gate, compiled without the exact diagonal as the launcher does), or time the kernel with a
   piece of work left out (outputs not meaningful);
 - ``PROF=1``: one launch per configuration at 8 x 4096 x 32, for ``ncu -k regex:kda_prepare``.
 
@@ -18,7 +19,7 @@ import os
 import torch
 import triton
 
-from kda_compile.ops.kda.triton_chunk_prepare import kda_prepare_kernel
+from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
 from kda_compile.ops.kda.triton_common import GATE_SOFTPLUS
 
 K = V = 128
@@ -47,6 +48,7 @@ def launch_arguments(B, T, H, strong: bool):
     for item in filter(None, os.environ.get("OVERRIDE", "").split(";")):
         name, value = item.split("=", 1)
         kwargs[name] = eval(value)  # a literal from the command line
+    kwargs.setdefault("EXACT_DIAGONAL", exact_diagonal_needed(kwargs["GATE"], kwargs["lower_bound"]))
     return (slots, H), tensors, kwargs
 
 

@@ -157,8 +157,14 @@ def _load_tile(ptr, rows, ok, cols, col_ok, stride, NB: tl.constexpr, BC: tl.con
     as a 2-D tile and reshaped: Triton then lays each 16-row block out inside one warp (lanes along
     the rows), so the block scans and sums below stay in registers and shuffles; a 3-D load puts the
     warps along the rows of every block instead."""
+    return tl.reshape(_load_rows(ptr, rows, ok, cols, col_ok, stride), [NB, BC, cols.shape[0]])
+
+
+@triton.jit
+def _load_rows(ptr, rows, ok, cols, col_ok, stride):
+    """The chunk's ``[BT, len(cols)]`` tile of a row-major tensor as fp32 (0 outside)."""
     x = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
-    return tl.reshape(x.to(tl.float32), [NB, BC, cols.shape[0]])
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -180,6 +186,12 @@ def _beta(Beta, rows, ok, beta_scale, HV: tl.constexpr, BETA_SIGMOID: tl.constex
 
 
 @triton.jit
+def _block_sums(L3, BC: tl.constexpr):
+    """``[NB, BKC]`` gate sums of the blocks: the last row of the block-local cumsum ``L3``."""
+    return tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)
+
+
+@triton.jit
 def _block_gates(L3, NB: tl.constexpr, BC: tl.constexpr):
     """Per-block gate quantities of a K slice from the block-local cumsum ``L3`` ``[NB, BC, BKC]``.
 
@@ -191,7 +203,7 @@ def _block_gates(L3, NB: tl.constexpr, BC: tl.constexpr):
     range is within ``DIAG_RANGE_LIMIT``, else its end); ``slow`` ``[NB]`` (1 when some block of the
     slice needs the exact diagonal); and ``m0 .. m3``, stripe s's query factors ``2^(p_r - a_s)``
     ``[NB, BKC]`` (0 for blocks r < s, and for r = s in channels that take the exact diagonal)."""
-    S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)  # [NB, BKC] block sums
+    S = _block_sums(L3, BC)
     S_all = tl.trans(S)[None, :, :] + tl.zeros([NB, S.shape[1], NB], dtype=tl.float32)
     own = tl.arange(0, NB)[None, None, :] == tl.arange(0, NB)[:, None, None]
     P_all = tl.cumsum(S_all, 2) - S_all  # gate before block s (fp32 sums of the same terms in every warp)
@@ -423,10 +435,9 @@ def kda_prepare_kernel(
         k_sq = tl.zeros([BT], dtype=tl.float32)
         for k0 in tl.static_range(0, K, 64):
             wide = k0 + tl.arange(0, 64)
-            wide_ok = ok[:, None] & (wide < K)[None, :]
-            q_wide = tl.load(Q + rows[:, None] * (H * K) + wide[None, :], mask=wide_ok, other=0.0).to(tl.float32)
+            q_wide = _load_rows(Q, rows, ok, wide, wide < K, H * K)
             q_sq += tl.sum(q_wide * q_wide, 1)
-            k_wide = tl.load(Kt + rows[:, None] * (H * K) + wide[None, :], mask=wide_ok, other=0.0).to(tl.float32)
+            k_wide = _load_rows(Kt, rows, ok, wide, wide < K, H * K)
             k_sq += tl.sum(k_wide * k_wide, 1)
         q_sq = tl.reshape(q_sq, [NB, BC])[:, :, None]
         k_sq = tl.reshape(k_sq, [NB, BC])[:, :, None]
@@ -485,8 +496,7 @@ def kda_prepare_kernel(
             m = ok3 & col_ok[None, None, :]
             L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE,
                               HAS_A_LOG, HAS_DT_BIAS)
-            S = tl.sum(tl.where(tl.arange(0, BC)[None, :, None] == BC - 1, L3, 0.0), 1)
-            slow = -S > DIAG_RANGE_LIMIT
+            slow = -_block_sums(L3, BC) > DIAG_RANGE_LIMIT
             if tl.max(tl.max(slow.to(tl.int32), 1), 0) > 0:
                 q3 = _load_tile(Q, rows, ok, cols, col_ok, H * K, NB, BC) * q_scale3
                 k3 = _load_tile(Kt, rows, ok, cols, col_ok, H * K, NB, BC) * k_scale3

@@ -36,19 +36,14 @@ def test_training_path_without_fla_uses_the_reference_backward():
     assert path == REFERENCE_BACKWARD and "FLA" in reason
 
 
-def test_bounded_gate_limit_matches_the_kernel():
-    """``BOUNDED_GATE_LIMIT`` nats per step over a 16-token block stays within the kernel's limit."""
-    from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT
-
-    assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
-
-
-def test_exact_diagonal_is_compiled_unless_the_gate_bounds_every_block():
-    """The prepare kernel leaves its exact-diagonal pass out only for lower-bound gates whose 16 steps stay
-    within ``DIAG_RANGE_LIMIT``; every call the backend prefers is one of them."""
+def test_bounded_gates_stay_within_the_kernels_limit():
+    """``BOUNDED_GATE_LIMIT`` nats per step over a 16-token block stays within the kernel's limit, and the
+    prepare kernel leaves its exact-diagonal pass out only for lower-bound gates whose 16 steps stay within
+    ``DIAG_RANGE_LIMIT``: every call the backend prefers is one of them."""
     from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT, MAX_BOUNDED_DECAY, exact_diagonal_needed
     from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 
+    assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
     assert 16 * MAX_BOUNDED_DECAY / math.log(2.0) < DIAG_RANGE_LIMIT.value
     lower = int(GATE_LOWER_BOUND)
     assert not exact_diagonal_needed(lower, -BOUNDED_GATE_LIMIT)

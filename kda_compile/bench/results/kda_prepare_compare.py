@@ -49,11 +49,12 @@ def main() -> None:
     for B, T, H in shapes:
         for strong in (False, True):
             grid, tensors, kwargs = launch_arguments(B, T, H, strong=strong)
+            # each kernel's own arguments (an older kernel takes fewer)
+            own = {name: {k: v for k, v in kwargs.items() if k in kern.arg_names} for name, kern in kernels}
             reference = None
             for config in configs:
                 outs = {}
-                own = {name: {k: v for k, v in kwargs.items() if k in kern.arg_names} for name, kern in kernels}
-                for name, kern in kernels:  # (an older kernel takes fewer arguments)
+                for name, kern in kernels:
                     kern[grid](*tensors, **own[name], **config)
                     torch.cuda.synchronize()
                     outs[name] = [t.float().clone() for t in tensors[7:12]]

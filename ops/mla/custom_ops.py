@@ -20,7 +20,8 @@ more attention forward), the absorbed form (short queries: inference shapes) by 
 float32, which materialises the [B, H, Sq, T] scores. No double backward.
 
 Kernels: the default one (any device) runs both forms in torch (the attention op serves the
-expanded one); CUDA runs the absorbed form through the Triton split-KV kernel (``triton_decode.py``).
+expanded one); CUDA runs the absorbed form through a split-KV kernel: the Hopper wgmma one
+(``wgmma_decode.py``) or the Triton one (``triton_decode.py``), as ``decode_kernels.py`` chooses.
 """
 from __future__ import annotations
 
@@ -72,19 +73,20 @@ def triton_unavailable() -> str | None:
     return module_unusable("kda_compile.ops.mla.triton_decode")
 
 
-def absorbed_mla_triton(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, is_causal):
-    """The absorbed form with the Triton kernel: out [B, H, Sq, Dv], BSHD-stored, input dtype.
+def absorbed_mla_cuda(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, is_causal):
+    """The absorbed form with a CUDA kernel (``decode_kernels.py`` picks the Hopper wgmma one or the
+    Triton one): out [B, H, Sq, Dv], BSHD-stored, input dtype.
 
     The absorption matmuls are batched over heads with the weight viewed, never copied per batch:
     [H, B*Sq, Dn] @ W_UK [H, Dn, R] before the kernel, [H, B*Sq, R] @ W_UV^T [H, R, Dv] after it.
     """
-    from kda_compile.ops.mla.triton_decode import mla_decode_attention
+    from kda_compile.ops.mla.decode_kernels import mla_decode
 
     b, h, sq, dn = q_nope.shape
     r = kv_latent.shape[2]
     w_uk, w_uv = split_kv_b_weight(kv_b_weight, h, dn)
     q_lat = torch.bmm(q_nope.permute(1, 0, 2, 3).reshape(h, b * sq, dn), w_uk)  # [H, B*Sq, R]
-    o_lat, _ = mla_decode_attention(q_lat.view(h, b, sq, r).permute(1, 0, 2, 3), q_rope, kv_latent, k_rope,
+    o_lat, _ = mla_decode(q_lat.view(h, b, sq, r).permute(1, 0, 2, 3), q_rope, kv_latent, k_rope,
                                     attn_mask, scale, is_causal)
     out_h = torch.bmm(o_lat.permute(1, 0, 2, 3).reshape(h, b * sq, r), w_uv.transpose(1, 2))  # [H, B*Sq, Dv]
     return bshd(out_h.view(h, b, sq, -1).permute(1, 0, 2, 3))
@@ -97,7 +99,7 @@ def _forward(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, i
         return bshd(expanded_mla(*args))
     if cuda:
         if q_nope.dtype in _TRITON_DTYPES and not triton_unavailable():
-            return absorbed_mla_triton(*args)
+            return absorbed_mla_cuda(*args)
         why = triton_unavailable() or f"{q_nope.dtype} inputs have no Triton kernel"
         record_fallback("mla_attention", "torch absorbed", why)
     return bshd(absorbed_mla(*args).to(q_nope.dtype))

@@ -239,7 +239,7 @@ def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
+def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -248,7 +248,7 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _mask_for_kernel(attn_mask, b: int, h: int, sq: int, t: int):
+def mask_for_kernel(attn_mask, b: int, h: int, sq: int, t: int):
     """(tensor, kind, strides) of a mask broadcast to [B, H, Sq, T] without copying
     (kind 0 none, 1 bool reinterpreted as uint8, 2 additive float)."""
     if attn_mask is None:
@@ -289,24 +289,17 @@ def mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: flo
     if num_splits is None:
         if kv_latent.is_cuda:
             index = kv_latent.device.index
-            sms = _sm_count(torch.cuda.current_device() if index is None else index)
+            sms = sm_count(torch.cuda.current_device() if index is None else index)
         else:  # the interpreter: a pretend 4-SM device, so moderate caches already split
             sms = 4
         num_splits = choose_num_splits(b * row_blocks, num_tiles, sms, 1 if interpreted() else 4)
     tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
     num_splits = cdiv(num_tiles, tiles_per_split)  # no split left without a tile
 
-    o_lat = torch.empty((h, b, sq, r), dtype=kv_latent.dtype, device=kv_latent.device).permute(1, 0, 2, 3)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=kv_latent.device)
     partial = num_splits > 1
-    if partial:
-        out_buf = torch.empty((b, h, sq, num_splits, r), dtype=torch.float32, device=kv_latent.device)
-        row_max = torch.empty((b, h, sq, num_splits), dtype=torch.float32, device=kv_latent.device)
-        row_sum = torch.empty_like(row_max)
-        stats = row_max
-    else:  # the kernel writes the final output; the stats pointers are unused
-        out_buf, row_max, row_sum, stats = o_lat.unsqueeze(3), lse, lse, lse.unsqueeze(3)
-    mask, kind, mask_strides = _mask_for_kernel(attn_mask, b, h, sq, t)
+    o_lat, lse, out_buf, row_max, row_sum, stats = allocate_decode_outputs(b, h, sq, r, num_splits, kv_latent.dtype,
+                                                                           kv_latent.device)
+    mask, kind, mask_strides = mask_for_kernel(attn_mask, b, h, sq, t)
     mla_decode_split_kernel[(row_blocks, num_splits, b)](
         q_lat, q_rope, kv_latent, k_rope, mask if mask is not None else kv_latent, out_buf, lse, row_max, row_sum,
         *q_lat.stride(), *q_rope.stride(), *kv_latent.stride(), *k_rope.stride(), *mask_strides,
@@ -317,9 +310,31 @@ def mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: flo
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial:
-        mla_decode_merge_kernel[(sq * h, b)](
-            out_buf, row_max, row_sum, o_lat, lse, *out_buf.stride(), *row_max.stride(), *o_lat.stride(),
-            *lse.stride(), h, r, num_splits, BLOCK_R=block_r, BLOCK_S=max(2, next_power_of_2(num_splits)),
-            num_warps=1 if interpreted() else 4,
-        )
+        merge_decode_splits(out_buf, row_max, row_sum, o_lat, lse, h, r, num_splits)
     return o_lat, lse
+
+
+def allocate_decode_outputs(b: int, h: int, sq: int, r: int, num_splits: int, dtype: torch.dtype, device):
+    """(o_lat, lse, out_buf, row_max, row_sum, stats) of a split kernel launch.
+
+    o_lat [B, H, Sq, R] stored as [H, B, Sq, R]; lse [B, H, Sq] float32. With several splits the
+    kernel writes float32 partials out_buf [B, H, Sq, splits, R] and row_max / row_sum [B, H, Sq,
+    splits] (stats: the tensor whose strides index them); with one it writes o_lat and lse directly
+    (out_buf is o_lat with a unit split axis, the stats pointers are unused)."""
+    o_lat = torch.empty((h, b, sq, r), dtype=dtype, device=device).permute(1, 0, 2, 3)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=device)
+    if num_splits > 1:
+        out_buf = torch.empty((b, h, sq, num_splits, r), dtype=torch.float32, device=device)
+        row_max = torch.empty((b, h, sq, num_splits), dtype=torch.float32, device=device)
+        return o_lat, lse, out_buf, row_max, torch.empty_like(row_max), row_max
+    return o_lat, lse, o_lat.unsqueeze(3), lse, lse, lse.unsqueeze(3)
+
+
+def merge_decode_splits(out_buf, row_max, row_sum, o_lat, lse, h: int, r: int, num_splits: int) -> None:
+    """Combine the splits' partials into o_lat and lse (``mla_decode_merge_kernel``)."""
+    b, _, sq = lse.shape
+    mla_decode_merge_kernel[(sq * h, b)](
+        out_buf, row_max, row_sum, o_lat, lse, *out_buf.stride(), *row_max.stride(), *o_lat.stride(),
+        *lse.stride(), h, r, num_splits, BLOCK_R=max(16, next_power_of_2(r)),
+        BLOCK_S=max(2, next_power_of_2(num_splits)), num_warps=1 if interpreted() else 4,
+    )

@@ -49,3 +49,40 @@ def make_inputs(case: Case, dtype=torch.float64, device="cpu", seed: int = 0, re
 def cases(max_t: int = 40):
     """Small random cases (``kda_compile.testing.mla_cases``): decode, a chunk against a cache, prefill."""
     return mla_cases(max_t=max_t)
+
+
+def latent_oracle(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale, is_causal):
+    """(o_lat [B, H, Sq, R], lse [B, H, Sq]) in float64: MQA over the latent, materialised."""
+    s = (torch.einsum("bhsr,btr->bhst", q_lat.double(), kv_latent.double())
+         + torch.einsum("bhsd,btd->bhst", q_rope.double(), k_rope.double())) * scale
+    sq, t = s.shape[-2:]
+    if is_causal:
+        s = s.masked_fill(torch.arange(t)[None, :] > torch.arange(sq)[:, None] + (t - sq), -math.inf)
+    if attn_mask is not None:
+        mask = attn_mask.cpu()
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
+    dead = (s == -math.inf).all(dim=-1, keepdim=True)
+    safe = torch.where(dead, torch.zeros_like(s), s)
+    p = torch.where(dead, torch.zeros_like(s), torch.softmax(safe, dim=-1))
+    lse = torch.where(dead[..., 0], torch.full_like(dead[..., 0], -math.inf, dtype=torch.float64),
+                      torch.logsumexp(safe, dim=-1))
+    return p @ kv_latent.double()[:, None], lse
+
+
+def kernel_inputs(case, dtype, seed=0):
+    """Latent-form inputs on CPU (values) and on DEVICE, with HF's strided views where the case says."""
+    gen = torch.Generator().manual_seed(seed)
+    b, h, sq, t, r, dr = case.b, case.h, case.sq, case.t, case.r, case.dr
+    q_lat = torch.randn(b, h, sq, r, generator=gen) * r ** -0.5
+    if case.hf_layout:  # q_rope as HF's split view; the latent as the squeezed [B, 1, T, D] cache
+        q_rope = torch.randn(b, sq, h, case.dn + dr, generator=gen).transpose(1, 2)[..., case.dn:]
+        kv_latent = torch.randn(b, 1, t, r, generator=gen)[:, 0]
+        k_rope = torch.randn(b, 1, t, dr, generator=gen)[:, 0]
+    else:
+        q_rope = torch.randn(b, h, sq, dr, generator=gen)
+        kv_latent = torch.randn(b, t, r, generator=gen)
+        k_rope = torch.randn(b, t, dr, generator=gen)
+    _, kwargs = make_inputs(case, dtype, seed=seed)  # the mask (same generator rules as the op tests)
+    mask = kwargs["attn_mask"]
+    tensors = [x.to(dtype) for x in (q_lat, q_rope, kv_latent, k_rope)]
+    return tensors, mask, kwargs["scale"]

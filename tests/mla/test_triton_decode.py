@@ -9,7 +9,6 @@ Skipped when triton is not importable or there is neither CUDA nor the interpret
 cover float32 and float16 (bfloat16 dots are unreliable there); CUDA adds bfloat16. Tolerances
 (relative RMS error): float32 1e-5, float16 5e-3, bfloat16 2e-2; lse: absolute 1e-5 (float32 math).
 """
-import math
 
 import pytest
 import torch
@@ -18,54 +17,17 @@ from hypothesis import strategies as st
 
 from kda_compile.testing import assert_rel_close
 
-from .naive import Case, make_inputs, naive_mla
+from .naive import Case, kernel_inputs, latent_oracle, make_inputs, naive_mla
 
 from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the Triton kernels")
 
-from kda_compile.ops.mla.custom_ops import absorbed_mla_triton  # noqa: E402
+from kda_compile.ops.mla.custom_ops import absorbed_mla_cuda  # noqa: E402
 from kda_compile.ops.mla.triton_decode import choose_num_splits, mla_decode_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
-def latent_oracle(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale, is_causal):
-    """(o_lat [B, H, Sq, R], lse [B, H, Sq]) in float64: MQA over the latent, materialised."""
-    s = (torch.einsum("bhsr,btr->bhst", q_lat.double(), kv_latent.double())
-         + torch.einsum("bhsd,btd->bhst", q_rope.double(), k_rope.double())) * scale
-    sq, t = s.shape[-2:]
-    if is_causal:
-        s = s.masked_fill(torch.arange(t)[None, :] > torch.arange(sq)[:, None] + (t - sq), -math.inf)
-    if attn_mask is not None:
-        mask = attn_mask.cpu()
-        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
-    dead = (s == -math.inf).all(dim=-1, keepdim=True)
-    safe = torch.where(dead, torch.zeros_like(s), s)
-    p = torch.where(dead, torch.zeros_like(s), torch.softmax(safe, dim=-1))
-    lse = torch.where(dead[..., 0], torch.full_like(dead[..., 0], -math.inf, dtype=torch.float64),
-                      torch.logsumexp(safe, dim=-1))
-    return p @ kv_latent.double()[:, None], lse
-
-
-def kernel_inputs(case, dtype, seed=0):
-    """Latent-form inputs on CPU (values) and on DEVICE, with HF's strided views where the case says."""
-    gen = torch.Generator().manual_seed(seed)
-    b, h, sq, t, r, dr = case.b, case.h, case.sq, case.t, case.r, case.dr
-    q_lat = torch.randn(b, h, sq, r, generator=gen) * r ** -0.5
-    if case.hf_layout:  # q_rope as HF's split view; the latent as the squeezed [B, 1, T, D] cache
-        q_rope = torch.randn(b, sq, h, case.dn + dr, generator=gen).transpose(1, 2)[..., case.dn:]
-        kv_latent = torch.randn(b, 1, t, r, generator=gen)[:, 0]
-        k_rope = torch.randn(b, 1, t, dr, generator=gen)[:, 0]
-    else:
-        q_rope = torch.randn(b, h, sq, dr, generator=gen)
-        kv_latent = torch.randn(b, t, r, generator=gen)
-        k_rope = torch.randn(b, t, dr, generator=gen)
-    _, kwargs = make_inputs(case, dtype, seed=seed)  # the mask (same generator rules as the op tests)
-    mask = kwargs["attn_mask"]
-    tensors = [x.to(dtype) for x in (q_lat, q_rope, kv_latent, k_rope)]
-    return tensors, mask, kwargs["scale"]
 
 
 def check_kernel(case, dtype, num_splits=None, seed=0):
@@ -145,8 +107,8 @@ def test_absorbed_form_with_kernel_matches_expansion_oracle(case, dtype):
     """The whole absorbed form (absorption matmuls + kernel + W_UV) against HF's expansion, float64."""
     args, kwargs = make_inputs(case, dtype, DEVICE)
     q_nope, q_rope, kv_latent, k_rope, w = args
-    out = absorbed_mla_triton(q_nope, q_rope, kv_latent[:, 0], k_rope[:, 0], w, kwargs["attn_mask"],
-                              kwargs["scale"], kwargs["is_causal"])
+    out = absorbed_mla_cuda(q_nope, q_rope, kv_latent[:, 0], k_rope[:, 0], w, kwargs["attn_mask"],
+                            kwargs["scale"], kwargs["is_causal"])
     b, h, sq, dv = out.shape
     assert out.stride() == (sq * h * dv, dv, h * dv, 1)
     assert_rel_close(out, naive_mla(*args, **kwargs), TOL[dtype], name="out")

@@ -1,0 +1,160 @@
+"""Run-time compiled CUDA kernels: NVRTC to a cubin, the driver API to load and launch it (ctypes).
+
+For kernels Triton cannot express (Hopper warpgroup MMA schedules). No compiler toolkit is needed:
+NVRTC ships with PyTorch's CUDA wheels, the driver with the GPU. Ops layer: nothing here knows about
+models or torch.compile. Compiled modules are cached per (source, kernel, device).
+
+Errors are raised as ``NvrtcUnavailable`` (no NVRTC / driver library, compile failure) so callers can
+fall back with the reason logged.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger("kda_compile.ops")
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class NvrtcUnavailable(RuntimeError):
+    """Run-time CUDA compilation cannot be used here (the message says why)."""
+
+
+def _open_first(candidates) -> ctypes.CDLL:
+    errors = []
+    for name in candidates:
+        try:
+            return ctypes.CDLL(name)
+        except OSError as exc:
+            errors.append(f"{name}: {exc}")
+    raise NvrtcUnavailable("; ".join(errors) or "no candidate library")
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_library() -> ctypes.CDLL:
+    """libnvrtc: PyTorch's own lookup when it has one, else the nvidia wheels and the loader path."""
+    try:
+        from torch.cuda import _utils as cuda_utils
+
+        finder = getattr(cuda_utils, "_get_gpu_rtc_library", None) or getattr(cuda_utils, "_get_nvrtc_library", None)
+        if finder is not None:
+            return finder()
+    except Exception as exc:  # noqa: BLE001 - any failure here means "try the other places"
+        logger.debug("torch's NVRTC lookup failed: %s", exc)
+    wheel_dirs = [os.path.join(p, "nvidia") for p in __import__("sys").path if os.path.isdir(os.path.join(p, "nvidia"))]
+    found = sorted({f for d in wheel_dirs for f in glob.glob(os.path.join(d, "**", "libnvrtc.so*"), recursive=True)
+                    if "builtins" not in f})
+    return _open_first(found + ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"])
+
+
+@functools.lru_cache(maxsize=None)
+def driver_library() -> ctypes.CDLL:
+    lib = _open_first(["libcuda.so.1", "libcuda.so"])
+    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_char_p]
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 6 + [
+        ctypes.c_uint, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+    lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+    lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    return lib
+
+
+def _check_driver(result: int, what: str) -> None:
+    if result != 0:
+        name = ctypes.c_char_p()
+        driver_library().cuGetErrorString(result, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:
+    """Compile ``source`` for ``sm_<arch>`` (e.g. "90a") with NVRTC; the cubin bytes.
+
+    Raises NvrtcUnavailable with NVRTC's log when compilation fails."""
+    lib = nvrtc_library()
+    prog = ctypes.c_void_p()
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0, None, None) != 0:
+        raise NvrtcUnavailable("nvrtcCreateProgram failed")
+    try:
+        opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", *options]
+        array = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        result = lib.nvrtcCompileProgram(prog, len(opts), array)
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        text = log.value.decode(errors="replace").strip()
+        if result != 0:
+            raise NvrtcUnavailable(f"NVRTC could not compile {name} for sm_{arch}:\n{text}")
+        if text:
+            logger.debug("NVRTC log for %s:\n%s", name, text)
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        if lib.nvrtcGetCUBIN(prog, cubin) != 0:
+            raise NvrtcUnavailable(f"NVRTC produced no cubin for {name} (sm_{arch})")
+        return cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _ensure_context(device_index: int) -> None:
+    """Make the device's primary context (the one PyTorch uses) current in this thread if none is."""
+    lib = driver_library()
+    current = ctypes.c_void_p()
+    _check_driver(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if current.value is None:
+        ctx = ctypes.c_void_p()
+        _check_driver(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device_index), "cuDevicePrimaryCtxRetain")
+        _check_driver(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class CompiledKernel:
+    """One kernel of a loaded cubin on one device, launched on PyTorch's current stream."""
+
+    def __init__(self, cubin: bytes, name: str, device_index: int, shared_bytes: int):
+        lib = driver_library()
+        self.device_index = device_index
+        self.shared_bytes = shared_bytes
+        with torch.cuda.device(device_index):
+            _ensure_context(device_index)
+            self._module = ctypes.c_void_p()
+            _check_driver(lib.cuModuleLoadData(ctypes.byref(self._module), cubin), f"loading {name}")
+            self._func = ctypes.c_void_p()
+            _check_driver(lib.cuModuleGetFunction(ctypes.byref(self._func), self._module, name.encode()),
+                          f"finding {name}")
+            if shared_bytes > 48 * 1024:
+                _check_driver(lib.cuFuncSetAttribute(self._func, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                     shared_bytes), f"setting {name}'s shared memory")
+
+    def launch(self, grid: tuple[int, int, int], threads: int, args: list) -> None:
+        """Launch with ``args`` already as ctypes values (c_void_p, c_longlong, c_int, c_float); the
+        caller has made ``device_index`` PyTorch's current device."""
+        _ensure_context(self.device_index)
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        _check_driver(driver_library().cuLaunchKernel(self._func, *grid, threads, 1, 1, self.shared_bytes,
+                                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+
+
+_cache: dict[tuple, CompiledKernel] = {}
+_cache_lock = threading.Lock()
+
+
+def load_kernel(source: str, name: str, device_index: int, *, arch: str, shared_bytes: int) -> CompiledKernel:
+    """The compiled kernel for (source, name, device), compiling and loading it on first use."""
+    key = (source, name, device_index, arch, shared_bytes)
+    with _cache_lock:
+        kernel = _cache.get(key)
+        if kernel is None:
+            cubin = compile_cubin(source, name, arch)
+            kernel = _cache[key] = CompiledKernel(cubin, name, device_index, shared_bytes)
+            logger.debug("compiled %s for sm_%s on cuda:%d", name, arch, device_index)
+        return kernel

@@ -1,0 +1,71 @@
+"""Which kernel runs an absorbed MLA call on CUDA: the Hopper wgmma kernel or the Triton split kernel.
+
+- ``wgmma`` (``wgmma_decode.py``, CUDA compiled by NVRTC): sm_90 GPUs, bfloat16 / float16, latent 512
+  + rope 64, at least ``WGMMA_MIN_ROWS`` query rows (Sq x H). Measured on an H100 at batch 64 /
+  cache 4k (results/README.md, session 14): 1.24x the Triton kernel at 64 heads, 1.15x at 128.
+- ``triton`` (``triton_decode.py``): every other call (any GPU, any width, float32, fewer rows: at 32
+  heads and one query the Triton kernel's 32-row blocks are as fast as a half-empty 64-row wgmma block).
+
+``KDA_COMPILE_MLA_DECODE_KERNEL`` = ``auto`` (default) | ``triton`` | ``wgmma`` overrides the choice
+(``wgmma`` still runs Triton, logged, on calls the kernel cannot take). A call that an sm_90 GPU
+would run with the wgmma kernel but cannot (misaligned rows, NVRTC missing or failing) runs Triton and
+is recorded as a fallback (logged once, shown by the rewrite report).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.mla import wgmma_decode
+from kda_compile.ops.mla.triton_decode import mla_decode_attention
+
+KERNEL_ENV = "KDA_COMPILE_MLA_DECODE_KERNEL"
+KERNELS = ("auto", "triton", "wgmma")
+WGMMA_MIN_ROWS = 64  # one full wgmma M block (64 heads of one query, or 32 heads x 2 queries, ...)
+_OP = "mla_attention"
+
+
+def requested_kernel() -> str:
+    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if value not in KERNELS:
+        raise arg_error(KERNEL_ENV, repr(value), "one of " + ", ".join(KERNELS))
+    return value
+
+
+def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:
+    """(kernel, why): "wgmma" or "triton" for this call, and the reason in words."""
+    requested = requested_kernel()
+    if requested == "triton":
+        return "triton", f"{KERNEL_ENV}=triton"
+    why = wgmma_decode.unsupported_reason(q_lat, q_rope, kv_latent, k_rope)
+    rows = q_lat.shape[1] * q_lat.shape[2]
+    if why is None and requested == "auto" and rows < WGMMA_MIN_ROWS:
+        return "triton", f"{rows} query rows (the wgmma kernel takes blocks of {WGMMA_MIN_ROWS})"
+    if why is None:
+        return "wgmma", "sm_90, half precision, latent 512 + rope 64"
+    if requested == "wgmma" or _wgmma_expected(kv_latent, q_lat, q_rope):
+        record_fallback(_OP, "Triton decode kernel", f"the wgmma decode kernel cannot run this call: {why}")
+    return "triton", why
+
+
+def _wgmma_expected(kv_latent, q_lat, q_rope) -> bool:
+    """Whether the wgmma kernel is this call's fast path (so not taking it is a fallback, not a choice)."""
+    return (kv_latent.is_cuda and torch.cuda.get_device_capability(kv_latent.device) == (9, 0)
+            and kv_latent.dtype in (torch.bfloat16, torch.float16)
+            and q_lat.shape[-1] == wgmma_decode.src.LATENT_DIM and q_rope.shape[-1] == wgmma_decode.src.ROPE_DIM)
+
+
+def mla_decode(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: float, is_causal: bool):
+    """(o_lat, lse) of the absorbed form on CUDA, with the chosen kernel (see the module docstring);
+    the contract of ``triton_decode.mla_decode_attention``."""
+    kernel, _ = choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope)
+    if kernel == "wgmma":
+        try:
+            return wgmma_decode.mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale,
+                                                           is_causal)
+        except NvrtcUnavailable as exc:
+            record_fallback(_OP, "Triton decode kernel", f"the wgmma decode kernel could not be built: {exc}")
+    return mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale, is_causal)

@@ -86,3 +86,19 @@ def kernel_inputs(case, dtype, seed=0):
     mask = kwargs["attn_mask"]
     tensors = [x.to(dtype) for x in (q_lat, q_rope, kv_latent, k_rope)]
     return tensors, mask, kwargs["scale"]
+
+
+def assert_matches_latent_oracle(o_lat, lse, ref_o, ref_lse, case, tol: float, lse_tol: float):
+    """A decode kernel's (o_lat, lse) against ``latent_oracle``: shape, dtype-independent layout ([H, B, Sq,
+    R] storage), relative error ``tol`` on o_lat, the same -inf rows, and lse within ``lse_tol`` relative."""
+    from kda_compile.testing import assert_rel_close
+
+    assert o_lat.shape == (case.b, case.h, case.sq, case.r)
+    assert o_lat.permute(1, 0, 2, 3).is_contiguous(), "o_lat is stored as [H, B, Sq, R]"
+    assert_rel_close(o_lat, ref_o, tol, name="o_lat")
+    lse = lse.cpu().double()
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows with nothing to attend must have lse -inf"
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        worst = (lse[finite] - ref_lse[finite]).abs().max().item()
+        assert worst <= lse_tol * max(1.0, ref_lse[finite].abs().max().item()), f"lse off by {worst}"

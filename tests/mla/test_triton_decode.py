@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kda_compile.testing import assert_rel_close
 
-from .naive import Case, kernel_inputs, latent_oracle, make_inputs, naive_mla
+from .naive import Case, assert_matches_latent_oracle, kernel_inputs, latent_oracle, make_inputs, naive_mla
 
 from triton_device import triton_device  # noqa: E402
 
@@ -35,16 +35,9 @@ def check_kernel(case, dtype, num_splits=None, seed=0):
     on_device = [x.to(DEVICE) for x in (q_lat, q_rope, kv_latent, k_rope)]
     o_lat, lse = mla_decode_attention(*on_device, None if mask is None else mask.to(DEVICE), scale, case.causal,
                                       num_splits=num_splits)
-    ref_o, ref_lse = latent_oracle(q_lat, q_rope, kv_latent, k_rope, mask, scale, case.causal)
-    assert o_lat.shape == (case.b, case.h, case.sq, case.r) and o_lat.dtype == dtype
-    assert o_lat.permute(1, 0, 2, 3).is_contiguous(), "o_lat is stored as [H, B, Sq, R]"
-    assert_rel_close(o_lat, ref_o, TOL[dtype], name="o_lat")
-    lse = lse.cpu().double()
-    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)), "rows with nothing to attend must have lse -inf"
-    finite = torch.isfinite(ref_lse)
-    if finite.any():
-        worst = (lse[finite] - ref_lse[finite]).abs().max().item()
-        assert worst <= 1e-5 * max(1.0, ref_lse[finite].abs().max().item()), f"lse off by {worst}"
+    assert o_lat.dtype == dtype
+    assert_matches_latent_oracle(o_lat, lse, *latent_oracle(q_lat, q_rope, kv_latent, k_rope, mask, scale, case.causal),
+                                 case, TOL[dtype], 1e-5)
 
 
 CASES = {

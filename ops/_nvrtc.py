@@ -14,6 +14,7 @@ import functools
 import glob
 import logging
 import os
+import sys
 import threading
 
 import torch
@@ -48,7 +49,7 @@ def nvrtc_library() -> ctypes.CDLL:
             return finder()
     except Exception as exc:  # noqa: BLE001 - any failure here means "try the other places"
         logger.debug("torch's NVRTC lookup failed: %s", exc)
-    wheel_dirs = [os.path.join(p, "nvidia") for p in __import__("sys").path if os.path.isdir(os.path.join(p, "nvidia"))]
+    wheel_dirs = [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
     found = sorted({f for d in wheel_dirs for f in glob.glob(os.path.join(d, "**", "libnvrtc.so*"), recursive=True)
                     if "builtins" not in f})
     return _open_first(found + ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"])

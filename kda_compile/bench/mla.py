@@ -6,12 +6,14 @@ nope 128, rope 64, v 128), batch 1 / 8 / 64 x cache 1k / 4k / 16k x 32 / 64 / 12
 
 Providers: ``kda_compile`` (``mla_attention``; the automatic choice takes the absorbed form and, on
 an H100 with 64+ query rows, the wgmma kernel, else the Triton split-KV kernel; the Triton kernel is
-also timed side by side, forced through ``KDA_COMPILE_MLA_DECODE_KERNEL=triton``), and Hugging Face's own ``DeepseekV3Attention.expand_kv`` followed by its
+also timed side by side, forced through ``KDA_COMPILE_MLA_DECODE_KERNEL=triton``), and Hugging
+Face's own ``DeepseekV3Attention.expand_kv`` followed by its
 eager or SDPA attention function, each eager and under ``torch.compile``. Metrics per shape: time
 (``do_bench``, p20/p50/p80 ms); our GPU time replayed from a CUDA graph; latent bandwidth = latent
 bytes read (B * T * 576 * 2) / our graph time, and its fraction of the measured device-to-device copy
 bandwidth (a 1 GiB copy, bytes read + written), for the whole layer step and for the decode kernel alone
-(its split merge included, the absorption matmuls not: the issue's bandwidth target is the kernel's); the speedup over the faster compiled HF path; our
+(its split merge included, the absorption matmuls not: the issue's bandwidth target is the kernel's);
+the speedup over the faster compiled HF path; our
 relative error against HF's eager output. The issue's target: at batch 64 and cache 4k, >= 70% of
 copy bandwidth and >= 10x faster than HF's compiled expansion.
 
@@ -47,7 +49,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="batch 1/64, cache 4k, 32/128 heads only")
     parser.add_argument("--modes", default="decode", help="comma-separated subset of decode,crossover,configs")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile'd HF providers")
-    parser.add_argument("--heads", default=None, help="comma-separated head counts (overrides the default / --quick set)")
+    parser.add_argument("--heads", default=None,
+                        help="comma-separated head counts (overrides the default / --quick set)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,14 +142,11 @@ def _decode_kernel_only(q_lat, q_rope, latent, k_rope, scale):
     return mla_decode(q_lat, q_rope, latent, k_rope, None, scale, False)
 
 
-def _chosen_kernel(batch: int, cache: int, heads: int) -> str:
-    """The decode kernel the automatic choice runs for this shape (the absorbed query is [B, H, 1, 512])."""
+def _chosen_kernel(q_lat, q_rope, latent, k_rope) -> str:
+    """The decode kernel the automatic choice runs on these kernel inputs."""
     from kda_compile.ops.mla.decode_kernels import choose_decode_kernel
 
-    make = lambda *s: torch.empty(*s, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    return choose_decode_kernel(make(heads, batch, LATENT).view(heads, batch, 1, LATENT).permute(1, 0, 2, 3),
-                                make(batch, 1, heads, ROPE).transpose(1, 2), make(batch, cache, LATENT),
-                                make(batch, cache, ROPE))[0]
+    return choose_decode_kernel(q_lat, q_rope, latent, k_rope)[0]
 
 
 def _hf_fits(batch: int, cache: int, heads: int) -> bool:
@@ -188,7 +188,7 @@ def _bench_decode(shapes, compile_hf, copy_bw, rows, table, verdicts):
                     gpu_triton = cuda_graph_time(lambda: providers["kda_compile"](*inputs))
                 kernel_args = _kernel_inputs(layer, *inputs)
                 gpu_kernel = cuda_graph_time(lambda: _decode_kernel_only(*kernel_args))
-            kernel = _chosen_kernel(batch, cache, heads)
+            kernel = _chosen_kernel(*kernel_args[:4])
             rows.append(row("mla_decode", f"kda_compile_{kernel}_kernel_only", "decode", shape, "gpu_time_cuda_graph",
                             "ms", gpu_kernel))
             rows.append(row("mla_decode", "kda_compile", "decode", shape, "gpu_time_cuda_graph", "ms", gpu))
@@ -295,7 +295,8 @@ def run(args) -> list[dict]:
         _bench_decode(shapes, not args.no_compile, copy_bw, rows, table, verdicts)
         print("\nMLA decode per layer, bf16, R 512 / nope 128 / rope 64 / v 128 (median ms)")
         print(format_table(["B x T x H", "kernel", "ours", "ours (graph)", "Triton kernel (graph)",
-                            "Triton / ours", "kernel only (graph)", "% copy BW (kernel)", "HF eager", "HF sdpa", "HF eager+compile",
+                            "Triton / ours", "kernel only (graph)", "% copy BW (kernel)", "HF eager", "HF sdpa",
+                            "HF eager+compile",
                             "HF sdpa+compile", "speedup vs HF compiled", "latent TB/s", "% copy BW",
                             "rel err vs HF"], table))
         for line in verdicts:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from kda_compile.ops._common import arg_error, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.mla import wgmma_decode
@@ -40,22 +38,17 @@ def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:
     requested = requested_kernel()
     if requested == "triton":
         return "triton", f"{KERNEL_ENV}=triton"
-    why = wgmma_decode.unsupported_reason(q_lat, q_rope, kv_latent, k_rope)
+    design = wgmma_decode.outside_design(q_lat, q_rope, kv_latent)
+    why = design or wgmma_decode.layout_problem(q_lat, q_rope, kv_latent, k_rope)
     rows = q_lat.shape[1] * q_lat.shape[2]
     if why is None and requested == "auto" and rows < WGMMA_MIN_ROWS:
         return "triton", f"{rows} query rows (the wgmma kernel takes blocks of {WGMMA_MIN_ROWS})"
     if why is None:
         return "wgmma", "sm_90, half precision, latent 512 + rope 64"
-    if requested == "wgmma" or _wgmma_expected(kv_latent, q_lat, q_rope):
+    # Outside the kernel's design, Triton is the call's kernel; a layout problem (or a forced wgmma) is a fallback.
+    if requested == "wgmma" or design is None:
         record_fallback(_OP, "Triton decode kernel", f"the wgmma decode kernel cannot run this call: {why}")
     return "triton", why
-
-
-def _wgmma_expected(kv_latent, q_lat, q_rope) -> bool:
-    """Whether the wgmma kernel is this call's fast path (so not taking it is a fallback, not a choice)."""
-    return (kv_latent.is_cuda and torch.cuda.get_device_capability(kv_latent.device) == (9, 0)
-            and kv_latent.dtype in (torch.bfloat16, torch.float16)
-            and q_lat.shape[-1] == wgmma_decode.src.LATENT_DIM and q_rope.shape[-1] == wgmma_decode.src.ROPE_DIM)
 
 
 def mla_decode(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: float, is_causal: bool):

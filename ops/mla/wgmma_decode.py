@@ -25,14 +25,26 @@ _LOG2E = 1.4426950408889634
 
 def unsupported_reason(q_lat, q_rope, kv_latent, k_rope) -> str | None:
     """None when the wgmma kernel can run this call, else why not (for logs and the rewrite report)."""
+    return outside_design(q_lat, q_rope, kv_latent) or layout_problem(q_lat, q_rope, kv_latent, k_rope)
+
+
+def outside_design(q_lat, q_rope, kv_latent) -> str | None:
+    """Why the call is not one the kernel is written for (device, dtype, widths), or None."""
     if not kv_latent.is_cuda:
         return "not a CUDA tensor"
-    if torch.cuda.get_device_capability(kv_latent.device) != (9, 0):
-        return f"needs an sm_90 GPU (warpgroup MMA), got sm_{''.join(map(str, torch.cuda.get_device_capability(kv_latent.device)))}"
+    capability = torch.cuda.get_device_capability(kv_latent.device)
+    if capability != (9, 0):
+        return f"needs an sm_90 GPU (warpgroup MMA), got sm_{''.join(map(str, capability))}"
     if kv_latent.dtype not in _ELEM:
         return f"{kv_latent.dtype} (the kernel takes bfloat16 / float16)"
     if q_lat.shape[-1] != src.LATENT_DIM or q_rope.shape[-1] != src.ROPE_DIM:
         return f"latent {q_lat.shape[-1]} / rope {q_rope.shape[-1]} channels (the kernel takes 512 / 64)"
+    return None
+
+
+def layout_problem(q_lat, q_rope, kv_latent, k_rope) -> str | None:
+    """Why a call the kernel is written for cannot run as laid out (mixed dtypes, rows not contiguous and
+    16-byte aligned), or None."""
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_latent", kv_latent), ("k_rope", k_rope)):
         if t.dtype != kv_latent.dtype:
             return f"{name} is {t.dtype}, kv_latent {kv_latent.dtype}"
@@ -93,5 +105,6 @@ def mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scal
 
 def flops_and_bytes(b: int, h: int, sq: int, t: int) -> tuple[float, float]:
     """Tensor-core work and latent-cache bytes of one call (for benchmarks)."""
-    return 2.0 * b * h * sq * t * (src.LATENT_DIM * 2 + src.ROPE_DIM), float(b * t * (src.LATENT_DIM + src.ROPE_DIM) * 2)
+    flops = 2.0 * b * h * sq * t * (src.LATENT_DIM * 2 + src.ROPE_DIM)
+    return flops, float(b * t * (src.LATENT_DIM + src.ROPE_DIM) * 2)
 

@@ -374,7 +374,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) mla_decode_wgmma(
 """
 
 
-DEFAULT_SWITCHES = {"SPLIT_S": 0, "LOADER_WG1": 0, "DBG_NO_LOADS": 0, "DBG_NO_S": 0, "DBG_NO_PV": 0, "DBG_NO_SOFTMAX": 0}
+DEFAULT_SWITCHES = {"SPLIT_S": 0, "LOADER_WG1": 0,
+                    "DBG_NO_LOADS": 0, "DBG_NO_S": 0, "DBG_NO_PV": 0, "DBG_NO_SOFTMAX": 0}
 
 
 def kernel_source(*, elem: str, is_causal: bool, mask_kind: int, partial: bool, switches: dict | None = None) -> str:
@@ -388,5 +389,6 @@ def kernel_source(*, elem: str, is_causal: bool, mask_kind: int, partial: bool, 
     defines = "".join(f"#define {k} {int(v)}\n" for k, v in flags.items())
     defines += (f"#define IS_CAUSAL {int(is_causal)}\n#define MASK_KIND {mask_kind}\n#define PARTIAL {int(partial)}\n"
                f"#define RESCALE_THRESHOLD {RESCALE_THRESHOLD}f\n")
-    body = _PRELUDE + _wgmma("wgmma_scores", 32 if flags["SPLIT_S"] else 64, "d", 0) + _wgmma("wgmma_values", 256, "d", 1) + _KERNEL
+    scores = _wgmma("wgmma_scores", 32 if flags["SPLIT_S"] else 64, "d", 0)
+    body = _PRELUDE + scores + _wgmma("wgmma_values", 256, "d", 1) + _KERNEL
     return defines + body.replace("ELEM_PTX", elem)

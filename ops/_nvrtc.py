@@ -22,6 +22,9 @@ import torch
 logger = logging.getLogger("kda_compile.ops")
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+# cuTensorMapEncodeTiled's enums (cuda.h): 16-bit elements (copied bit for bit), no interleave, 128-byte
+# swizzle, 256-byte L2 promotion, out-of-bounds elements filled with zeros.
+_TMA_UINT16, _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_128B, _TMA_L2_256B, _TMA_OOB_ZERO = 1, 0, 3, 3, 0
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -66,6 +69,9 @@ def driver_library() -> ctypes.CDLL:
     lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
     lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
     lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+    u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p,
+                                           u32p, u32p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -117,6 +123,38 @@ def _ensure_context(device_index: int) -> None:
         _check_driver(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+class TensorMap:
+    """A TMA descriptor (the driver's 128-byte, 64-byte aligned CUtensorMap) for a kernel parameter declared
+    ``const __grid_constant__`` of that size."""
+
+    SIZE = 128
+
+    def __init__(self):
+        self._buffer = ctypes.create_string_buffer(self.SIZE + 64)
+        self.address = (ctypes.addressof(self._buffer) + 63) // 64 * 64
+
+
+@functools.lru_cache(maxsize=256)
+def tensor_map_16bit(address: int, dims: tuple[int, ...], byte_strides: tuple[int, ...],
+                     box: tuple[int, ...]) -> TensorMap:
+    """The TMA descriptor of a tensor of 16-bit elements at ``address`` (innermost dimension first: ``dims``
+    elements, ``byte_strides`` of the outer dimensions) copied in ``box`` tiles into 128-byte swizzled
+    shared memory, zeros past the ends. Cached: a decode loop asks for the same few every step.
+
+    Raises NvrtcUnavailable when the driver rejects the layout (alignment, stride or box limits)."""
+    rank = len(dims)
+    tmap = TensorMap()
+    result = driver_library().cuTensorMapEncodeTiled(
+        ctypes.c_void_p(tmap.address), _TMA_UINT16, rank, ctypes.c_void_p(address),
+        (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * max(1, rank - 1))(*byte_strides),
+        (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*([1] * rank)),
+        _TMA_INTERLEAVE_NONE, _TMA_SWIZZLE_128B, _TMA_L2_256B, _TMA_OOB_ZERO)
+    if result != 0:
+        raise NvrtcUnavailable(f"cuTensorMapEncodeTiled rejected dims {dims}, byte strides {byte_strides}, box {box} "
+                               f"(CUDA driver error {result})")
+    return tmap
+
+
 class CompiledKernel:
     """One kernel of a loaded cubin on one device, launched on PyTorch's current stream."""
 
@@ -136,10 +174,11 @@ class CompiledKernel:
                                                      shared_bytes), f"setting {name}'s shared memory")
 
     def launch(self, grid: tuple[int, int, int], threads: int, args: list) -> None:
-        """Launch with ``args`` already as ctypes values (c_void_p, c_longlong, c_int, c_float); the
-        caller has made ``device_index`` PyTorch's current device."""
+        """Launch with ``args`` already as ctypes values (c_void_p, c_longlong, c_int, c_float) or
+        ``TensorMap``s; the caller has made ``device_index`` PyTorch's current device."""
         _ensure_context(self.device_index)
-        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+        params = (ctypes.c_void_p * len(args))(*[
+            a.address if isinstance(a, TensorMap) else ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
         stream = torch.cuda.current_stream(self.device_index).cuda_stream
         _check_driver(driver_library().cuLaunchKernel(self._func, *grid, threads, 1, 1, self.shared_bytes,
                                                       ctypes.c_void_p(stream), params, None), "cuLaunchKernel")

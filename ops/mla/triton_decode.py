@@ -218,9 +218,11 @@ def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeCo
 SPLIT_COST_TILES = 0.1  # one split's partial write and merge share, in units of one latent tile
 
 
-def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min_tiles_per_split: int) -> int:
+def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min_tiles_per_split: int, *,
+                      program_tiles: float = 0.0, partial_tiles: float = 0.0) -> int:
     """KV splits minimising a wave model of the kernel's time, keeping >= min_tiles_per_split tiles
-    per split.
+    per split. ``program_tiles`` (every program) and ``partial_tiles`` (every program of a split call)
+    are fixed per-program costs in units of one latent tile (0 for this kernel; see the wgmma launcher).
 
     The half-precision configs use most of an SM's shared memory (one resident program per SM), so
     programs run in waves of ``num_sms`` and a split count that leaves a last wave nearly empty costs
@@ -233,7 +235,8 @@ def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min
 
     def cost(splits: int) -> float:
         waves = cdiv(max(1, programs_per_split) * splits, max(1, num_sms))
-        return waves * cdiv(num_tiles, splits) + SPLIT_COST_TILES * (splits - 1)
+        fixed = program_tiles + (partial_tiles if splits > 1 else 0.0)
+        return waves * (cdiv(num_tiles, splits) + fixed) + SPLIT_COST_TILES * (splits - 1)
 
     return min(range(1, most + 1), key=lambda s: (cost(s), s))
 

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from kda_compile.ops._common import cdiv
-from kda_compile.ops._nvrtc import load_kernel
+from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
 from kda_compile.ops.mla import wgmma_source as src
 from kda_compile.ops.mla.triton_decode import (allocate_decode_outputs, choose_num_splits, mask_for_kernel,
                                                merge_decode_splits, sm_count)
@@ -21,6 +21,11 @@ from kda_compile.ops.mla.triton_decode import (allocate_decode_outputs, choose_n
 ARCH = "90a"
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
+# Fixed costs of one program in the split model, in latent tiles (72 KB): loading the query block (72 KB),
+# and when the call is split, the fp32 partial o (128 KB) written and read back by the merge. Without them
+# the wave model split batch 64 / cache 16k / 128 heads 37 ways: 1.03 ms against 0.51 ms unsplit (H100,
+# session 15, results/README.md).
+QUERY_TILES, PARTIAL_TILES = 1.0, 4.0
 
 
 def unsupported_reason(q_lat, q_rope, kv_latent, k_rope) -> str | None:
@@ -64,6 +69,19 @@ def compiled(dtype: torch.dtype, is_causal: bool, mask_kind: int, partial: bool,
     return load_kernel(source, src.KERNEL_NAME, device_index, arch=ARCH, shared_bytes=src.SHARED_BYTES)
 
 
+def cache_tensor_maps(kv_latent, k_rope) -> list:
+    """The kernel's TMA descriptors of the latent and rope caches: [B, T, C] seen as (C, T, B) 16-bit
+    elements, copied in boxes of 64 channels x 64 tokens. Raises NvrtcUnavailable if the driver refuses."""
+    b, t = kv_latent.shape[:2]
+    maps = []
+    for cache in (kv_latent, k_rope):
+        token_stride = cache.stride(1) * 2
+        batch_stride = cache.stride(0) * 2 if b > 1 else t * token_stride  # any valid value for one batch
+        maps.append(tensor_map_16bit(cache.data_ptr(), (cache.shape[2], t, b), (token_stride, batch_stride),
+                                     src.TMA_BOX + (1,)))
+    return maps
+
+
 def mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: float, is_causal: bool, *,
                                num_splits: int | None = None):
     """Absorbed MLA attention with the wgmma kernel: (o_lat [B, H, Sq, 512] stored [H, B, Sq, 512], lse
@@ -76,7 +94,8 @@ def mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scal
     num_tiles = cdiv(t, src.TILE_TOKENS)
     device_index = kv_latent.device.index if kv_latent.device.index is not None else torch.cuda.current_device()
     if num_splits is None:
-        num_splits = choose_num_splits(b * row_blocks, num_tiles, sm_count(device_index), 4)
+        num_splits = choose_num_splits(b * row_blocks, num_tiles, sm_count(device_index), 4,
+                                       program_tiles=QUERY_TILES, partial_tiles=PARTIAL_TILES)
     tiles_per_split = cdiv(num_tiles, max(1, min(num_splits, num_tiles)))
     num_splits = cdiv(num_tiles, tiles_per_split)
     partial = num_splits > 1
@@ -89,13 +108,11 @@ def mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scal
     with torch.cuda.device(device_index):
         kernel = compiled(kv_latent.dtype, is_causal, kind, partial, device_index)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
-        longs = [ctypes.c_longlong(s) for s in (
-            *q_lat.stride()[:3], *q_rope.stride()[:3], *kv_latent.stride()[:2], *k_rope.stride()[:2], *mask_strides,
-            *out_buf.stride()[:4], *stats.stride()[:4])]
-        args = [ptr(q_lat), ptr(q_rope), ptr(kv_latent), ptr(k_rope), ptr(mask if mask is not None else kv_latent),
-                ptr(out_buf), ptr(lse), ptr(row_max), ptr(row_sum), *longs,
-                ctypes.c_int(h), ctypes.c_int(sq), ctypes.c_int(t), ctypes.c_int(tiles_per_split),
-                ctypes.c_float(kernel_scale)]
+        longs = [ctypes.c_longlong(s) for s in (*q_lat.stride()[:3], *q_rope.stride()[:3], *mask_strides,
+                                                *out_buf.stride()[:4], *stats.stride()[:4])]
+        args = [ptr(q_lat), ptr(q_rope), ptr(mask if mask is not None else kv_latent), ptr(out_buf), ptr(lse),
+                ptr(row_max), ptr(row_sum), *longs, ctypes.c_int(h), ctypes.c_int(sq), ctypes.c_int(t),
+                ctypes.c_int(tiles_per_split), ctypes.c_float(kernel_scale), *cache_tensor_maps(kv_latent, k_rope)]
         if b * row_blocks * num_splits:
             kernel.launch((row_blocks, num_splits, b), src.THREADS, args)
         if partial:

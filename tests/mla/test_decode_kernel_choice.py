@@ -5,7 +5,8 @@ import torch
 
 from kda_compile.ops import _nvrtc
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.mla import decode_kernels, wgmma_source
+from kda_compile.ops.mla import decode_kernels, wgmma_decode, wgmma_source
+from kda_compile.ops.mla.triton_decode import choose_num_splits
 
 H100_SHARED_OPT_IN = 232448  # bytes of shared memory one block may opt into on sm_90
 
@@ -71,6 +72,24 @@ def test_kernel_source_specialises(elem, causal, mask_kind, partial):
 def test_kernel_source_rejects_bad_specialisations(kwargs, message):
     with pytest.raises(ValueError, match=message):
         wgmma_source.kernel_source(**kwargs)
+
+
+def test_kernel_source_rejects_unknown_switches():
+    with pytest.raises(ValueError, match=r"switches must be among \['DBG_NO_PV', 'DBG_NO_S', 'DBG_NO_SOFTMAX'\], "
+                                         r"got \['SPLIT_S'\]"):
+        wgmma_source.kernel_source(elem="bf16", is_causal=False, mask_kind=0, partial=False, switches={"SPLIT_S": 1})
+
+
+@pytest.mark.parametrize("programs, tiles, expected", [
+    (128, 256, 1),  # batch 64 x 2 head blocks, cache 16k: one wave unsplit (the plain wave model said 37)
+    (64, 256, 2),  # batch 64 x 1 head block, cache 16k: two splits still fit one wave
+    (16, 256, 8),  # batch 8 x 2 head blocks: eight splits fill the GPU
+    (128, 64, 1),  # batch 64, cache 4k, 128 heads
+])
+def test_wgmma_split_rule_counts_the_query_load_and_the_partials(programs, tiles, expected):
+    """Measured on an H100 (results/README.md, session 15): 1 / 2 / 8 / 1 splits were the fastest."""
+    assert choose_num_splits(programs, tiles, 132, 4, program_tiles=wgmma_decode.QUERY_TILES,
+                             partial_tiles=wgmma_decode.PARTIAL_TILES) == expected
 
 
 def test_nvrtc_compiles_the_kernel_or_says_why_not():

@@ -2,14 +2,15 @@
 
 - ``wgmma`` (``wgmma_decode.py``, CUDA compiled by NVRTC): sm_90 GPUs, bfloat16 / float16, latent 512
   + rope 64, at least ``WGMMA_MIN_ROWS`` query rows (Sq x H). Measured on an H100 at batch 64 /
-  cache 4k (results/README.md, session 14): 1.24x the Triton kernel at 64 heads, 1.15x at 128.
+  cache 4k (results/README.md, session 15): 1.3x the Triton kernel at 64 heads, 2.0x at 128.
 - ``triton`` (``triton_decode.py``): every other call (any GPU, any width, float32, fewer rows: at 32
   heads and one query the Triton kernel's 32-row blocks are as fast as a half-empty 64-row wgmma block).
 
 ``KDA_COMPILE_MLA_DECODE_KERNEL`` = ``auto`` (default) | ``triton`` | ``wgmma`` overrides the choice
-(``wgmma`` still runs Triton, logged, on calls the kernel cannot take). A call that an sm_90 GPU
-would run with the wgmma kernel but cannot (misaligned rows, NVRTC missing or failing) runs Triton and
-is recorded as a fallback (logged once, shown by the rewrite report).
+(``wgmma`` still runs Triton, logged, on calls the kernel cannot take). A call that an sm_90 GPU would
+run with the wgmma kernel but cannot (misaligned rows, NVRTC missing or failing, a cache layout the
+driver's TMA descriptors refuse) runs Triton and is recorded as a fallback (logged once, shown by the
+rewrite report).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Same contract as ``triton_decode.mla_decode_attention`` (same outputs, layouts and split merge), for the
 shapes the kernel is written for: an sm_90 GPU, bfloat16 / float16, latent 512 + rope 64 (every
 DeepSeek-V2/V3 and Kimi MLA layer), rows of the query and cache contiguous and 16-byte aligned.
-``unsupported_reason`` says why a call is outside that set; ``decode.py`` chooses between the kernels.
+``unsupported_reason`` says why a call is outside that set; ``decode_kernels.py`` chooses between the
+kernels. The caches are read through TMA descriptors (``cache_tensor_maps``), cached per layout and address.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
 # Fixed costs of one program in the split model, in latent tiles (72 KB): loading the query block (72 KB),
 # and when the call is split, the fp32 partial o (128 KB) written and read back by the merge. Without them
-# the wave model split batch 64 / cache 16k / 128 heads 37 ways: 1.03 ms against 0.51 ms unsplit (H100,
+# the wave model split batch 64 / cache 16k / 128 heads 37 ways: 1.03 ms against 0.51-0.54 ms unsplit (H100,
 # session 15, results/README.md).
 QUERY_TILES, PARTIAL_TILES = 1.0, 4.0
 

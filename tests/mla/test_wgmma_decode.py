@@ -140,3 +140,18 @@ def test_misaligned_rows_fall_back_to_triton_with_a_logged_reason(monkeypatch):
     assert any("wgmma" in e.reason and "aligned" in e.reason for e in events), events
     ref = latent_oracle(q_lat, q_rope, kv_latent, k_rope, None, scale, False)[0]
     assert_rel_close(o_lat, ref, TOL[torch.bfloat16], name="o_lat")
+
+
+def test_a_batch_broadcast_cache_is_right_on_either_kernel(monkeypatch):
+    """One cache expanded over the batch (stride 0): the TMA descriptor may refuse it, then Triton runs it
+    with the driver's refusal logged; either way the answer is the oracle's."""
+    monkeypatch.delenv(decode_kernels.KERNEL_ENV, raising=False)
+    (q_lat, q_rope, kv_latent, k_rope), _, scale = kernel_inputs(real(b=3, h=64, sq=1, t=200), torch.bfloat16)
+    latent, rope = kv_latent[:1].cuda().expand(3, -1, -1), k_rope[:1].cuda().expand(3, -1, -1)
+    clear_fallback_events()
+    o_lat, lse = decode_kernels.mla_decode(q_lat.cuda(), q_rope.cuda(), latent, rope, None, scale, False)
+    events = fallback_events()
+    assert all("cuTensorMapEncodeTiled" in e.reason for e in events), events
+    ref_o, ref_lse = latent_oracle(q_lat, q_rope, latent.cpu(), rope.cpu(), None, scale, False)
+    assert_rel_close(o_lat, ref_o, TOL[torch.bfloat16], name="o_lat")
+    assert_rel_close(lse, ref_lse, 1e-4, name="lse")

@@ -1,4 +1,7 @@
-"""Schedule variants of the wgmma MLA decode kernel: correctness (non-debug ones) and timing, side by side.
+"""Schedule variants of the session-14 wgmma MLA decode kernel: correctness (non-debug ones) and timing, side by side.
+
+Record only: it ran against commit ab9dcd3; session 15 rewrote the kernel (TMA, three warpgroups) and removed
+the SPLIT_S, LOADER_WG1 and DBG_NO_LOADS switches, so it no longer runs (``kernel_source`` rejects them).
 
 Run on the GPU box from the repository root: ``python kda_compile/bench/results/mla_wgmma_variants.py``
 (session 14, ``mla_wgmma_variants_h100_2026-11-22.log``). Each variant recompiles the kernel with

@@ -43,7 +43,7 @@ THREADS = 384
 PANEL_BYTES = 64 * 128  # 64 rows of 128 bytes (64 half-precision channels)
 TILE_BYTES = (LATENT_DIM + ROPE_DIM) // 64 * PANEL_BYTES  # 9 panels
 P_BYTES = PANEL_BYTES
-STAT_BYTES = 4 * ROWS * 4  # rescale factors, final max, final sums
+STAT_BYTES = 4 * ROWS * 4  # rescale factors, final max, final sums (room for four [64] float arrays)
 BARRIER_BYTES = 4 * 8  # full and empty mbarriers of the two stages
 # The dynamic shared memory asked for: query, two stages, P, stats, barriers, and 1 KB to align the base to 1024.
 SHARED_BYTES = 3 * TILE_BYTES + P_BYTES + STAT_BYTES + BARRIER_BYTES + 1024

@@ -78,13 +78,8 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 
-#define ROWS 64
-#define TILE_TOKENS 64
 #define CHUNKS_PER_ROW 72          /* (512 + 64) channels x 2 bytes / 16 */
 #define LATENT_CHUNKS 64
-#define PANEL_BYTES 8192
-#define TILE_BYTES 73728
-#define THREADS 384
 #define COPIER 128                 /* the thread issuing the TMA copies (first of warpgroup 1) */
 #define BAR_P_READY 1              /* named barriers: P and the rescale factors of a tile are written ... */
 #define BAR_P_FREE 2               /* ... and the value warps are done reading them */
@@ -191,7 +186,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_wgmma(
   float* s_max = stats + ROWS;       /* [64] final running max */
   float* s_lsum = stats + 2 * ROWS;  /* [64] final row sums */
   /* full[stage]: the stage's bytes landed; empty[stage]: the value warps are done with it. */
-  const u32 bar_full = s_p + PANEL_BYTES + 4 * ROWS * 4, bar_empty = bar_full + 16;
+  const u32 bar_full = s_p + PANEL_BYTES + STAT_BYTES, bar_empty = bar_full + 16;
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int row0 = blockIdx.x * ROWS, rows_total = Sq * H;
@@ -433,5 +428,9 @@ def kernel_source(*, elem: str, is_causal: bool, mask_kind: int, partial: bool, 
     defines = "".join(f"#define {k} {int(v)}\n" for k, v in flags.items())
     defines += (f"#define IS_CAUSAL {int(is_causal)}\n#define MASK_KIND {mask_kind}\n#define PARTIAL {int(partial)}\n"
                f"#define RESCALE_THRESHOLD {RESCALE_THRESHOLD}f\n")
+    # The geometry the launcher sizes shared memory and the grid by, so the C text cannot drift from it.
+    defines += "".join(f"#define {name} {value}\n" for name, value in (
+        ("ROWS", ROWS), ("TILE_TOKENS", TILE_TOKENS), ("PANEL_BYTES", PANEL_BYTES), ("TILE_BYTES", TILE_BYTES),
+        ("THREADS", THREADS), ("STAT_BYTES", STAT_BYTES)))
     body = _PRELUDE + _wgmma("wgmma_scores", 64, "d", 0) + _wgmma("wgmma_values", 256, "d", 1) + _KERNEL
     return defines + body.replace("ELEM_PTX", elem)

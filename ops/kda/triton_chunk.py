@@ -27,6 +27,7 @@ from functools import cache
 import torch
 import triton
 
+from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
 from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
@@ -286,7 +287,15 @@ def chunk_kda_prefill(
     )
     prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
                        cu_seqlens, chunk_offsets)
-    if _interpreted():
+    lower_gate = gate == int(GATE_LOWER_BOUND)
+    if (choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, lower_gate, lower_bound) == "cuda"
+            and run_or_fall_back(prepare_tensors, slots=slots, T=T, N=N, H=H, HV=HV, scale=float(scale),
+                                 beta_scale=prepare_args["beta_scale"], lower_bound=float(lower_bound), varlen=varlen,
+                                 l2norm=use_qk_l2norm_in_kernel, has_a_log=A_log_arg is not dummy,
+                                 has_dt_bias=dt_bias_arg is not dummy, beta_sigmoid=use_beta_sigmoid_in_kernel,
+                                 save_akk=save_residuals)):
+        pass  # the CUDA prepare kernel ran (cuda_prepare.py)
+    elif _interpreted():
         kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),
                                         BWC=min(64, _pow2(max(K, V))), num_warps=1)
     else:

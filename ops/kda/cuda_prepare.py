@@ -1,0 +1,121 @@
+"""Which kernel runs the KDA prefill's prepare step on CUDA, and the launcher of the CUDA one.
+
+- ``cuda`` (``cuda_prepare_source.py``, compiled by NVRTC): sm_80 or newer, bf16 q / k / v, K = V = 128,
+  the lower-bound gate with ``lower_bound >= -MAX_BOUNDED_DECAY`` (no exact-diagonal pass), gate and
+  beta in bf16 or fp32. The configuration FlashKDA's anchor measures, and the one the backend prefers.
+- ``triton`` (``triton_chunk_prepare.py``): every call (any dtype, K / V <= 256, every gate form).
+
+Both write the same intermediates in the same layouts, so the scan kernel does not know which ran.
+``KDA_COMPILE_PREPARE_KERNEL`` = ``auto`` (default) | ``triton`` | ``cuda`` overrides the choice (``cuda``
+still runs Triton, logged, on calls outside the kernel's design). A call the CUDA kernel is written for
+that cannot run it (NVRTC missing or failing) runs Triton and is recorded as a fallback (logged once,
+shown by the rewrite report).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda import cuda_prepare_source as src
+from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY
+
+KERNEL_ENV = "KDA_COMPILE_PREPARE_KERNEL"
+KERNELS = ("auto", "triton", "cuda")
+_OP = "chunk_kda"
+_ELEM = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_CU = {torch.int32: "int", torch.int64: "long long"}
+
+
+def requested_kernel() -> str:
+    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if value not in KERNELS:
+        raise arg_error(KERNEL_ENV, repr(value), "one of " + ", ".join(KERNELS))
+    return value
+
+
+def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None) -> str | None:
+    """Why the call is not one the CUDA kernel is written for, or None. ``lower_gate``: the in-kernel
+    lower-bound gate is asked for."""
+    if not q.is_cuda:
+        return "not a CUDA tensor"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability < (8, 0):
+        return f"needs sm_80 or newer (bf16 mma.sync), got sm_{''.join(map(str, capability))}"
+    if any(t.dtype != torch.bfloat16 for t in (q, k, v)):
+        return f"q / k / v are {q.dtype} / {k.dtype} / {v.dtype} (the kernel takes bfloat16)"
+    if q.shape[-1] != src.HEAD_DIM or v.shape[-1] != src.HEAD_DIM:
+        return f"K = {q.shape[-1]}, V = {v.shape[-1]} (the kernel takes 128 / 128)"
+    if not lower_gate or lower_bound is None or lower_bound < -MAX_BOUNDED_DECAY:
+        return (f"gate: the kernel takes the in-kernel lower-bound gate with lower_bound >= -{MAX_BOUNDED_DECAY:.3f}"
+                f" (got lower_bound={lower_bound}, in-kernel lower-bound gate: {lower_gate})")
+    if g.dtype not in _ELEM or beta.dtype not in _ELEM:
+        return f"g / beta are {g.dtype} / {beta.dtype} (the kernel takes bfloat16 or float32)"
+    if cu_seqlens is not None and cu_seqlens.numel() and cu_seqlens.dtype not in _CU:
+        return f"cu_seqlens is {cu_seqlens.dtype} (the kernel takes int32 or int64)"
+    return None
+
+
+def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None) -> str:
+    """"cuda" or "triton" for this call (see the module docstring); a forced ``cuda`` outside the design
+    is logged as a fallback."""
+    requested = requested_kernel()
+    if requested == "triton":
+        return "triton"
+    why = outside_design(q, k, v, g, beta, cu_seqlens, lower_gate, lower_bound)
+    if why is None:
+        return "cuda"
+    if requested == "cuda":
+        record_fallback(_OP, "Triton prepare kernel", f"the CUDA prepare kernel cannot run this call: {why}")
+    return "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...]) -> str:
+    varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk = flags
+    return src.kernel_source(g_dtype=g_dtype, beta_dtype=beta_dtype, cu_dtype=cu_dtype, varlen=varlen, l2norm=l2norm,
+                             has_a_log=has_a_log, has_dt_bias=has_dt_bias, beta_sigmoid=beta_sigmoid,
+                             save_akk=save_akk)
+
+
+def launch_prepare(tensors: tuple, *, slots: int, T: int, N: int, H: int, HV: int, scale: float, beta_scale: float,
+                   lower_bound: float, varlen: bool, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
+                   beta_sigmoid: bool, save_akk: bool) -> None:
+    """Run the CUDA prepare kernel on ``tensors``, the Triton kernel's tensor arguments in its order
+    (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens,
+    chunk_offsets``; ``g_cumsum`` is not written: the lower-bound gate saves none). The caller checked
+    ``outside_design`` is None. Raises NvrtcUnavailable when the kernel cannot be built."""
+    (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device_index)
+    a_log = a_log.float().contiguous() if has_a_log else a_log
+    dt_bias = dt_bias.float().contiguous() if has_dt_bias else dt_bias
+    cu_dtype = _CU.get(cu_seqlens.dtype, "int") if varlen else "int"
+    source = _source(_ELEM[g.dtype], _ELEM[beta.dtype], cu_dtype,
+                     (varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk))
+    with torch.cuda.device(device_index):
+        kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
+                             shared_bytes=src.SHARED_BYTES)
+        ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
+        args = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
+                                 cu_seqlens if varlen else q, chunk_offsets if varlen else q)]
+        args += [ctypes.c_int(T), ctypes.c_int(N), ctypes.c_int(H), ctypes.c_int(HV), ctypes.c_float(scale),
+                 ctypes.c_float(beta_scale), ctypes.c_float(lower_bound)]
+        if slots * HV:
+            kernel.launch((slots, HV, 1), src.THREADS, args)
+
+
+def run_or_fall_back(tensors: tuple, **kwargs) -> bool:
+    """Launch the CUDA kernel; False (with the fallback recorded) when it cannot be built."""
+    try:
+        launch_prepare(tensors, **kwargs)
+        return True
+    except NvrtcUnavailable as exc:
+        record_fallback(_OP, "Triton prepare kernel", f"the CUDA prepare kernel could not be built: {exc}")
+        return False

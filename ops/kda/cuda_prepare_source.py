@@ -19,8 +19,7 @@ Triton does not give: each warp owns one 16-token block of the chunk in the regi
 - the triangular inverse is a blocked forward substitution on 3xTF32 tensor-core products (about fp32
   accuracy, as the Triton kernel's ``tf32x3`` solve), 16 x 16 diagonal blocks by substitution in fp32.
 
-One CTA of 4 warps owns one 64-token chunk of one value head (grid ``(chunk slots, HV)``, as the Triton
-kernel), about 74 KiB of shared memory: three CTAs per SM.
+One CTA of 4 warps owns one 64-token chunk of one value head (grid ``(chunk slots, HV)``), 73 KiB: 3 CTAs per SM.
 
 Outputs, all in the Triton kernel's layouts: ``w, qg, kd`` ``[TT, HV, 128]``, ``u`` ``[TT, HV, 128]``,
 ``A_qk`` ``[TT, HV, 64]`` (bf16), ``decay`` ``[slots, HV, 128]`` fp32, and with ``SAVE_AKK`` the inverse

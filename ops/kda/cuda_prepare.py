@@ -84,37 +84,39 @@ def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...
                              save_akk=save_akk)
 
 
-def launch_prepare(tensors: tuple, *, slots: int, T: int, N: int, H: int, HV: int, scale: float, beta_scale: float,
-                   lower_bound: float, varlen: bool, l2norm: bool, has_a_log: bool, has_dt_bias: bool,
-                   beta_sigmoid: bool, save_akk: bool) -> None:
-    """Run the CUDA prepare kernel on ``tensors``, the Triton kernel's tensor arguments in its order
+def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
+    """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens,
-    chunk_offsets``; ``g_cumsum`` is not written: the lower-bound gate saves none). The caller checked
-    ``outside_design`` is None. Raises NvrtcUnavailable when the kernel cannot be built."""
+    chunk_offsets``; ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and
+    constexpr keywords (``T, N, H, HV, scale, beta_scale, lower_bound, IS_VARLEN, L2NORM, HAS_A_LOG,
+    HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK`` are read). The caller checked ``outside_design`` is None. Raises
+    NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(device_index)
-    a_log = a_log.float().contiguous() if has_a_log else a_log
-    dt_bias = dt_bias.float().contiguous() if has_dt_bias else dt_bias
+    varlen, HV = args["IS_VARLEN"], args["HV"]
+    a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log
+    dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
     cu_dtype = _CU.get(cu_seqlens.dtype, "int") if varlen else "int"
-    source = _source(_ELEM[g.dtype], _ELEM[beta.dtype], cu_dtype,
-                     (varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk))
+    flags = tuple(bool(args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS", "BETA_SIGMOID",
+                                                 "SAVE_AKK"))
+    source = _source(_ELEM[g.dtype], _ELEM[beta.dtype], cu_dtype, flags)
     with torch.cuda.device(device_index):
         kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
                              shared_bytes=src.SHARED_BYTES)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
-        args = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
-                                 cu_seqlens if varlen else q, chunk_offsets if varlen else q)]
-        args += [ctypes.c_int(T), ctypes.c_int(N), ctypes.c_int(H), ctypes.c_int(HV), ctypes.c_float(scale),
-                 ctypes.c_float(beta_scale), ctypes.c_float(lower_bound)]
+        params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
+                                   cu_seqlens if varlen else q, chunk_offsets if varlen else q)]
+        params += [ctypes.c_int(args[name]) for name in ("T", "N", "H", "HV")]
+        params += [ctypes.c_float(args[name]) for name in ("scale", "beta_scale", "lower_bound")]
         if slots * HV:
-            kernel.launch((slots, HV, 1), src.THREADS, args)
+            kernel.launch((slots, HV, 1), src.THREADS, params)
 
 
-def run_or_fall_back(tensors: tuple, **kwargs) -> bool:
-    """Launch the CUDA kernel; False (with the fallback recorded) when it cannot be built."""
+def run_or_fall_back(tensors: tuple, slots: int, args: dict) -> bool:
+    """Launch the CUDA kernel (``launch_prepare``); False (with the fallback recorded) when it cannot be built."""
     try:
-        launch_prepare(tensors, **kwargs)
+        launch_prepare(tensors, slots, args)
         return True
     except NvrtcUnavailable as exc:
         record_fallback(_OP, "Triton prepare kernel", f"the CUDA prepare kernel could not be built: {exc}")

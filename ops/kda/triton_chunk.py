@@ -287,13 +287,9 @@ def chunk_kda_prefill(
     )
     prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
                        cu_seqlens, chunk_offsets)
-    lower_gate = gate == int(GATE_LOWER_BOUND)
-    if (choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, lower_gate, lower_bound) == "cuda"
-            and run_or_fall_back(prepare_tensors, slots=slots, T=T, N=N, H=H, HV=HV, scale=float(scale),
-                                 beta_scale=prepare_args["beta_scale"], lower_bound=float(lower_bound), varlen=varlen,
-                                 l2norm=use_qk_l2norm_in_kernel, has_a_log=A_log_arg is not dummy,
-                                 has_dt_bias=dt_bias_arg is not dummy, beta_sigmoid=use_beta_sigmoid_in_kernel,
-                                 save_akk=save_residuals)):
+    use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate == int(GATE_LOWER_BOUND),
+                                     lower_bound) == "cuda"
+    if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args):
         pass  # the CUDA prepare kernel ran (cuda_prepare.py)
     elif _interpreted():
         kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),

@@ -13,6 +13,10 @@ The number of segments ``P`` comes from the SM count at run time (``choose_segme
 sequence with few heads is cut into pieces so that the scan fills the GPU. ``KDA_COMPILE_PREFILL_SEGMENTS``
 overrides it (tuning and benchmarks).
 
+For bf16, K = V = 128 the prepare step (``cuda_prepare.py``) and the recurrence (``cuda_scan.py``, one segment)
+have CUDA kernels; the recurrence takes it where the same cost model puts it ahead of the Triton scan's
+segments (``cuda_scan_is_faster``).
+
 Device-agnostic (no ``torch.cuda`` calls beyond the SM count), so the same launchers run on CPU tensors
 under ``TRITON_INTERPRET=1`` with one fixed small config; on CUDA a short autotune list per kernel.
 Intermediates are in the input dtype (fp32 for fp32 inputs); bf16 inputs take bf16 tensor-core
@@ -28,6 +32,8 @@ import torch
 import triton
 
 from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
+from kda_compile.ops.kda.cuda_scan import choose_scan_kernel
+from kda_compile.ops.kda.cuda_scan import run_or_fall_back as run_scan_cuda
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
 from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
@@ -35,6 +41,14 @@ from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_seg
 CHUNK = 64  # BT: fixed by the prepare kernel (four 16-row sub-blocks)
 MAX_HEAD_DIM = 256
 SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
+# Programs of the scan / summary kernel counted per SM by the segment cost model: an effective value fitted to
+# measured segment sweeps (H100, bf16, K = V = 128; kda_compile/bench/results/README.md, session 17), not an
+# occupancy count (offline sm_90 compiles give one resident program of 8 warps, but the model with 1 picked P = 3
+# at 1 x 65536 x 16, 3.33 ms, where P = 8 takes 3.17 ms).
+SCAN_RESIDENT = 2
+# One chunk step of the CUDA scan (cuda_scan_source.py, one CTA per SM) in the cost model's units: 2.4 us
+# against about 6 us per unit for the Triton scan and summaries (H100, same sweeps).
+CUDA_STEP_COST = 0.4
 
 
 def _interpreted() -> bool:
@@ -124,46 +138,90 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None,
-                    *, resident: int = 2, max_segments: int = 16, min_chunks: int = 8) -> int:
-    """How many segments to cut each sequence into (1 = the plain recurrence).
+def segment_cost(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int, P: int, *,
+                 first_x_blocks: int | None = None, resident: int = SCAN_RESIDENT) -> float:
+    """The Triton scan with P segments in units of one of its chunk steps (4 products of ``[64, K] x [K, BV]``):
+    a summary step costs about half of one (2 products; measured 1.17 against 2.4 us on an H100), applying
+    one earlier segment's summary about one. Programs run in waves of ``sm_count * resident``.
+    ``first_x_blocks``: the summary programs of segment 0 (fewer when it needs no ``M``, ``summary_x_blocks``;
+    default ``x_blocks``)."""
+    slots = sm_count * resident
+    first = x_blocks if first_x_blocks is None else first_x_blocks
+    per = math.ceil(chunks / P)
+    scan = math.ceil(num_seqs * heads * v_blocks * P / slots) * (per + (P - 1))
+    if P == 1:
+        return float(scan)
+    summaries = num_seqs * heads * (first + x_blocks * (P - 2))
+    return scan + math.ceil(summaries / slots) * per * 0.5
 
-    A cost model in units of one chunk step of the scan (4 products of ``[64, K] x [K, BV]``): a
-    summary step costs about half of one (2 products), applying one earlier segment's summary about
-    one. Programs run in waves of ``sm_count * resident``. Segments shorter than ``min_chunks`` chunks
-    are not worth their summaries.
-    """
+
+def cuda_scan_cost(num_seqs: int, heads: int, v_blocks: int, chunks: int, sm_count: int) -> float:
+    """The CUDA scan (one segment, one CTA per SM) in ``segment_cost``'s units."""
+    return math.ceil(num_seqs * heads * v_blocks / sm_count) * chunks * CUDA_STEP_COST
+
+
+def choose_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None,
+                    *, first_x_blocks: int | None = None, resident: int = SCAN_RESIDENT, max_segments: int = 16,
+                    min_chunks: int = 8) -> int:
+    """How many segments to cut each sequence into (1 = the plain recurrence): the cheapest by
+    ``segment_cost``. Segments shorter than ``min_chunks`` chunks are not worth their summaries."""
     if sm_count is None or chunks <= min_chunks:
         return 1
-    slots = sm_count * resident
-
-    def cost(P: int) -> float:
-        per = math.ceil(chunks / P)
-        scan = math.ceil(num_seqs * heads * v_blocks * P / slots) * (per + (P - 1))
-        summary = math.ceil(num_seqs * heads * x_blocks * (P - 1) / slots) * per * 0.5 if P > 1 else 0.0
-        return scan + summary
-
     candidates = [P for P in range(1, max_segments + 1) if P == 1 or math.ceil(chunks / P) >= min_chunks]
-    return min(candidates, key=lambda P: (cost(P), P))
+    return min(candidates, key=lambda P: (segment_cost(num_seqs, heads, v_blocks, x_blocks, chunks, sm_count, P,
+                                                       first_x_blocks=first_x_blocks, resident=resident), P))
 
 
-def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks: int, T: int, varlen: bool,
-                  segments: int | None) -> int:
-    """The scan's segment count: ``segments`` if given, else ``KDA_COMPILE_PREFILL_SEGMENTS``, else
+def summary_x_blocks(K: int, V: int, BX: int, has_initial_state: bool) -> int:
+    """Column blocks of segment 0's summary that run: all ``cdiv(K + V, BX)``, or without an initial
+    state (the state entering segment 1 is then ``C_0`` alone) only those that hold ``C`` columns."""
+    return triton.cdiv(K + V, BX) - (0 if has_initial_state else K // BX)
+
+
+def _chunks_per_sequence(T: int, N: int, varlen: bool) -> int:
+    return triton.cdiv(T, CHUNK * N) if varlen else triton.cdiv(T, CHUNK)
+
+
+def _device_sms(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks: int, first_x_blocks: int, T: int,
+                  varlen: bool, segments: int | None) -> int:
+    """The Triton scan's segment count: ``segments`` if given, else ``KDA_COMPILE_PREFILL_SEGMENTS``, else
     ``choose_segments`` from the SM count (1 off CUDA)."""
     if segments is None and os.environ.get(SEGMENTS_ENV):
         segments = int(os.environ[SEGMENTS_ENV])
     if segments is None:
-        sm_count = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
-        chunks_per_sequence = triton.cdiv(T, CHUNK * N) if varlen else triton.cdiv(T, CHUNK)
-        segments = choose_segments(N, HV, v_blocks, x_blocks, chunks_per_sequence, sm_count)
+        segments = choose_segments(N, HV, v_blocks, x_blocks, _chunks_per_sequence(T, N, varlen), _device_sms(device),
+                                   first_x_blocks=first_x_blocks)
     return max(1, int(segments))
 
 
-# ------------------------------------------------------------------------------------------------
-# Launcher
-# ------------------------------------------------------------------------------------------------
+def cuda_scan_is_faster(device: torch.device, N: int, HV: int, K: int, V: int, T: int, varlen: bool,
+                        has_initial_state: bool) -> bool:
+    """Whether the CUDA scan (one segment) beats the Triton scan at its automatic segment count by the cost
+    model: it does unless few (sequence, head) pairs leave most SMs idle over a long sequence (1 x 65536 x 16:
+    32 CTAs; there the Triton scan's 8 segments take 1.7 ms against 2.5 ms, H100)."""
+    sm_count = _device_sms(device)
+    if sm_count is None:
+        return False
+    BX = 64  # the bf16 state block (_state_block)
+    v_blocks, x_blocks = triton.cdiv(V, BX), triton.cdiv(K + V, BX)
+    first = summary_x_blocks(K, V, BX, has_initial_state)
+    chunks = _chunks_per_sequence(T, N, varlen)
+    P = choose_segments(N, HV, v_blocks, x_blocks, chunks, sm_count, first_x_blocks=first)
+    triton_cost = segment_cost(N, HV, v_blocks, x_blocks, chunks, sm_count, P, first_x_blocks=first)
+    return cuda_scan_cost(N, HV, v_blocks, chunks, sm_count) <= triton_cost
+
+
+def _fp32_buffer(like: torch.Tensor, *shape: int) -> torch.Tensor:
+    """Uninitialised fp32 workspace (the tests fill it with NaN to prove nothing unwritten is read)."""
+    return like.new_empty(shape, dtype=torch.float32)
+
+
 def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, *, T: int, N: int,
                 segments: int | None, o=None, final=None, h=None, v_new=None, scale: float = 1.0,
                 gate_cumsum: bool = False) -> None:
@@ -174,28 +232,37 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
     ``chunk_offsets``: int tensors, or empty ones without packed sequences."""
     HV, K, V = w.shape[-2], w.shape[-1], u.shape[-1]
     varlen = cu_seqlens.numel() > 0
+    segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))
+    kernel_choice = choose_scan_kernel(
+        w, u, initial_state, cu_seqlens, num_seqs=N, gate_cumsum=gate_cumsum, writes_chunk_states=h is not None,
+        writes_o=o is not None, segments_asked=segments_asked,
+        cuda_faster=lambda: cuda_scan_is_faster(w.device, N, HV, K, V, T, varlen, initial_state is not None))
+    if kernel_choice == "cuda" and run_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens,
+                                                 chunk_offsets, T=T, N=N):
+        return  # the CUDA scan ran (cuda_scan.py)
     dot_bf16, dot_precision, _, combine_precision = _precisions(w.dtype)
     BK, BV = _pow2(K), _state_block(K, V, dot_bf16)
     v_blocks, x_blocks = triton.cdiv(V, BV), triton.cdiv(K + V, BV)
-    P = scan_segments(w.device, N, HV, v_blocks, x_blocks, T, varlen, segments)
+    has_h0 = initial_state is not None
+    P = scan_segments(w.device, N, HV, v_blocks, x_blocks, summary_x_blocks(K, V, BV, has_h0), T, varlen, segments)
     dummy = w.new_empty(1, dtype=torch.float32)
     common = dict(HV=HV, K=K, V=V, BT=CHUNK, BK=BK, IS_VARLEN=varlen, DOT_BF16=dot_bf16,
                   DOT_PRECISION=dot_precision, GATE_CUMSUM=gate_cumsum)
     fixed = dict(num_warps=1) if _interpreted() else {}
     summary = scratch = dummy
     if P > 1:
-        summary = w.new_empty(N * P, HV, K, K + V, dtype=torch.float32)
-        scratch = w.new_empty(v_blocks * HV * N * P, BK, BV, dtype=torch.float32)
+        summary = _fp32_buffer(w, N * P, HV, K, K + V)
+        scratch = _fp32_buffer(w, v_blocks * HV * N * P, BK, BV)
         kernel = kda_segment_summary_kernel if _interpreted() else _tuned("summary")
         kernel[(x_blocks * HV * N * (P - 1),)](w, u, kd, decay, summary, cu_seqlens, chunk_offsets, T, P, BX=BV,
-                                                **common, **fixed)
+                                                SKIP_FIRST_M=not has_h0, **common, **fixed)
     h0_strides = initial_state.stride() if initial_state is not None else (0, 0, 0, 0)
     or_dummy = lambda t: dummy if t is None else t  # noqa: E731
     kernel = kda_chunk_scan_kernel if _interpreted() else _tuned("scan")
     kernel[(v_blocks * HV * N * P,)](
         w, u, or_dummy(qg), kd, or_dummy(a_qk), decay, or_dummy(o), or_dummy(initial_state), or_dummy(final),
         summary, scratch, cu_seqlens, chunk_offsets, T, P, *h0_strides, BV=BV, BKM=min(32, BK),
-        HAS_H0=initial_state is not None, STORE_HT=final is not None, COMBINE_PRECISION=combine_precision,
+        HAS_H0=has_h0, STORE_HT=final is not None, COMBINE_PRECISION=combine_precision,
         H_STATES=or_dummy(h), V_NEW=or_dummy(v_new), scale=float(scale), STORE_O=o is not None,
         STORE_STATES=h is not None, **common, **fixed)
 

@@ -19,6 +19,7 @@ One long sequence with few heads gives ``N * HV * cdiv(V, BV)`` programs: too fe
 2. ``kda_chunk_scan_kernel`` with ``P > 1``: the program of segment p first applies the summaries of
    segments 0..p-1 to the initial state (p small ``K x K`` products, fp32 with ``COMBINE_PRECISION``),
    then runs its own chunks and writes their outputs. Only the last segment writes the final state.
+   Without an initial state segment 0's ``M`` is neither computed nor applied (it multiplies zero).
 
 With ``P = 1`` the scan kernel is the plain recurrence (no summaries). The products inside the chunk
 loop take the state rounded to the input dtype for bf16 inputs (as FLA does), fp32 operands
@@ -85,11 +86,13 @@ def kda_segment_summary_kernel(
     T, P,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BX: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    GATE_CUMSUM: tl.constexpr = False,
+    GATE_CUMSUM: tl.constexpr = False, SKIP_FIRST_M: tl.constexpr = False,
 ):
     """``SUMMARY[n * P + p, hv] = [M | C]`` ``[K, K + V]`` fp32 of segment p (< P - 1) of sequence n.
 
     Grid ``(cdiv(K + V, BX) * HV * N * (P - 1),)``: column block fastest, then head, then segment.
+    ``SKIP_FIRST_M`` (no initial state: segment 0 starts from zero, so its ``M`` multiplies nothing):
+    segment 0's column blocks that hold only ``M`` columns exit at once and leave them unwritten.
     """
     pid = tl.program_id(0)
     num_x = tl.cdiv(K + V, BX)
@@ -99,6 +102,8 @@ def kda_segment_summary_kernel(
     rest = rest // HV
     p = rest % (P - 1)
     n = rest // (P - 1)
+    if SKIP_FIRST_M and p == 0 and (ix + 1) * BX <= K:
+        return
     bos, seq_len, first_chunk = _sequence(cu_seqlens, chunk_offsets, n, T, IS_VARLEN, BT)
     c0, c1 = _segment(seq_len, p, P, BT)
 
@@ -168,13 +173,18 @@ def kda_chunk_scan_kernel(
 
     # Segments before this one: S <- M_s S + C_s. S passes through this program's scratch tile so
     # that M can be read in column slices (a full [K, K] fp32 operand would not fit in registers).
+    # Without an initial state S is zero entering segment 0's summary: S <- C_0, and M_0 (left unwritten
+    # by the summary kernel's SKIP_FIRST_M) is never read.
     scratch = SCRATCH + pid.to(tl.int64) * BK * BV + kcols[:, None] * BV + tl.arange(0, BV)[None, :]
     for s in range(0, p):
         summary = SUMMARY + ((n * P + s).to(tl.int64) * HV + hv) * K * (K + V)
         tl.store(scratch, S)
         tl.debug_barrier()
         acc = tl.load(summary + kcols[:, None] * (K + V) + K + vcols[None, :], mask=state_ok, other=0.0)
-        for m0 in range(0, BK, BKM):
+        m_end = BK
+        if not HAS_H0:
+            m_end = tl.where(s == 0, 0, BK)
+        for m0 in range(0, m_end, BKM):
             mcols = m0 + tl.arange(0, BKM)
             m = tl.load(summary + kcols[:, None] * (K + V) + mcols[None, :],
                         mask=kok[:, None] & (mcols < K)[None, :], other=0.0)

@@ -151,6 +151,19 @@ def test_narrow_values_across_segments(segments, dtype):
     check(_args(KDAShape(1, 65, 1, 1, 100, 16), dtype, seed=0, weak_decay=False), segments=segments)
 
 
+@pytest.mark.parametrize("initial_state", [False, True], ids=["zero_state", "initial_state"])
+def test_segment_workspace_is_written_before_read(monkeypatch, initial_state):
+    """The segment summaries and the combine's scratch start as NaN: every value the scan reads must have
+    been written first. Without an initial state segment 0's M columns are skipped by the summary kernel
+    and must not be read by the combine either (three segments: segment 2 applies two summaries)."""
+    import kda_compile.ops.kda.triton_chunk as triton_chunk
+
+    real = triton_chunk._fp32_buffer
+    monkeypatch.setattr(triton_chunk, "_fp32_buffer", lambda like, *shape: real(like, *shape).fill_(float("nan")))
+    args = _args(KDAShape(2, 200, 1, 2, 32, 16), initial_state=initial_state, gate_form="lower_bound")
+    check(args, segments=3)
+
+
 def test_segmented_scan_batched_gva():
     check(_args(KDAShape(2, 130, 1, 2, 32, 16), initial_state=True, gate_form="lower_bound"), segments=2)
 

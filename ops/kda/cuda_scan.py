@@ -1,0 +1,122 @@
+"""Which kernel runs the KDA prefill's recurrence on CUDA, and the launcher of the CUDA one.
+
+- ``cuda`` (``cuda_scan_source.py``, compiled by NVRTC): sm_80 or newer, bf16 intermediates, K = V = 128,
+  our own prepare kernel's formats (not FLA's), ``o`` and the final state as outputs (FLA's chunk states are
+  not written), an fp32 initial state. One segment: the whole sequence in one program per value block.
+- ``triton`` (``triton_chunk_scan.py``): every call; cuts long sequences into segments (``choose_segments``).
+
+``KDA_COMPILE_SCAN_KERNEL`` = ``auto`` (default) | ``triton`` | ``cuda`` overrides the choice (``cuda`` still
+runs Triton, logged, on calls outside the kernel's design). In ``auto`` the CUDA kernel takes the calls it is
+written for where the segment cost model (``triton_chunk.cuda_scan_is_faster``) puts it ahead of the Triton
+scan's segments (not when a segment count was asked for): every anchor shape but the single 65536-token
+sequence with 16 heads. A call it would take that cannot run it (NVRTC missing or failing) runs Triton and is
+recorded as a fallback (logged once, shown by the rewrite report).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda import cuda_scan_source as src
+
+KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
+KERNELS = ("auto", "triton", "cuda")
+_OP = "chunk_kda"
+_CU = {torch.int32: "int", torch.int64: "long long"}
+MAX_SEQUENCES = 65535  # the grid's z dimension
+STAGES = 2  # chunks of tiles in shared memory (cuda_scan_source.shared_bytes)
+WARPS = 8
+
+
+def requested_kernel() -> str:
+    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if value not in KERNELS:
+        raise arg_error(KERNEL_ENV, repr(value), "one of " + ", ".join(KERNELS))
+    return value
+
+
+def outside_design(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool, writes_chunk_states: bool,
+                   writes_o: bool) -> str | None:
+    """Why the scan call is not one the CUDA kernel is written for, or None."""
+    if not w.is_cuda:
+        return "not a CUDA tensor"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1"
+    capability = torch.cuda.get_device_capability(w.device)
+    if capability < (8, 0):
+        return f"needs sm_80 or newer (bf16 mma.sync), got sm_{''.join(map(str, capability))}"
+    if w.dtype != torch.bfloat16:
+        return f"the intermediates are {w.dtype} (the kernel takes bfloat16)"
+    if w.shape[-1] != src.HEAD_DIM or u.shape[-1] != src.HEAD_DIM:
+        return f"K = {w.shape[-1]}, V = {u.shape[-1]} (the kernel takes 128 / 128)"
+    if gate_cumsum:
+        return "FLA's intermediates (gate cumsum format)"
+    if writes_chunk_states or not writes_o:
+        return "FLA's chunk states are asked for (the kernel writes o and the final state only)"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return f"the initial state is {initial_state.dtype} (the kernel takes float32)"
+    if cu_seqlens.numel() and cu_seqlens.dtype not in _CU:
+        return f"cu_seqlens is {cu_seqlens.dtype} (the kernel takes int32 or int64)"
+    if num_seqs > MAX_SEQUENCES:
+        return f"{num_seqs} sequences (the kernel's grid takes at most {MAX_SEQUENCES})"
+    return None
+
+
+def choose_scan_kernel(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool,
+                       writes_chunk_states: bool, writes_o: bool, segments_asked: bool, cuda_faster) -> str:
+    """"cuda" or "triton" for this scan (module docstring); a forced ``cuda`` outside the design is logged as
+    a fallback. ``cuda_faster``: a callable, the cost model's verdict (asked only in ``auto``)."""
+    requested = requested_kernel()
+    if requested == "triton" or (requested == "auto" and segments_asked):
+        return "triton"
+    why = outside_design(w, u, initial_state, cu_seqlens, num_seqs=num_seqs, gate_cumsum=gate_cumsum,
+                         writes_chunk_states=writes_chunk_states, writes_o=writes_o)
+    if why is None:
+        return "cuda" if requested == "cuda" or cuda_faster() else "triton"
+    if requested == "cuda":
+        record_fallback(_OP, "Triton scan kernel", f"the CUDA scan kernel cannot run this call: {why}")
+    return "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _source(cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, warps: int) -> str:
+    return src.kernel_source(cu_dtype=cu_dtype, varlen=varlen, has_h0=has_h0, store_ht=store_ht, stages=stages,
+                             warps=warps)
+
+
+def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, *, T: int,
+                     N: int) -> None:
+    """Run the CUDA scan: ``o`` (and ``final`` when given) from our prepare kernel's intermediates (the
+    caller checked ``outside_design`` is None). Raises NvrtcUnavailable when the kernel cannot be built."""
+    device_index = w.device.index if w.device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(device_index)
+    HV = w.shape[-2]
+    varlen = cu_seqlens.numel() > 0
+    has_h0, store_ht = initial_state is not None, final is not None
+    source = _source(_CU.get(cu_seqlens.dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, WARPS)
+    h0_strides = initial_state.stride() if has_h0 else (0, 0, 0, 0)
+    with torch.cuda.device(device_index):
+        kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
+                             shared_bytes=src.shared_bytes(STAGES))
+        ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
+        params = [ptr(t) for t in (w, u, qg, kd, a_qk, decay, o, initial_state if has_h0 else w,
+                                   final if store_ht else w, cu_seqlens if varlen else w,
+                                   chunk_offsets if varlen else w)]
+        params += [ctypes.c_int(T), ctypes.c_int(HV)] + [ctypes.c_longlong(s) for s in h0_strides]
+        if N * HV:
+            kernel.launch((src.HEAD_DIM // src.BLOCK_V, HV, N), 32 * WARPS, params)
+
+
+def run_or_fall_back(*args, **kwargs) -> bool:
+    """``launch_scan_cuda``; False (with the fallback recorded) when the kernel cannot be built."""
+    try:
+        launch_scan_cuda(*args, **kwargs)
+        return True
+    except NvrtcUnavailable as exc:
+        record_fallback(_OP, "Triton scan kernel", f"the CUDA scan kernel could not be built: {exc}")
+        return False

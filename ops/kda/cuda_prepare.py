@@ -15,39 +15,32 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._common import record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda.cuda_choice import device_unsupported
+from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_prepare_source as src
 from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY
 
 KERNEL_ENV = "KDA_COMPILE_PREPARE_KERNEL"
-KERNELS = ("auto", "triton", "cuda")
 _OP = "chunk_kda"
 _ELEM = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _CU = {torch.int32: "int", torch.int64: "long long"}
 
 
 def requested_kernel() -> str:
-    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if value not in KERNELS:
-        raise arg_error(KERNEL_ENV, repr(value), "one of " + ", ".join(KERNELS))
-    return value
+    return _requested(KERNEL_ENV)
 
 
 def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None) -> str | None:
     """Why the call is not one the CUDA kernel is written for, or None. ``lower_gate``: the in-kernel
     lower-bound gate is asked for."""
-    if not q.is_cuda:
-        return "not a CUDA tensor"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return "TRITON_INTERPRET=1"
-    capability = torch.cuda.get_device_capability(q.device)
-    if capability < (8, 0):
-        return f"needs sm_80 or newer (bf16 mma.sync), got sm_{''.join(map(str, capability))}"
+    why = device_unsupported(q)
+    if why is not None:
+        return why
     if any(t.dtype != torch.bfloat16 for t in (q, k, v)):
         return f"q / k / v are {q.dtype} / {k.dtype} / {v.dtype} (the kernel takes bfloat16)"
     if q.shape[-1] != src.HEAD_DIM or v.shape[-1] != src.HEAD_DIM:

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._common import record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda.cuda_choice import device_unsupported
+from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_scan_source as src
 
 KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
-KERNELS = ("auto", "triton", "cuda")
 _OP = "chunk_kda"
 _CU = {torch.int32: "int", torch.int64: "long long"}
 MAX_SEQUENCES = 65535  # the grid's z dimension
@@ -34,22 +34,15 @@ WARPS = 8
 
 
 def requested_kernel() -> str:
-    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if value not in KERNELS:
-        raise arg_error(KERNEL_ENV, repr(value), "one of " + ", ".join(KERNELS))
-    return value
+    return _requested(KERNEL_ENV)
 
 
 def outside_design(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool, writes_chunk_states: bool,
                    writes_o: bool) -> str | None:
     """Why the scan call is not one the CUDA kernel is written for, or None."""
-    if not w.is_cuda:
-        return "not a CUDA tensor"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return "TRITON_INTERPRET=1"
-    capability = torch.cuda.get_device_capability(w.device)
-    if capability < (8, 0):
-        return f"needs sm_80 or newer (bf16 mma.sync), got sm_{''.join(map(str, capability))}"
+    why = device_unsupported(w)
+    if why is not None:
+        return why
     if w.dtype != torch.bfloat16:
         return f"the intermediates are {w.dtype} (the kernel takes bfloat16)"
     if w.shape[-1] != src.HEAD_DIM or u.shape[-1] != src.HEAD_DIM:

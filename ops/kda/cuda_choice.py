@@ -1,0 +1,31 @@
+"""What the KDA prefill's CUDA kernels (``cuda_prepare.py``, ``cuda_scan.py``) share in choosing themselves:
+the ``auto | triton | cuda`` switch read from the environment, and the device conditions every such kernel has."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kda_compile.ops._common import arg_error
+
+KERNELS = ("auto", "triton", "cuda")
+
+
+def requested_kernel(env: str) -> str:
+    """The switch ``env`` names (default ``auto``); a clear error naming it for any other value."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value not in KERNELS:
+        raise arg_error(env, repr(value), "one of " + ", ".join(KERNELS))
+    return value
+
+
+def device_unsupported(x: torch.Tensor) -> str | None:
+    """Why ``x``'s device cannot run a bf16 ``mma.sync`` kernel compiled by NVRTC, or None."""
+    if not x.is_cuda:
+        return "not a CUDA tensor"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1"
+    capability = torch.cuda.get_device_capability(x.device)
+    if capability < (8, 0):
+        return f"needs sm_80 or newer (bf16 mma.sync), got sm_{''.join(map(str, capability))}"
+    return None

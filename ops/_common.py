@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -22,6 +23,15 @@ logger = logging.getLogger("kda_compile.ops")
 def arg_error(name: str, value, accepted: str, *, kind: type[Exception] = ValueError) -> Exception:
     """Build the error raised for a bad argument: ``"<name> must be <accepted>, got <value>"``."""
     return kind(f"{name} must be {accepted}, got {value}")
+
+
+def kernel_switch(env: str, choices: tuple[str, ...]) -> str:
+    """The kernel override the environment variable ``env`` names (default ``auto``, case and blanks ignored);
+    a clear error naming it for a value outside ``choices``."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value not in choices:
+        raise arg_error(env, repr(value), "one of " + ", ".join(choices))
+    return value
 
 
 def describe(t) -> str:

@@ -6,17 +6,14 @@ import os
 
 import torch
 
-from kda_compile.ops._common import arg_error
+from kda_compile.ops._common import kernel_switch
 
 KERNELS = ("auto", "triton", "cuda")
 
 
 def requested_kernel(env: str) -> str:
-    """The switch ``env`` names (default ``auto``); a clear error naming it for any other value."""
-    value = os.environ.get(env, "auto").strip().lower() or "auto"
-    if value not in KERNELS:
-        raise arg_error(env, repr(value), "one of " + ", ".join(KERNELS))
-    return value
+    """The ``auto | triton | cuda`` switch ``env`` names (``ops._common.kernel_switch``)."""
+    return kernel_switch(env, KERNELS)
 
 
 def device_unsupported(x: torch.Tensor) -> str | None:

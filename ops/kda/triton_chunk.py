@@ -49,6 +49,8 @@ SCAN_RESIDENT = 2
 # One chunk step of the CUDA scan (cuda_scan_source.py, one CTA per SM) in the cost model's units: 2.4 us
 # against about 6 us per unit for the Triton scan and summaries (H100, same sweeps).
 CUDA_STEP_COST = 0.4
+MAX_SEGMENTS = 16
+MIN_SEGMENT_CHUNKS = 8  # shorter segments are not worth their summaries
 
 
 def _interpreted() -> bool:
@@ -160,16 +162,24 @@ def cuda_scan_cost(num_seqs: int, heads: int, v_blocks: int, chunks: int, sm_cou
     return math.ceil(num_seqs * heads * v_blocks / sm_count) * chunks * CUDA_STEP_COST
 
 
+def _best_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None, *,
+                   first_x_blocks: int | None, resident: int, max_segments: int, min_chunks: int) -> tuple[float, int]:
+    """(cost, P) of the cheapest segment count by ``segment_cost``; (nan, 1) without an SM count."""
+    if sm_count is None:
+        return math.nan, 1
+    candidates = [P for P in range(1, max_segments + 1)
+                  if P == 1 or (chunks > min_chunks and math.ceil(chunks / P) >= min_chunks)]
+    return min((segment_cost(num_seqs, heads, v_blocks, x_blocks, chunks, sm_count, P, first_x_blocks=first_x_blocks,
+                             resident=resident), P) for P in candidates)
+
+
 def choose_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None,
-                    *, first_x_blocks: int | None = None, resident: int = SCAN_RESIDENT, max_segments: int = 16,
-                    min_chunks: int = 8) -> int:
+                    *, first_x_blocks: int | None = None, resident: int = SCAN_RESIDENT,
+                    max_segments: int = MAX_SEGMENTS, min_chunks: int = MIN_SEGMENT_CHUNKS) -> int:
     """How many segments to cut each sequence into (1 = the plain recurrence): the cheapest by
     ``segment_cost``. Segments shorter than ``min_chunks`` chunks are not worth their summaries."""
-    if sm_count is None or chunks <= min_chunks:
-        return 1
-    candidates = [P for P in range(1, max_segments + 1) if P == 1 or math.ceil(chunks / P) >= min_chunks]
-    return min(candidates, key=lambda P: (segment_cost(num_seqs, heads, v_blocks, x_blocks, chunks, sm_count, P,
-                                                       first_x_blocks=first_x_blocks, resident=resident), P))
+    return _best_segments(num_seqs, heads, v_blocks, x_blocks, chunks, sm_count, first_x_blocks=first_x_blocks,
+                          resident=resident, max_segments=max_segments, min_chunks=min_chunks)[1]
 
 
 def summary_x_blocks(K: int, V: int, BX: int, has_initial_state: bool) -> int:
@@ -208,12 +218,12 @@ def cuda_scan_is_faster(device: torch.device, N: int, HV: int, K: int, V: int, T
     sm_count = _device_sms(device)
     if sm_count is None:
         return False
-    BX = 64  # the bf16 state block (_state_block)
+    BX = _state_block(K, V, bf16=True)  # the CUDA scan takes bf16 intermediates only
     v_blocks, x_blocks = triton.cdiv(V, BX), triton.cdiv(K + V, BX)
-    first = summary_x_blocks(K, V, BX, has_initial_state)
     chunks = _chunks_per_sequence(T, N, varlen)
-    P = choose_segments(N, HV, v_blocks, x_blocks, chunks, sm_count, first_x_blocks=first)
-    triton_cost = segment_cost(N, HV, v_blocks, x_blocks, chunks, sm_count, P, first_x_blocks=first)
+    triton_cost, _ = _best_segments(N, HV, v_blocks, x_blocks, chunks, sm_count,
+                                    first_x_blocks=summary_x_blocks(K, V, BX, has_initial_state),
+                                    resident=SCAN_RESIDENT, max_segments=MAX_SEGMENTS, min_chunks=MIN_SEGMENT_CHUNKS)
     return cuda_scan_cost(N, HV, v_blocks, chunks, sm_count) <= triton_cost
 
 

@@ -14,9 +14,7 @@ rewrite report).
 """
 from __future__ import annotations
 
-import os
-
-from kda_compile.ops._common import arg_error, record_fallback
+from kda_compile.ops._common import kernel_switch, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.mla import wgmma_decode
 from kda_compile.ops.mla.triton_decode import mla_decode_attention
@@ -28,10 +26,7 @@ _OP = "mla_attention"
 
 
 def requested_kernel() -> str:
-    value = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if value not in KERNELS:
-        raise arg_error(KERNEL_ENV, repr(value), "one of " + ", ".join(KERNELS))
-    return value
+    return kernel_switch(KERNEL_ENV, KERNELS)
 
 
 def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:

@@ -1,57 +1,69 @@
 """CUDA source of the KDA prefill's recurrence for bf16 and K = V = 128 (compiled with NVRTC).
 
 The same contract as the plain (one-segment) ``kda_chunk_scan_kernel`` of ``triton_chunk_scan.py`` (read its
-docstring for the math): per 64-token chunk, with the fp32 state ``S [128, 64]`` (one 64-column value block)::
+docstring for the math): per 64-token chunk, with the fp32 state ``S [128, BV]`` (one block of value columns)::
 
     v_new = u - w S
     o     = qg S + A_qk v_new
     S     = diag(decay) S + kd^T v_new
 
 with the products on bf16 operands (``S`` and ``v_new`` rounded to bf16, as the Triton kernel and FLA do) and
-fp32 accumulation. Written in CUDA because one step of this loop is a chain of four small products whose
-latency, not bandwidth, bounds a long sequence with few heads: the Triton kernel spends 3.4-3.9 us a chunk
-there (1 x 32768 x 32, H100) in layout conversions through shared memory and a full wait after each
-``wgmma``; this kernel takes 2.4 us. Its warps keep every operand in the ``mma.m16n8k16`` register layout:
+fp32 accumulation. Written in CUDA because one step of this loop is a chain of small products whose latency,
+not bandwidth, bounds a long sequence with few heads (1 x 32768 x 32: the Triton kernel takes 3.4-3.9 us a chunk
+on an H100).
 
-- phase 1, warp w owns tokens ``[16 tb, 16 tb + 16)`` (``tb = w % 4``) and a column range of the value block (all
-  64 with 4 warps, half with 8): ``v_new`` and ``qg S`` from the bf16 state in shared memory (``ldmatrix.trans``
-  B fragments shared by both products); ``v_new`` goes to shared memory as bf16;
-- phase 2, warp w owns state rows ``[128 w / WARPS, 128 (w + 1) / WARPS)`` in fp32 registers:
-  ``S = decay S + kd^T v_new`` (``kd^T`` fragments by ``ldmatrix.trans`` of the token-major ``kd`` tile), then
-  writes its rows of the bf16 state; and finishes its tokens' ``o += A_qk v_new`` over the key blocks ``<= tb``
-  (``A_qk`` is lower triangular), stored to global memory from the fragments;
-- the next chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u, A_qk`` ``[64, 64]``, ``decay``) arrive by
-  ``cp.async`` while this one computes (``stages`` chunks in shared memory); two barriers per chunk.
+Each warp owns 16 value columns and keeps everything of them in registers, so warps never exchange data: the
+fp32 state is held transposed, ``S^T [16, 128]``, in the ``mma.m16n8k16`` accumulator layout; rounded to bf16 and
+packed, those registers are the A fragments of ``S^T``. Every product is taken transposed, so the bf16 operands
+kept in registers are always A fragments (one register order, no moves between products):
 
-One CTA per (value block, head, sequence): grid ``(2, HV, N)``; 153 KiB of shared memory with two stages, so one
-CTA per SM. Measured (H100, session 17): neither a third stage nor 8 warps instead of 4 changed the 2.4 us step;
-ncu calls it latency-bound inside the CTA (issue slots 16% busy, DRAM 26%).
+- ``v_new^T = u^T - S^T w^T``: ``w`` as B fragments (plain ``ldmatrix`` of the token-major tile); ``v_new^T``
+  comes out in the accumulator layout, which rounded and packed is the A operand of the next two products;
+- ``o^T = S^T qg^T + v_new^T A_qk^T`` (``A_qk`` lower triangular: 10 of its 16 blocks), written back through
+  a per-warp staging tile (``stmatrix.trans``) as 16-byte rows of ``o``;
+- ``S^T = S^T diag(decay) + v_new^T kd`` (``kd`` B fragments by ``ldmatrix.trans``).
+
+The chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u`` ``[64, BV]``, ``A_qk`` ``[64, 64]``, ``decay``) arrive by
+``cp.async`` while the previous chunk computes (``stages`` chunks in shared memory); each thread copies fixed
+16-byte columns of fixed rows, whole chunks without row checks. One barrier per chunk, for reusing a stage. One
+CTA of ``BV / 16`` warps per (value block, head, sequence): grid ``(128 / BV, HV, N)``, BV = 64 or 32 (more
+CTAs, for few heads).
+
+Measured (H100, session 18; ``kda_compile/bench/results/README.md``): a chunk step takes 1.86 us with BV = 64 and
+1.68 us with BV = 32 at 1 x 32768 x 32, against 2.4 us for the session-17 kernel, whose warps split the state by
+rows and passed ``S`` and ``v_new`` through shared memory (ncu: 1700 instructions a warp a step, a third of them
+register moves and address arithmetic; now about 880). What is left is latency with one warp per scheduler
+(ncu: 3.9 cycles per issued instruction, mostly fixed-latency and shared-memory waits).
 """
 from __future__ import annotations
 
 KERNEL_NAME = "kda_scan_mma"
 HEAD_DIM = 128
-BLOCK_V = 64
 CHUNK = 64
+BLOCK_VS = (32, 64)
 
-# Shared memory (bytes): two stages of the chunk's tiles, then the bf16 state and v_new.
+# Shared memory (bytes) of one stage: the chunk's tiles.
 W_OFF, QG_OFF, KD_OFF = 0, CHUNK * HEAD_DIM * 2, 2 * CHUNK * HEAD_DIM * 2
-U_OFF = 3 * CHUNK * HEAD_DIM * 2
-A_OFF = U_OFF + CHUNK * BLOCK_V * 2
+A_OFF = 3 * CHUNK * HEAD_DIM * 2
 DECAY_OFF = A_OFF + CHUNK * CHUNK * 2
-STAGE_BYTES = DECAY_OFF + HEAD_DIM * 4
-STATE_BYTES = HEAD_DIM * BLOCK_V * 2 + CHUNK * BLOCK_V * 2  # the bf16 state and v_new, past the stages
+U_OFF = DECAY_OFF + HEAD_DIM * 4
 
 
-def shared_bytes(stages: int) -> int:
-    return stages * STAGE_BYTES + STATE_BYTES
+def stage_bytes(block_v: int) -> int:
+    return U_OFF + CHUNK * block_v * 2
+
+
+O_STAGE_BYTES = CHUNK * 16 * 2  # one warp's o tile [64 tokens][16 columns], bf16
+
+
+def shared_bytes(stages: int, block_v: int) -> int:
+    return stages * stage_bytes(block_v) + block_v // 16 * O_STAGE_BYTES
 
 _BODY = r"""
 typedef unsigned int u32;
 typedef unsigned short bf16;  // raw bits (no cuda_bf16.h: NVRTC may have no include path)
 #define KD 128
 #define VD 128
-#define BV 64
 
 __device__ __forceinline__ float lo_bf(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi_bf(u32 v) { return __uint_as_float(v & 0xffff0000u); }
@@ -59,10 +71,16 @@ __device__ __forceinline__ u32 pack(float lo, float hi) {  // two floats rounded
     u32 p; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(hi), "f"(lo)); return p;
 }
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// byte offset of (row, 16-byte chunk) in a bf16 tile of 128 (wide) or 64 columns: chunks XOR-swizzled by
-// row, so the 8 rows one ldmatrix matrix reads fall in different banks
+// byte offset of (row, 16-byte chunk) in a bf16 tile of 128, 64 or 32 columns: chunks XOR-swizzled by row, so
+// the 8 rows one ldmatrix matrix reads fall in different banks
 __device__ __forceinline__ u32 swz128(int row, int chunk) { return row * 256 + ((chunk ^ (row & 7)) << 4); }
 __device__ __forceinline__ u32 swz64(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+__device__ __forceinline__ u32 swz32(int row, int chunk) { return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4); }
+#if BV == 64
+#define SWZ_U swz64
+#else
+#define SWZ_U swz32
+#endif
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -79,19 +97,40 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {  // ze
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0));
 }
 
+__device__ __forceinline__ void stm_x4_t(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};"
+                 :: "r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]));
+}
+
+// acc[t] = (S^T x^T) for the 8 token tiles of a token-major bf16 tile x [64][128] at shared address x_s: the
+// state's A fragments sa times x's B fragments (plain ldmatrix, lane rows / chunks of pattern "b" below)
+__device__ __forceinline__ void state_times_tile(float (&acc)[8][4], const u32 (&sa)[8][4], u32 x_s, int b_row_l,
+                                                 int b_chunk_l) {
+#pragma unroll
+    for (int t = 0; t < 8; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+        for (int tp = 0; tp < 4; ++tp) {
+            u32 b[4];
+            ldm_x4(b, x_s + swz128(16 * tp + b_row_l, 2 * kk + b_chunk_l));
+            mma_bf16(acc[2 * tp], sa[kk], b[0], b[1]);
+            mma_bf16(acc[2 * tp + 1], sa[kk], b[2], b[3]);
+        }
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
     const bf16* __restrict__ W, const bf16* __restrict__ U, const bf16* __restrict__ QG, const bf16* __restrict__ KDt,
     const bf16* __restrict__ AQK, const float* __restrict__ DECAY, bf16* __restrict__ O, const float* __restrict__ H0,
     float* __restrict__ HT, const CU_T* __restrict__ cu_seqlens, const int* __restrict__ chunk_offsets,
     int T, int HV, long long h0_sn, long long h0_sh, long long h0_sk, long long h0_sv)
 {
-    // Warp wp: tokens [16 tb, 16 tb + 16) and value columns [cb, cb + 8 NT) in phase 1 / the output; state rows
-    // [16 MT wp, 16 MT (wp + 1)) (MT 16-row tiles x 8 column tiles of 8) in phase 2.
-    constexpr int NT = 8 * 4 / WARPS, MT = 8 / WARPS, NTHREADS = 32 * WARPS;
+    constexpr int NTHREADS = 32 * WARPS;
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, gid = lane >> 2, tig = lane & 3;
-    const int tb = wp & 3, cb = (wp >> 2) * 8 * NT, r0 = 16 * MT * wp;
-    const int iv = blockIdx.x, hv = blockIdx.y, n = blockIdx.z, v0 = BV * iv;
+    const int hv = blockIdx.y, n = blockIdx.z, v0 = BV * blockIdx.x, wc = 16 * wp;  // this warp: columns v0 + wc ..
     long long bos;
     int seq_len, first_chunk;
 #if IS_VARLEN
@@ -106,204 +145,190 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
     const int nch = (seq_len + 63) / 64;
     const long long k_row = (long long)HV * KD, v_row = (long long)HV * VD, a_row = (long long)HV * 64;
 
-    // ---- the fp32 state in mma C layout: rows r0 + 16 mt + gid (+ 8), columns 8 nt + 2 tig (+ 1) ----------------
-    float S[MT][8][4];
+    // ---- the fp32 state, transposed, in mma C layout: ST[j][e] = S[8 j + 2 tig + (e & 1)][wc + gid + 8 (e >> 1)]
+    float ST[16][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < 4; ++e) {
 #if HAS_H0
-                const int row = r0 + 16 * mt + gid + 8 * (e >> 1), col = v0 + 8 * nt + 2 * tig + (e & 1);
-                S[mt][nt][e] = H0[n * h0_sn + hv * h0_sh + row * h0_sk + col * h0_sv];
+            const int key = 8 * j + 2 * tig + (e & 1), col = v0 + wc + gid + 8 * (e >> 1);
+            ST[j][e] = H0[n * h0_sn + hv * h0_sh + key * h0_sk + col * h0_sv];
 #else
-                S[mt][nt][e] = 0.f;
+            ST[j][e] = 0.f;
 #endif
-            }
-    unsigned char* state = smem + STATE_OFF;  // bf16 [128][64], swizzled
-    unsigned char* vnew = smem + VNEW_OFF;    // bf16 [64][64], swizzled
-    auto write_state = [&]() {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int hh = 0; hh < 2; ++hh) {
-                    const int row = r0 + 16 * mt + gid + 8 * hh;
-                    *reinterpret_cast<u32*>(state + swz64(row, nt) + 4 * tig) = pack(S[mt][nt][2 * hh], S[mt][nt][2 * hh + 1]);
-                }
-    };
-    write_state();
+        }
 
-    // ---- the chunk's tiles by cp.async (zeros past the sequence) ---------------------------------------
+    // ---- the chunk's tiles by cp.async (zeros past the sequence). Each thread copies fixed 16-byte columns of
+    // fixed rows: its global pointers advance by whole chunks, its shared offsets are constants. ----------------
+    constexpr int KR = NTHREADS / 16, AR = NTHREADS / 8, UC = BV / 8, UR = NTHREADS / UC;  // rows per pass
+    const int krow = tid / 16, kch = tid % 16, arow = tid / 8, ach = tid % 8, urow = tid / UC, uch = tid % UC;
+    const long long k_off = (bos + krow) * k_row + hv * KD + kch * 8;
+    const long long a_off = (bos + arow) * a_row + hv * 64 + ach * 8;
+    const long long u_off = (bos + urow) * v_row + hv * VD + v0 + uch * 8;
+    auto copy_rows = [&](u32 st, int c, int nvalid, bool full) {  // full: a whole chunk, no row checks (inlined)
+        const long long kc = k_off + 64LL * c * k_row, ac = a_off + 64LL * c * a_row, uc = u_off + 64LL * c * v_row;
+#pragma unroll
+        for (int i = 0; i < 64 / KR; ++i) {  // w, qg, kd: [64][128]
+            const int row = krow + KR * i;
+            const bool ok = full || row < nvalid;
+            const long long off = ok ? kc + KR * i * k_row : 0;
+            const u32 dst = st + swz128(row, kch);
+            cp16(dst + W_OFF, W + off, ok);
+            cp16(dst + QG_OFF, QG + off, ok);
+            cp16(dst + KD_OFF, KDt + off, ok);
+        }
+#pragma unroll
+        for (int i = 0; i < 64 / AR; ++i) {  // A_qk: [64][64]
+            const int row = arow + AR * i;
+            const bool ok = full || row < nvalid;
+            cp16(st + A_OFF + swz64(row, ach), AQK + (ok ? ac + AR * i * a_row : 0), ok);
+        }
+#pragma unroll
+        for (int i = 0; i < 64 / UR; ++i) {  // u (this value block): [64][BV]
+            const int row = urow + UR * i;
+            const bool ok = full || row < nvalid;
+            cp16(st + U_OFF + SWZ_U(row, uch), U + (ok ? uc + UR * i * v_row : 0), ok);
+        }
+    };
     auto issue = [&](int c) {  // one commit group per call, empty past the last chunk
         if (c < nch) {
-            unsigned char* st = smem + (c % NSTAGE) * STAGE_BYTES;
-            const long long t0 = bos + 64LL * c;
+            const u32 st = smem_addr(smem + (c % NSTAGE) * STAGE_BYTES);
             const int nvalid = min(64, seq_len - 64 * c);
-            for (int i = tid; i < 64 * 16; i += NTHREADS) {  // w, qg, kd: [64][128]
-                const int row = i >> 4, ch = i & 15;
-                const bool ok = row < nvalid;
-                const long long off = ok ? ((t0 + row) * k_row + hv * KD + ch * 8) : 0;
-                const u32 dst = swz128(row, ch);
-                cp16(smem_addr(st + W_OFF) + dst, W + off, ok);
-                cp16(smem_addr(st + QG_OFF) + dst, QG + off, ok);
-                cp16(smem_addr(st + KD_OFF) + dst, KDt + off, ok);
-            }
-            for (int i = tid; i < 64 * 8; i += NTHREADS) {  // u (this value block) and A_qk: [64][64]
-                const int row = i >> 3, ch = i & 7;
-                const bool ok = row < nvalid;
-                const u32 dst = swz64(row, ch);
-                cp16(smem_addr(st + U_OFF) + dst, U + (ok ? (t0 + row) * v_row + hv * VD + v0 + ch * 8 : 0), ok);
-                cp16(smem_addr(st + A_OFF) + dst, AQK + (ok ? (t0 + row) * a_row + hv * 64 + ch * 8 : 0), ok);
-            }
+            if (nvalid == 64)
+                copy_rows(st, c, nvalid, true);
+            else
+                copy_rows(st, c, nvalid, false);
             if (tid < 32)
-                cp16(smem_addr(st + DECAY_OFF) + 16 * tid, DECAY + ((long long)(first_chunk + c) * HV + hv) * KD + 4 * tid, true);
+                cp16(st + DECAY_OFF + 16 * tid, DECAY + ((long long)(first_chunk + c) * HV + hv) * KD + 4 * tid, true);
         }
         asm volatile("cp.async.commit_group;");
     };
 #pragma unroll
     for (int c = 0; c < NSTAGE - 1; ++c) issue(c);
 
-    // ldmatrix lane addresses: A fragments (rows = this warp's tokens), B fragments of row-major [k][n] tiles
-    // (transposed loads), and kd^T fragments (transposed loads of the token-major kd tile)
-    const int a_row_l = 16 * tb + ((lane >> 3) & 1) * 8 + (lane & 7), a_chunk_l = lane >> 4;
-    const int b_row_l = ((lane >> 3) & 1) * 8 + (lane & 7), b_chunk_l = lane >> 4;
-    const int t_row_l = (lane >> 4) * 8 + (lane & 7), t_chunk_l = (lane >> 3) & 1;
+    // ldmatrix lane addresses. "a": matrices (rows +0, chunk +0), (+8, +0), (+0, +1), (+8, +1): with .trans the
+    // B fragments of two 8-column tiles of a row-major [k][n] tile. "b": (+0, +0), (+0, +1), (+8, +0), (+8, +1):
+    // the B fragments of two 8-row tiles of a row-major [n][k] tile, or with .trans the accumulator-layout
+    // fragments of the transposes of two 8-row tiles.
+    const int a_row_l = ((lane >> 3) & 1) * 8 + (lane & 7), a_chunk_l = lane >> 4;
+    const int b_row_l = (lane >> 4) * 8 + (lane & 7), b_chunk_l = (lane >> 3) & 1;
+    // this warp's o staging tile [64 tokens][16 columns] (two 16-byte chunks a row, swizzled), past the stages
+    unsigned char* ostage = smem + NSTAGE * STAGE_BYTES + wp * 2048;
+    auto oswz = [](int row, int chunk) { return row * 32 + ((chunk ^ ((row >> 2) & 1)) << 4); };
 
 #pragma unroll 1
     for (int c = 0; c < nch; ++c) {
         asm volatile("cp.async.wait_group %0;" :: "n"(NSTAGE - 2));  // chunk c's group is complete
-        __syncthreads();  // this chunk's tiles and the state are visible; every warp is done with chunk c - 1
+        __syncthreads();  // every thread's part of chunk c is visible; every warp is done with chunk c - 1
         issue(c + NSTAGE - 1);  // into chunk c - 1's stage
-        const unsigned char* st = smem + (c % NSTAGE) * STAGE_BYTES;
-        const u32 w_s = smem_addr(st + W_OFF), qg_s = smem_addr(st + QG_OFF), kd_s = smem_addr(st + KD_OFF);
-        const u32 a_s = smem_addr(st + A_OFF), state_s = smem_addr(state), vnew_s = smem_addr(vnew);
+        const u32 st = smem_addr(smem + (c % NSTAGE) * STAGE_BYTES);
         const int nvalid = min(64, seq_len - 64 * c);
 
-        // ---- phase 1: v_new = u - w S and o = qg S for this warp's tokens and columns -------------------
-        float accv[NT][4], acco[NT][4];
+        // S^T rounded to bf16 as A fragments, one per 16 keys
+        u32 sa[8][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int kk = 0; kk < 8; ++kk)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) { accv[nt][e] = 0.f; acco[nt][e] = 0.f; }
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-            u32 aw[4], aq[4];
-            ldm_x4(aw, w_s + swz128(a_row_l, 2 * kk + a_chunk_l));
-            ldm_x4(aq, qg_s + swz128(a_row_l, 2 * kk + a_chunk_l));
-#pragma unroll
-            for (int np = 0; np < NT / 2; ++np) {
-                u32 b[4];
-                ldm_x4_t(b, state_s + swz64(16 * kk + b_row_l, cb / 8 + 2 * np + b_chunk_l));
-                mma_bf16(accv[2 * np], aw, b[0], b[1]);
-                mma_bf16(accv[2 * np + 1], aw, b[2], b[3]);
-                mma_bf16(acco[2 * np], aq, b[0], b[1]);
-                mma_bf16(acco[2 * np + 1], aq, b[2], b[3]);
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = 16 * tb + gid + 8 * hh, chunk = cb / 8 + nt;
-                const u32 uu = *reinterpret_cast<const u32*>(st + U_OFF + swz64(row, chunk) + 4 * tig);
-                *reinterpret_cast<u32*>(vnew + swz64(row, chunk) + 4 * tig) =
-                    pack(lo_bf(uu) - accv[nt][2 * hh], hi_bf(uu) - accv[nt][2 * hh + 1]);
-            }
-        __syncthreads();  // v_new visible; every warp is done reading the state
+            for (int q = 0; q < 4; ++q)
+                sa[kk][q] = pack(ST[2 * kk + (q >> 1)][2 * (q & 1)], ST[2 * kk + (q >> 1)][2 * (q & 1) + 1]);
 
-        // ---- phase 2a: S = decay S + kd^T v_new for this warp's state rows ---------------------------------
+        // ---- v_new^T = u^T - S^T w^T: 16 columns x 8 token tiles, then rounded to bf16 as A fragments (va[kk]:
+        // tokens 16 kk ..) -----------------------------------------------------------------------------------------
+        u32 va[4][4];
         {
-            const float* dec = reinterpret_cast<const float*>(st + DECAY_OFF);
+            float acc[8][4];
+            state_times_tile(acc, sa, st + W_OFF, b_row_l, b_chunk_l);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const float d0 = dec[r0 + 16 * mt + gid], d1 = dec[r0 + 16 * mt + gid + 8];
+            for (int kk = 0; kk < 4; ++kk) {
+                u32 uu[4];  // u^T in the accumulator layout (transposed load of the token-major u tile)
+                ldm_x4_t(uu, st + U_OFF + SWZ_U(16 * kk + b_row_l, wc / 8 + b_chunk_l));
 #pragma unroll
-                for (int nt = 0; nt < 8; ++nt) {
-                    S[mt][nt][0] *= d0; S[mt][nt][1] *= d0; S[mt][nt][2] *= d1; S[mt][nt][3] *= d1;
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {  // 16 tokens at a time
-                u32 ka[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)  // kd^T rows r0 + 16 mt ..: transposed load of the token-major tile
-                    ldm_x4_t(ka[mt], kd_s + swz128(16 * kk + t_row_l, (r0 + 16 * mt) / 8 + t_chunk_l));
-#pragma unroll
-                for (int np = 0; np < 4; ++np) {
-                    u32 b[4];
-                    ldm_x4_t(b, vnew_s + swz64(16 * kk + b_row_l, 2 * np + b_chunk_l));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_bf16(S[mt][2 * np], ka[mt], b[0], b[1]);
-                        mma_bf16(S[mt][2 * np + 1], ka[mt], b[2], b[3]);
-                    }
+                for (int q = 0; q < 4; ++q) {
+                    const float* a = acc[2 * kk + (q >> 1)] + 2 * (q & 1);
+                    va[kk][q] = pack(lo_bf(uu[q]) - a[0], hi_bf(uu[q]) - a[1]);
                 }
             }
         }
-        // ---- phase 2b: o += A_qk v_new over key blocks <= tb, stored ----------------------------------------
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            if (kk <= tb) {
-                u32 aa[4];
-                ldm_x4(aa, a_s + swz64(a_row_l, 2 * kk + a_chunk_l));
-#pragma unroll
-                for (int np = 0; np < NT / 2; ++np) {
-                    u32 b[4];
-                    ldm_x4_t(b, vnew_s + swz64(16 * kk + b_row_l, cb / 8 + 2 * np + b_chunk_l));
-                    mma_bf16(acco[2 * np], aa, b[0], b[1]);
-                    mma_bf16(acco[2 * np + 1], aa, b[2], b[3]);
-                }
-            }
-        }
+
+        // ---- o^T = S^T qg^T + v_new^T A_qk^T (A_qk lower triangular: token blocks kk <= tp), stored through the
+        // staging tile (stmatrix.trans) as 16-byte rows ----------------------------------------------------------
         {
-            const long long t0 = bos + 64LL * c;
+            float acc[8][4];
+            state_times_tile(acc, sa, st + QG_OFF, b_row_l, b_chunk_l);
 #pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = 16 * tb + gid + 8 * hh;
-                if (row < nvalid) {
-                    bf16* dst = O + (t0 + row) * v_row + hv * VD + v0 + cb + 2 * tig;
+            for (int tp = 0; tp < 4; ++tp)
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        *reinterpret_cast<u32*>(dst + 8 * nt) = pack(acco[nt][2 * hh], acco[nt][2 * hh + 1]);
+                for (int kk = 0; kk <= tp; ++kk) {
+                    u32 b[4];
+                    ldm_x4(b, st + A_OFF + swz64(16 * tp + b_row_l, 2 * kk + b_chunk_l));
+                    mma_bf16(acc[2 * tp], va[kk], b[0], b[1]);
+                    mma_bf16(acc[2 * tp + 1], va[kk], b[2], b[3]);
                 }
+            const u32 os = smem_addr(ostage);
+#pragma unroll
+            for (int tp = 0; tp < 4; ++tp) {
+                const u32 r[4] = {pack(acc[2 * tp][0], acc[2 * tp][1]), pack(acc[2 * tp][2], acc[2 * tp][3]),
+                                  pack(acc[2 * tp + 1][0], acc[2 * tp + 1][1]), pack(acc[2 * tp + 1][2], acc[2 * tp + 1][3])};
+                stm_x4_t(os + oswz(16 * tp + b_row_l, b_chunk_l), r);
+            }
+            __syncwarp();
+            bf16* dst = O + (bos + 64LL * c) * v_row + hv * VD + v0 + wc;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = 16 * i + (lane >> 1), chunk = lane & 1;
+                if (row < nvalid)
+                    *reinterpret_cast<uint4*>(dst + row * v_row + 8 * chunk) =
+                        *reinterpret_cast<const uint4*>(ostage + oswz(row, chunk));
             }
         }
-        write_state();  // phase 1 of every warp is done (barrier above): the bf16 state may be replaced
+
+        // ---- S^T = S^T diag(decay) + v_new^T kd ------------------------------------------------------------------
+        {
+            const float* dec = reinterpret_cast<const float*>(smem + (c % NSTAGE) * STAGE_BYTES + DECAY_OFF);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const float2 d = *reinterpret_cast<const float2*>(dec + 8 * j + 2 * tig);
+                ST[j][0] *= d.x; ST[j][1] *= d.y; ST[j][2] *= d.x; ST[j][3] *= d.y;
+            }
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                for (int jp = 0; jp < 8; ++jp) {
+                    u32 b[4];
+                    ldm_x4_t(b, st + KD_OFF + swz128(16 * kk + a_row_l, 2 * jp + a_chunk_l));
+                    mma_bf16(ST[2 * jp], va[kk], b[0], b[1]);
+                    mma_bf16(ST[2 * jp + 1], va[kk], b[2], b[3]);
+                }
+        }
     }
 
 #if STORE_HT
+    float* ht = HT + ((long long)n * HV + hv) * KD * VD + v0 + wc + gid;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-            for (int hh = 0; hh < 2; ++hh) {
-                const int row = r0 + 16 * mt + gid + 8 * hh, col = v0 + 8 * nt + 2 * tig;
-                *reinterpret_cast<float2*>(HT + (((long long)n * HV + hv) * KD + row) * VD + col) =
-                    make_float2(S[mt][nt][2 * hh], S[mt][nt][2 * hh + 1]);
-            }
+        for (int e = 0; e < 4; ++e)
+            ht[(8 * j + 2 * tig + (e & 1)) * VD + 8 * (e >> 1)] = ST[j][e];
 #endif
 }
 """
 
 
-def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, warps: int) -> str:
+def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, block_v: int) -> str:
     """The kernel's CUDA text for one specialisation (``cu_dtype``: "int" or "long long", the cu_seqlens
-    element type; ``stages``: chunks of tiles in shared memory, 2 or 3; ``warps``: 4 or 8)."""
+    element type; ``stages``: chunks of tiles in shared memory, 2 or 3; ``block_v``: value columns per CTA,
+    32 or 64, 16 per warp)."""
     if cu_dtype not in ("int", "long long"):
         raise ValueError(f"cu_dtype must be 'int' or 'long long', got {cu_dtype!r}")
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3, got {stages!r}")
-    if warps not in (4, 8):
-        raise ValueError(f"warps must be 4 or 8, got {warps!r}")
-    defines = {"NSTAGE": stages, "WARPS": warps,
+    if block_v not in BLOCK_VS:
+        raise ValueError(f"block_v must be one of {BLOCK_VS}, got {block_v!r}")
+    defines = {"NSTAGE": stages, "BV": block_v, "WARPS": block_v // 16,
         "CU_T": cu_dtype, "IS_VARLEN": int(varlen), "HAS_H0": int(has_h0), "STORE_HT": int(store_ht),
-        "W_OFF": W_OFF, "QG_OFF": QG_OFF, "KD_OFF": KD_OFF, "U_OFF": U_OFF, "A_OFF": A_OFF,
-        "DECAY_OFF": DECAY_OFF, "STAGE_BYTES": STAGE_BYTES, "STATE_OFF": stages * STAGE_BYTES,
-        "VNEW_OFF": stages * STAGE_BYTES + HEAD_DIM * BLOCK_V * 2,
+        "W_OFF": W_OFF, "QG_OFF": QG_OFF, "KD_OFF": KD_OFF, "A_OFF": A_OFF, "DECAY_OFF": DECAY_OFF,
+        "U_OFF": U_OFF, "STAGE_BYTES": stage_bytes(block_v),
     }
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
     return head + _BODY

@@ -32,6 +32,8 @@ import torch
 import triton
 
 from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
+from kda_compile.ops.kda import cuda_scan_source
+from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
 from kda_compile.ops.kda.cuda_scan import choose_scan_kernel
 from kda_compile.ops.kda.cuda_scan import run_or_fall_back as run_scan_cuda
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
@@ -46,9 +48,10 @@ SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
 # occupancy count (offline sm_90 compiles give one resident program of 8 warps, but the model with 1 picked P = 3
 # at 1 x 65536 x 16, 3.33 ms, where P = 8 takes 3.17 ms).
 SCAN_RESIDENT = 2
-# One chunk step of the CUDA scan (cuda_scan_source.py, one CTA per SM) in the cost model's units: 2.4 us
-# against about 6 us per unit for the Triton scan and summaries (H100, same sweeps).
-CUDA_STEP_COST = 0.4
+# One chunk step of the CUDA scan (cuda_scan_source.py, one CTA per SM) in the cost model's units, per value
+# columns a CTA (cuda_scan.block_v_for): 1.68 / 1.86 us against about 6 us per unit for the Triton scan and
+# summaries (H100, session 18).
+CUDA_STEP_COST = {32: 0.28, 64: 0.31}
 MAX_SEGMENTS = 16
 MIN_SEGMENT_CHUNKS = 8  # shorter segments are not worth their summaries
 
@@ -157,9 +160,11 @@ def segment_cost(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks
     return scan + math.ceil(summaries / slots) * per * 0.5
 
 
-def cuda_scan_cost(num_seqs: int, heads: int, v_blocks: int, chunks: int, sm_count: int) -> float:
+def cuda_scan_cost(num_seqs: int, heads: int, chunks: int, sm_count: int) -> float:
     """The CUDA scan (one segment, one CTA per SM) in ``segment_cost``'s units."""
-    return math.ceil(num_seqs * heads * v_blocks / sm_count) * chunks * CUDA_STEP_COST
+    block_v = cuda_block_v(num_seqs * heads, sm_count)
+    ctas = num_seqs * heads * math.ceil(cuda_scan_source.HEAD_DIM / block_v)
+    return math.ceil(ctas / sm_count) * chunks * CUDA_STEP_COST[block_v]
 
 
 def _best_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None, *,
@@ -224,7 +229,7 @@ def cuda_scan_is_faster(device: torch.device, N: int, HV: int, K: int, V: int, T
     triton_cost, _ = _best_segments(N, HV, v_blocks, x_blocks, chunks, sm_count,
                                     first_x_blocks=summary_x_blocks(K, V, BX, has_initial_state),
                                     resident=SCAN_RESIDENT, max_segments=MAX_SEGMENTS, min_chunks=MIN_SEGMENT_CHUNKS)
-    return cuda_scan_cost(N, HV, v_blocks, chunks, sm_count) <= triton_cost
+    return cuda_scan_cost(N, HV, chunks, sm_count) <= triton_cost
 
 
 def _fp32_buffer(like: torch.Tensor, *shape: int) -> torch.Tensor:
@@ -248,7 +253,8 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
         writes_o=o is not None, segments_asked=segments_asked,
         cuda_faster=lambda: cuda_scan_is_faster(w.device, N, HV, K, V, T, varlen, initial_state is not None))
     if kernel_choice == "cuda" and run_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens,
-                                                 chunk_offsets, T=T, N=N):
+                                                 chunk_offsets, T=T, N=N,
+                                                 block_v=cuda_block_v(N * HV, _device_sms(w.device))):
         return  # the CUDA scan ran (cuda_scan.py)
     dot_bf16, dot_precision, _, combine_precision = _precisions(w.dtype)
     BK, BV = _pow2(K), _state_block(K, V, dot_bf16)

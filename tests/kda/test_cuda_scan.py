@@ -2,14 +2,17 @@
 whole forward with it against the Triton scan and the fp64 recurrence, and repeatability."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.ops.kda import cuda_scan
 from kda_compile.ops.kda import cuda_scan_source as src
 from kda_compile.ops.kda import triton_chunk
 from kda_compile.ops.kda.reference import kda_reference
-from kda_compile.testing import rel_error
+from kda_compile.testing import kda_inputs, rel_error
 
+from .prefill_check import check, weaken_decays
 from .recurrence import tolerances_for
 
 K = V = 128
@@ -19,18 +22,25 @@ cuda = pytest.mark.cuda
 
 # ---- CPU: source generation, choice, cost rule, fallbacks ---------------------------------------------------
 def test_source_rejects_unknown_options_by_name():
-    base = dict(cu_dtype="int", varlen=False, has_h0=True, store_ht=True, stages=2, warps=4)
+    base = dict(cu_dtype="int", varlen=False, has_h0=True, store_ht=True, stages=2, block_v=64)
     assert "kda_scan_mma" in src.kernel_source(**base)
     for key, bad, message in (("cu_dtype", "short", "cu_dtype must be"), ("stages", 4, "stages must be 2 or 3"),
-                              ("warps", 2, "warps must be 4 or 8")):
+                              ("block_v", 128, r"block_v must be one of \(32, 64\), got 128")):
         with pytest.raises(ValueError, match=message):
             src.kernel_source(**{**base, key: bad})
 
 
-def test_shared_memory_fits_an_h100_sm():
+@pytest.mark.parametrize("block_v", src.BLOCK_VS)
+def test_shared_memory_fits_an_h100_sm(block_v):
     """227 KiB of dynamic shared memory per block on sm_90, for the launcher's stage count and the deepest."""
-    assert src.shared_bytes(cuda_scan.STAGES) <= 227 * 1024
-    assert src.shared_bytes(3) <= 227 * 1024
+    assert src.shared_bytes(cuda_scan.STAGES, block_v) <= 227 * 1024
+    assert src.shared_bytes(3, block_v) <= 227 * 1024
+
+
+def test_block_v_is_32_only_while_its_ctas_fit_one_wave():
+    assert cuda_scan.block_v_for(33, 132) == 32  # 132 CTAs of 32 columns
+    assert cuda_scan.block_v_for(34, 132) == 64
+    assert cuda_scan.block_v_for(64, 132) == 64
 
 
 def test_requested_kernel_validates_the_environment(monkeypatch):
@@ -68,11 +78,11 @@ def test_asked_segments_keep_the_triton_scan(monkeypatch):
 
 def test_cost_rule_prefers_the_cuda_scan_except_with_few_heads_on_long_sequences():
     """The measured crossover (H100, 132 SMs): the CUDA scan is faster on every anchor shape but the single
-    65536-token sequence with 16 heads (32 CTAs), and for a sequence with 2 heads."""
+    65536-token sequence with 16 heads (1.71 against 1.34 ms), and for a sequence with 2 heads."""
     def faster(B, T, H):
         sms = 132
         P = triton_chunk.choose_segments(B, H, 2, 4, T // 64, sms)
-        return triton_chunk.cuda_scan_cost(B, H, 2, T // 64, sms) <= triton_chunk.segment_cost(
+        return triton_chunk.cuda_scan_cost(B, H, T // 64, sms) <= triton_chunk.segment_cost(
             B, H, 2, 4, T // 64, sms, P)
 
     for shape in ((1, 8192, 32), (8, 4096, 32), (1, 32768, 32), (8, 1024, 32), (1, 8192, 64), (16, 2048, 32),
@@ -114,9 +124,15 @@ CASES = {
 }
 
 
+def _force_block_v(monkeypatch, block_v):
+    monkeypatch.setattr(triton_chunk, "cuda_block_v", lambda pairs, sm_count: block_v)
+
+
 @cuda
+@pytest.mark.parametrize("block_v", src.BLOCK_VS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_the_triton_scan_and_the_recurrence(case, monkeypatch):
+def test_matches_the_triton_scan_and_the_recurrence(case, block_v, monkeypatch):
+    _force_block_v(monkeypatch, block_v)
     shape, h0_mode, final = CASES[case]
     x = _inputs(**shape)
     N = shape["B"] if x["cu"] is None else x["cu"].numel() - 1
@@ -148,7 +164,9 @@ def test_matches_the_triton_scan_and_the_recurrence(case, monkeypatch):
 
 
 @cuda
-def test_repeated_runs_are_bitwise_identical(monkeypatch):
+@pytest.mark.parametrize("block_v", src.BLOCK_VS)
+def test_repeated_runs_are_bitwise_identical(block_v, monkeypatch):
+    _force_block_v(monkeypatch, block_v)
     x = _inputs(2, 700, 2, 2)
     h0 = torch.randn(2, 2, K, V, device="cuda")
     first, second = _forward("cuda", x, h0, True, monkeypatch), _forward("cuda", x, h0, True, monkeypatch)
@@ -157,11 +175,37 @@ def test_repeated_runs_are_bitwise_identical(monkeypatch):
 
 @cuda
 def test_auto_takes_the_cuda_scan_on_an_anchor_shape(monkeypatch):
-    """1 x 8192 x 32 (bf16, K = V = 128): the CUDA scan runs, no Triton scan or summary kernel is launched."""
+    """1 x 8192 x 32 (bf16, K = V = 128): the CUDA scan runs once, with the block width its rule gives for
+    this GPU, and no Triton scan or summary kernel is launched."""
     monkeypatch.setenv(cuda_scan.KERNEL_ENV, "auto")
     launched = []
     real = cuda_scan.launch_scan_cuda
-    monkeypatch.setattr(cuda_scan, "launch_scan_cuda", lambda *a, **kw: (launched.append(1), real(*a, **kw)))
+    monkeypatch.setattr(cuda_scan, "launch_scan_cuda",
+                        lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw)))
     x = _inputs(1, 8192, 32, 32)
     _forward("auto", x, None, True, monkeypatch)
-    assert launched == [1]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert launched == [cuda_scan.block_v_for(32, sms)]
+
+
+@cuda
+@settings(deadline=None)
+@given(data=st.data(), block_v=st.sampled_from(src.BLOCK_VS), weak=st.booleans())
+def test_drawn_inputs_through_the_cuda_scan(data, block_v, weak):
+    """Drawn bf16 calls with K = V = 128 (packed sequences with empty ones, GVA, every gate form, initial states
+    in both layouts, non-contiguous inputs, T up to 300) through the whole forward with the CUDA scan forced at
+    a drawn block width, against the fp64 recurrence; the CUDA scan must have run, with no fallback."""
+    args = data.draw(kda_inputs(max_T=300, key_dims=(K,), value_dims=(V,), dtypes=(torch.bfloat16,),
+                                state_v_first=(False, True), noncontiguous=(False, True), device="cuda"),
+                     label="args")
+    launched = []
+    real = cuda_scan.launch_scan_cuda
+    clear_fallback_events()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cuda_scan.KERNEL_ENV, "cuda")
+        patch.setattr(triton_chunk, "cuda_block_v", lambda pairs, sm_count: block_v)
+        patch.setattr(cuda_scan, "launch_scan_cuda",
+                      lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw)))
+        check(weaken_decays(args) if weak else args)
+    assert launched and set(launched) == {block_v}
+    assert not [e for e in fallback_events() if "scan" in e.reason]

@@ -5,7 +5,7 @@ import torch
 
 from kda_compile.testing import KDAShape, assert_rel_close, make_kda_args
 
-from .recurrence import kda_recurrence
+from .recurrence import _Conditioning, conditioning, kda_recurrence, reference
 
 F64 = torch.float64
 
@@ -104,3 +104,40 @@ def test_state_v_first_is_a_transpose():
     o_t, s_t = kda_recurrence(**flipped)
     assert torch.equal(o, o_t)
     assert torch.equal(s, s_t.transpose(-1, -2))
+
+
+# ---- the harness's conditioning-scaled tolerance ---------------------------------------------------------------
+# A single token whose output is one cancelling dot product (found by the thorough profile on CUDA: FLA's bf16
+# kernel 1.08e-2 from the recurrence here, against a 5e-3 tolerance set on well-conditioned inputs).
+CANCELLING = dict(shape=KDAShape(1, 1, 2, 2, 64, 64), seed=203, dtype=torch.bfloat16, cu_seqlens=[0, 1],
+                  qk_l2norm=True)
+TYPICAL = dict(shape=KDAShape(1, 64, 2, 2, 64, 64), seed=0, dtype=torch.bfloat16, qk_l2norm=True)
+
+
+def _args(case):
+    case = dict(case)
+    return dict(make_kda_args(case.pop("shape"), **case))
+
+
+def test_conditioning_is_near_one_on_typical_inputs_and_large_on_a_cancelling_token():
+    assert 0.9 < conditioning(_args(TYPICAL), 2.0 ** -8)["o"] < 1.25
+    assert conditioning(_args(CANCELLING), 2.0 ** -8)["o"] > 2.5
+
+
+def test_a_failing_output_is_held_to_its_conditioning_and_a_wrong_one_still_fails():
+    """The cancelling token's output off by 1% passes (measured conditioning ~3 scales 5e-3 by ~2.5); a 1%
+    error on a typical output and a 10% error on the cancelling one still fail, as does NaN."""
+    for case, error, passes in ((CANCELLING, 1e-2, True), (TYPICAL, 1e-2, False), (CANCELLING, 0.1, False)):
+        args = _args(case)
+        want = reference(args, with_grads=False).o
+        noise = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=want.dtype)
+        got = want + error * want.norm() * noise / noise.norm()
+        if passes:
+            _Conditioning(args, False, 0).assert_close("o", got, want, 5e-3)
+        else:
+            with pytest.raises(AssertionError, match="relative error"):
+                _Conditioning(args, False, 0).assert_close("o", got, want, 5e-3)
+    args = _args(CANCELLING)
+    want = reference(args, with_grads=False).o
+    with pytest.raises(AssertionError):
+        _Conditioning(args, False, 0).assert_close("o", torch.full_like(want, float("nan")), want, 5e-3)

@@ -39,53 +39,18 @@ from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill, choose_segments 
 from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY, exact_diagonal_needed  # noqa: E402
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND  # noqa: E402
 
+from .prefill_check import check, triton_prefill, weaken_decays  # noqa: E402
+
 # The interpreter reads a program id as a 1-element array where a loop bound wants a scalar.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
-def triton_prefill(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-                   allow_neg_eigval=False, lower_bound=None, cu_seqlens=None, state_v_first=False, A_log=None,
-                   dt_bias=None, segments=None):
-    """The launcher behind ``chunk_kda``'s keyword arguments (what the op layer does around it)."""
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)  # a strided view: the kernel reads any layout
-    o, final, _ = chunk_kda_prefill(
-        q, k, v, g, beta, A_log if use_gate_in_kernel else None, dt_bias if use_gate_in_kernel else None,
-        initial_state, cu_seqlens, scale=q.shape[-1] ** -0.5 if scale is None else scale,
-        output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, lower_bound=lower_bound, segments=segments)
-    if final is not None and state_v_first:
-        final = final.transpose(-1, -2)
-    return o, final
-
-
-def check(args, segments=None, tolerances=None):
-    def op(**kw):
-        return triton_prefill(**kw, segments=segments)
-    return compare_with_recurrence(op, args, with_grads=False, tolerances=tolerances)
-
-
-def _weaken_decays(args):
-    """Per-token log decays of about -0.01 .. -0.05 instead of the drawn ones: those decay by e^-1 or
-    more per token, which hides any error in terms that span 16 tokens or more (cross-block,
-    cross-chunk, cross-segment and initial-state terms) below the tolerances."""
-    if not args["use_gate_in_kernel"]:
-        args["g"] = args["g"] * 0.03
-    elif args["lower_bound"] is not None:
-        args["lower_bound"] = -0.05
-    else:
-        args["A_log"] = torch.full_like(args["A_log"], math.log(0.02))
-    return args
-
-
 def _args(shape, dtype=torch.float32, seed=3, weak_decay=True, **options):
-    """``make_kda_args`` on DEVICE, by default with weak decays (``_weaken_decays``)."""
+    """``make_kda_args`` on DEVICE, by default with weak decays (``weaken_decays``)."""
     args = make_kda_args(shape, seed=seed, dtype=dtype, device=DEVICE, **options)
-    return _weaken_decays(args) if weak_decay else args
+    return weaken_decays(args) if weak_decay else args
 
 
 # (id, shape (B, T, H, HV, K, V), cu_seqlens, options for make_kda_args): every T class of interest
@@ -358,7 +323,15 @@ def test_drawn_inputs_and_segment_counts_on_cuda(data, segments, weak):
     with a forced segment count: the segmented scan on shapes the automatic choice never splits."""
     args = data.draw(kda_inputs(max_T=300, dtypes=(torch.float32, torch.float16, torch.bfloat16),
                                 state_v_first=(False, True), noncontiguous=(False, True), device=DEVICE), label="args")
-    check(_weaken_decays(args) if weak else args, segments=segments)
+    check(weaken_decays(args) if weak else args, segments=segments)
+
+
+@cuda
+@pytest.mark.cuda
+def test_pinned_drawn_case_a_cancelling_fp32_token():
+    """Found by the thorough profile (H100): one fp32 token whose output is a cancelling 16-term dot product;
+    TF32 operands put it 4.3e-3 from the recurrence, inside the tolerance scaled by its measured conditioning."""
+    check(dict(make_kda_args(KDAShape(1, 1, 1, 1, 16, 16), seed=1, dtype=torch.float32, device=DEVICE)), segments=1)
 
 
 @cuda

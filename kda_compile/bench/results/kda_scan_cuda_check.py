@@ -7,7 +7,8 @@
 2. Timing (``triton.testing.do_bench``, interleaved rounds, median ms): the whole forward with the CUDA scan, the
    Triton scan at its automatic segment count, and the scan alone (per-kernel profile).
 Environment: ``SHAPES`` (``BxTxH,...``), ``ROUNDS``, ``SKIP_TIMING=1``, ``VARIANTS`` (CUDA kernel builds to time,
-``STAGESxWARPS,...``; default the launcher's).
+``STAGESxBLOCK_V,...``; default ``auto``: the
+launcher's stages and block rule)..
 """
 import os
 import statistics
@@ -76,20 +77,26 @@ def correctness():
 def timing():
     shapes = [tuple(int(x) for x in s.split("x")) for s in os.environ.get("SHAPES", "1x32768x32,8x4096x32").split(",")]
     rounds = int(os.environ.get("ROUNDS", "5"))
-    default = f"{cuda_scan.STAGES}x{cuda_scan.WARPS}"
-    variants = [tuple(int(x) for x in v.split("x")) for v in os.environ.get("VARIANTS", default).split(",")]
+    variants = [None if v == "auto" else tuple(int(x) for x in v.split("x"))
+                for v in os.environ.get("VARIANTS", "auto").split(",")]
+    stages, block_rule = cuda_scan.STAGES, tc.cuda_block_v
     print(f"== timing (ms, median of {rounds} interleaved do_bench rounds) ==", flush=True)
     for B, T, H in shapes:
         case = inputs(B, T, H, H, shift=0.0)  # the benchmark's gate input (randn)
         h0 = torch.randn(B, H, K, K, device="cuda") * 0.1
 
         def run(kernel, variant=None):
+            cuda_scan.STAGES, tc.cuda_block_v = stages, block_rule
             if variant is not None:
-                cuda_scan.STAGES, cuda_scan.WARPS = variant
-            return forward(kernel, case, h0=h0)
+                cuda_scan.STAGES, tc.cuda_block_v = variant[0], (lambda pairs, sms, bv=variant[1]: bv)
+            try:
+                return forward(kernel, case, h0=h0)
+            finally:
+                cuda_scan.STAGES, tc.cuda_block_v = stages, block_rule
 
         fns = {"triton": lambda: run("triton")}
-        fns.update({f"cuda(stages x warps {v[0]}x{v[1]})": (lambda v=v: run("cuda", v)) for v in variants})
+        fns.update({f"cuda({'auto' if v is None else f'stages x block_v {v[0]}x{v[1]}'})": (lambda v=v: run("cuda", v))
+                    for v in variants})
         for fn in fns.values():
             fn()
         torch.cuda.synchronize()
@@ -115,7 +122,6 @@ def timing():
         line += " || scan kernels: " + "; ".join(
             f"{name} [" + ", ".join(f"{n} {sum(v) / len(v):.3f}" for n, v in per[name].items()) + "]" for name in per)
         print(line, flush=True)
-        cuda_scan.STAGES, cuda_scan.WARPS = variants[-1]
 
 
 def main():

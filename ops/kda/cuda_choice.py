@@ -16,13 +16,16 @@ def requested_kernel(env: str) -> str:
     return kernel_switch(env, KERNELS)
 
 
-def device_unsupported(x: torch.Tensor) -> str | None:
-    """Why ``x``'s device cannot run a bf16 ``mma.sync`` kernel compiled by NVRTC, or None."""
+def device_unsupported(x: torch.Tensor, *, min_capability: tuple[int, int] = (8, 0),
+                       needs: str = "bf16 mma.sync") -> str | None:
+    """Why ``x``'s device cannot run a bf16 ``mma.sync`` kernel compiled by NVRTC (one that also uses what
+    ``needs`` names from ``min_capability`` on), or None."""
     if not x.is_cuda:
         return "not a CUDA tensor"
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return "TRITON_INTERPRET=1"
     capability = torch.cuda.get_device_capability(x.device)
-    if capability < (8, 0):
-        return f"needs sm_80 or newer (bf16 mma.sync), got sm_{''.join(map(str, capability))}"
+    if capability < min_capability:
+        return (f"needs sm_{min_capability[0]}{min_capability[1]} or newer ({needs}), "
+                f"got sm_{''.join(map(str, capability))}")
     return None

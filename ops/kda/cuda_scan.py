@@ -1,8 +1,8 @@
 """Which kernel runs the KDA prefill's recurrence on CUDA, and the launcher of the CUDA one.
 
-- ``cuda`` (``cuda_scan_source.py``, compiled by NVRTC): sm_80 or newer, bf16 intermediates, K = V = 128,
-  our own prepare kernel's formats (not FLA's), ``o`` and the final state as outputs (FLA's chunk states are
-  not written), an fp32 initial state. One segment: the whole sequence in one program per value block.
+- ``cuda`` (``cuda_scan_source.py``, compiled by NVRTC): sm_90 or newer (``stmatrix``), bf16 intermediates,
+  K = V = 128, our own prepare kernel's formats (not FLA's), ``o`` and the final state as outputs (FLA's chunk
+  states are not written), an fp32 initial state. One segment: the whole sequence in one program per value block.
 - ``triton`` (``triton_chunk_scan.py``): every call; cuts long sequences into segments (``choose_segments``).
 
 ``KDA_COMPILE_SCAN_KERNEL`` = ``auto`` (default) | ``triton`` | ``cuda`` overrides the choice (``cuda`` still
@@ -46,7 +46,7 @@ def requested_kernel() -> str:
 def outside_design(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool, writes_chunk_states: bool,
                    writes_o: bool) -> str | None:
     """Why the scan call is not one the CUDA kernel is written for, or None."""
-    why = device_unsupported(w)
+    why = device_unsupported(w, min_capability=(9, 0), needs="bf16 mma.sync and stmatrix")
     if why is not None:
         return why
     if w.dtype != torch.bfloat16:

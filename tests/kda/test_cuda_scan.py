@@ -69,6 +69,18 @@ def test_forced_cuda_outside_the_design_runs_triton_and_records_why(monkeypatch)
     clear_fallback_events()
 
 
+def test_the_cuda_scan_needs_sm_90(monkeypatch):
+    """stmatrix is sm_90: an sm_80 GPU is outside the design (Triton runs there, no NVRTC failure)."""
+    class CudaTensorLike:  # what the device check reads of a CUDA tensor
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    why = cuda_scan.outside_design(CudaTensorLike(), None, None, None, num_seqs=1, gate_cumsum=False,
+                                   writes_chunk_states=False, writes_o=True)
+    assert why == "needs sm_90 or newer (bf16 mma.sync and stmatrix), got sm_80"
+
+
 def test_asked_segments_keep_the_triton_scan(monkeypatch):
     monkeypatch.setenv(cuda_scan.KERNEL_ENV, "auto")
     called = []

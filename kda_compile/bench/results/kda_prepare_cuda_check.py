@@ -163,7 +163,9 @@ def timing():
         print(line, flush=True)
 
 
-def main():
+def run_check(correctness, timing):
+    """Print the device and versions, run ``correctness``, then ``timing`` unless ``SKIP_TIMING=1`` (shared with
+    ``kda_scan_cuda_check.py``)."""
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
     correctness()
     if os.environ.get("SKIP_TIMING") != "1":
@@ -171,4 +173,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_check(correctness, timing)

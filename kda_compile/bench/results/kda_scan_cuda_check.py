@@ -19,7 +19,7 @@ import triton
 from kda_compile.ops.kda import cuda_scan
 from kda_compile.ops.kda import triton_chunk as tc
 from kda_compile.ops.kda.reference import kda_reference
-from kda_prepare_cuda_check import K, LB, inputs, rel_error
+from kda_prepare_cuda_check import K, LB, inputs, rel_error, run_check
 
 
 def forward(kernel, case, *, h0=None, final=True):
@@ -124,12 +124,5 @@ def timing():
         print(line, flush=True)
 
 
-def main():
-    print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__, flush=True)
-    correctness()
-    if os.environ.get("SKIP_TIMING") != "1":
-        timing()
-
-
 if __name__ == "__main__":
-    main()
+    run_check(correctness, timing)

@@ -74,14 +74,15 @@ def unit_roundoff(dtype: torch.dtype, device) -> float | None:
     return UNIT_ROUNDOFF.get(dtype)
 
 
-def conditioning(args: dict, unit: float, *, with_grads: bool = False, seed: int = 0,
-                 draws: int = 8) -> dict[str, float]:
+def conditioning(args: dict, unit: float, *, with_grads: bool = False, seed: int = 0, draws: int = 8,
+                 base: RunResult | None = None) -> dict[str, float]:
     """How ill-conditioned the exact results are: for o, the final state and (``with_grads``) each gradient,
     the largest relative change when q, k, v and beta are multiplied by ``1 + unit * r`` (r uniform in
     [-1, 1], ``draws`` fixed draws), divided by ``unit``. An op that rounds those inputs' intermediates cannot
     be held closer than about this times ``unit``; ``compare_with_recurrence`` scales a failing result's
-    tolerance by it."""
-    base = reference(args, with_grads=with_grads, seed=seed)
+    tolerance by it. ``base``: ``reference(args, ...)`` when the caller has it already."""
+    if base is None:
+        base = reference(args, with_grads=with_grads, seed=seed)
     worst: dict[str, float] = {}
     for draw in range(draws):
         gen = torch.Generator().manual_seed(draw)
@@ -275,7 +276,7 @@ def compare_with_recurrence(op, args: dict, *, with_grads: bool = True, toleranc
     errors = {}
     assert got.o.dtype == args["q"].dtype, f"o must come back in q's dtype {args['q'].dtype}, got {got.o.dtype}"
     assert got.o.shape == want.o.shape, f"o shape {list(got.o.shape)} != {list(want.o.shape)}"
-    judge = _Conditioning(args, with_grads, seed)
+    judge = _Conditioning(args, with_grads, seed, want)
     errors["o"] = judge.assert_close("o", got.o, want.o, tol["o"])
     if args.get("output_final_state"):
         assert got.final_state is not None, "final_state is None although output_final_state=True"
@@ -297,8 +298,8 @@ def compare_with_recurrence(op, args: dict, *, with_grads: bool = True, toleranc
 class _Conditioning:
     """``conditioning`` of one comparison, measured once and only when a result misses its tolerance."""
 
-    def __init__(self, args: dict, with_grads: bool, seed: int):
-        self.args, self.with_grads, self.seed, self.kappa = args, with_grads, seed, None
+    def __init__(self, args: dict, with_grads: bool, seed: int, want: RunResult | None = None):
+        self.args, self.with_grads, self.seed, self.want, self.kappa = args, with_grads, seed, want, None
         self.unit = unit_roundoff(args["q"].dtype, args["q"].device)
 
     def assert_close(self, name: str, actual, expected, tol: float, *, floor: float = 0.0) -> float:
@@ -307,7 +308,8 @@ class _Conditioning:
         single-token result is not judged as if it were well-conditioned. NaN never passes."""
         if not rel_error(actual, expected, floor=floor) <= tol and self.unit is not None:
             if self.kappa is None:
-                self.kappa = conditioning(self.args, self.unit, with_grads=self.with_grads, seed=self.seed)
+                self.kappa = conditioning(self.args, self.unit, with_grads=self.with_grads, seed=self.seed,
+                                          base=self.want)
             kappa = self.kappa.get(name, 0.0)
             scale = min(max(kappa / CALIBRATED_CONDITIONING, 1.0), MAX_CONDITIONING_SCALE)
             if scale > 1.0:

@@ -140,6 +140,14 @@ def _force_block_v(monkeypatch, block_v):
     monkeypatch.setattr(triton_chunk, "cuda_block_v", lambda pairs, sm_count: block_v)
 
 
+def _record_launches(monkeypatch) -> list[int]:
+    """The block width of every CUDA scan launch from now on (the launches still run)."""
+    launched, real = [], cuda_scan.launch_scan_cuda
+    monkeypatch.setattr(cuda_scan, "launch_scan_cuda",
+                        lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw)))
+    return launched
+
+
 @cuda
 @pytest.mark.parametrize("block_v", src.BLOCK_VS)
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -190,10 +198,7 @@ def test_auto_takes_the_cuda_scan_on_an_anchor_shape(monkeypatch):
     """1 x 8192 x 32 (bf16, K = V = 128): the CUDA scan runs once, with the block width its rule gives for
     this GPU, and no Triton scan or summary kernel is launched."""
     monkeypatch.setenv(cuda_scan.KERNEL_ENV, "auto")
-    launched = []
-    real = cuda_scan.launch_scan_cuda
-    monkeypatch.setattr(cuda_scan, "launch_scan_cuda",
-                        lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw)))
+    launched = _record_launches(monkeypatch)
     x = _inputs(1, 8192, 32, 32)
     _forward("auto", x, None, True, monkeypatch)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -210,14 +215,11 @@ def test_drawn_inputs_through_the_cuda_scan(data, block_v, weak):
     args = data.draw(kda_inputs(max_T=300, key_dims=(K,), value_dims=(V,), dtypes=(torch.bfloat16,),
                                 state_v_first=(False, True), noncontiguous=(False, True), device="cuda"),
                      label="args")
-    launched = []
-    real = cuda_scan.launch_scan_cuda
     clear_fallback_events()
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:  # not the fixture: hypothesis runs the body many times
         patch.setenv(cuda_scan.KERNEL_ENV, "cuda")
-        patch.setattr(triton_chunk, "cuda_block_v", lambda pairs, sm_count: block_v)
-        patch.setattr(cuda_scan, "launch_scan_cuda",
-                      lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw)))
+        _force_block_v(patch, block_v)
+        launched = _record_launches(patch)
         check(weaken_decays(args) if weak else args)
     assert launched and set(launched) == {block_v}
     assert not [e for e in fallback_events() if "scan" in e.reason]

@@ -1,13 +1,90 @@
-"""``kda_compile.optimize``: torch.compile with the kda_compile backend and a rewrite config."""
+"""``kda_compile.optimize``: torch.compile with the kda_compile backend and a rewrite config.
+
+Recompile budget. Dynamo keeps the compiled entries of a function in a cache on its code object,
+shared by everything that runs that code: every instance of a model class, and with Hugging Face
+models every model class (their ``forward`` goes through the same decorator ``wrapper``). Each
+``optimize()`` result has a backend of its own (its report is its own), so it adds its own
+entries. Measured with tiny Hugging Face Llamas (torch 2.13, ``dynamic=None``): calling models at
+several prompt lengths takes 2 entries for the first result (static, then dynamic at the second
+length) and 1 for each later one (Dynamo already knows the lengths vary); ``model.forward =
+optimize(model.forward)`` then ``generate`` at several prompt lengths takes 4 for the first and 2
+for each later one (prefill and decode). Dynamo's default ``recompile_limit`` of 8 entries a code
+object is full after 3 models and one ``generate``, and the 8th optimized model of a class ran
+eagerly, silently.
+
+So each call of an ``optimize()`` result runs with ``torch._dynamo.config.recompile_limit`` raised
+to :data:`ENTRIES_PER_OPTIMIZE` (8: Dynamo's own default, the budget a lone ``torch.compile`` of
+that code would have; 2 to 8 times what one result was measured to need, leaving room for
+recompiles on a dtype, a train/eval switch or a batch size) times the number of ``optimize()``
+results made in this process, or the user's value if that is higher. The bound stays finite:
+``torch._dynamo.config.accumulated_recompile_limit`` (Dynamo's cap per code object, 256 by
+default, checked before ``recompile_limit``) is left alone, since a program needing more entries
+than that on one code object is recompiling without end; it is reported like any fallback.
+The limit is read when Dynamo evaluates a frame, so setting it for the duration of the call
+covers every frame the call compiles; it is restored afterwards, so code outside these calls sees
+Dynamo's config as the user left it (torch 2.13 keeps Dynamo's config per thread; under torch
+2.11, whose config is process-wide, another thread compiling during such a call sees the raised
+value too).
+"""
 from __future__ import annotations
 
-from typing import Any
+import functools
+import logging
+import threading
+from typing import Any, Callable
 
 import torch
 
 from kda_compile.backend import KdaCompileBackend
 from kda_compile.config import Config
-from kda_compile.report import attach
+from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler
+
+logger = logging.getLogger("kda_compile.optimize")
+
+ENTRIES_PER_OPTIMIZE = 8  # Dynamo's default recompile_limit: the entries one optimize() result may add
+
+_made = [0]  # optimize() results made in this process
+_made_lock = threading.Lock()
+_logged_limit = [0]
+
+
+def recompile_limit() -> int:
+    """The ``torch._dynamo.config.recompile_limit`` a call of an ``optimize()`` result runs under:
+    :data:`ENTRIES_PER_OPTIMIZE` per ``optimize()`` result made in this process, or the user's
+    value if higher. Dynamo checks ``accumulated_recompile_limit`` first, so that stays the cap."""
+    return max(torch._dynamo.config.recompile_limit, ENTRIES_PER_OPTIMIZE * _made[0])
+
+
+def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend) -> Callable[..., Any]:
+    """``compiled`` run with the recompile budget raised for the call and Dynamo's eager-fallback
+    warnings attributed to ``backend``'s report. On every call's path: reading or setting a
+    Dynamo config value costs microseconds, so this reads one and sets it only to raise it."""
+
+    @functools.wraps(compiled)  # keeps _torchdynamo_orig_callable and the signature (generate reads it)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced from inside another compiled region
+            return compiled(*args, **kwargs)
+        dynamo = torch._dynamo.config
+        prior = dynamo.recompile_limit
+        limit = ENTRIES_PER_OPTIMIZE * _made[0]
+        raise_it = limit > prior
+        if raise_it and limit != _logged_limit[0]:
+            _logged_limit[0] = limit
+            logger.debug("calls of optimize() results run with torch._dynamo.config.recompile_limit=%d "
+                         "(%d per optimize() result x %d; was %d; accumulated_recompile_limit=%d stays the cap)",
+                         limit, ENTRIES_PER_OPTIMIZE, _made[0], prior, dynamo.accumulated_recompile_limit)
+        install_fallback_handler()
+        enter_calls_of(backend)
+        if raise_it:
+            dynamo.recompile_limit = limit
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            if raise_it:
+                dynamo.recompile_limit = prior
+            exit_calls_of()
+
+    return run
 
 
 def _already_compiled(model: Any) -> str | None:
@@ -37,8 +114,19 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
             ``options``, ...); ``backend`` is ours and cannot be given.
 
     Returns:
-        ``torch.compile(model, backend=<kda_compile with config>, **compile_kwargs)``.
-        ``kda_compile.report(result)`` lists what each compiled graph rewrote and left alone.
+        ``torch.compile(model, backend=<kda_compile with config>, **compile_kwargs)`` (for a
+        function, a wrapper of it), whose calls run with a raised Dynamo ``recompile_limit`` (see
+        below). ``kda_compile.report(result)`` lists what each compiled graph rewrote and left
+        alone, and the frames Dynamo ran eagerly instead (a recompile limit hit, a suppressed
+        compile error); such a fallback is also logged once per code object at WARNING.
+
+    Several models (or instances of one model class) optimized in one process share Dynamo's
+    per-code-object cache, so each call raises ``torch._dynamo.config.recompile_limit`` for its
+    duration to 8 entries per ``optimize()`` result made so far (or keeps the user's value if
+    higher; ``accumulated_recompile_limit`` stays the cap) and restores it after; see the
+    module docstring for why. Calls that still exceed it run eagerly and appear in the report.
+    ``dynamic`` keeps torch.compile's default (None: a second input shape recompiles once with
+    dynamic shapes, after which further lengths reuse that graph).
     """
     why = _already_compiled(model)
     if why is not None:
@@ -52,6 +140,13 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
         raise TypeError(f"config must be a kda_compile.Config or None, got {type(config).__name__}")
     backend = KdaCompileBackend(config)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward runs Dynamo
+        compiled.forward = _run_compiled(compiled.forward, backend)
+    else:
+        compiled = _run_compiled(compiled, backend)
+    with _made_lock:
+        _made[0] += 1
+    install_fallback_handler()
     original = getattr(model, "__self__", None)  # a bound method's module also answers report()
     attach(compiled, backend, model, *([original] if original is not None else []))
     return compiled

@@ -8,11 +8,22 @@ kept as data:
   (or of the model it was made from);
 - ``kda_compile.report()``: every graph compiled in this process, latest last (the most recent
   :data:`HISTORY` graphs), e.g. after ``torch.compile(model, backend="kda_compile")``.
+
+It also lists the frames Dynamo ran eagerly during a call of a :func:`kda_compile.optimize` result
+instead of compiling them (:class:`EagerFallback`): a recompile limit hit (Dynamo then runs that
+code object's new inputs eagerly for the rest of the process) or a compile error Dynamo suppressed.
+They are read from the warning Dynamo logs on ``torch._dynamo.convert_frame`` (the one log line
+every torch version since 2.1 emits for these events) by a handler kda_compile installs there,
+which records only what happens inside calls of an ``optimize()`` result; each code object is
+also logged once at WARNING on ``kda_compile.report``. A Dynamo log level above WARNING
+(``TORCH_LOGS="-dynamo"``) silences that warning, and with it this record.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
+import re
 import threading
 import weakref
 from dataclasses import dataclass
@@ -31,6 +42,36 @@ _sources: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
+class EagerFallback:
+    """Dynamo ran a frame eagerly during calls of an ``optimize()`` result instead of compiling it.
+
+    Attributes:
+        function: the code object, as Dynamo names it: ``'forward' (path/to/file.py:123)``.
+        kind: ``"recompile_limit"`` or ``"accumulated_recompile_limit"`` (the
+            ``torch._dynamo.config`` limit that was hit), or ``"compile error"`` (Dynamo suppressed
+            an error, ``torch._dynamo.config.suppress_errors``).
+        limit: the limit's value when it was hit (None for a compile error).
+        reason: Dynamo's last recompile reason, or the error.
+        count: how many times Dynamo reported it. After a limit hit Dynamo stops compiling that
+            code object (inputs no compiled graph accepts run eagerly, unreported), so this counts
+            the reports, not the eager calls.
+    """
+
+    function: str
+    kind: str
+    limit: int | None
+    reason: str
+    count: int = 1
+
+    def summary(self) -> str:
+        reason = self.reason if len(self.reason) <= 300 else self.reason[:297] + "..."
+        if self.limit is None:
+            return (f"eager fallback: {self.function} ran eagerly ({self.kind}, reported {self.count}x): {reason}")
+        return (f"eager fallback: {self.function} runs eagerly for inputs no compiled graph accepts: Dynamo hit "
+                f"torch._dynamo.config.{self.kind} ({self.limit}) (reported {self.count}x); last reason: {reason}")
+
+
+@dataclass(frozen=True)
 class Report:
     """The rewrite report of some compiled graphs.
 
@@ -38,10 +79,13 @@ class Report:
         graphs: one :class:`~kda_compile.passes.GraphReport` per compiled graph, in compile order.
         fallbacks: every op fallback seen in this process (op, implementation run, reason) with
             its call count; process-wide, since ops do not know which model called them.
+        eager_fallbacks: the frames Dynamo ran eagerly instead of compiling during calls of this
+            model (or, for ``report()``, of any ``optimize()`` result), one per code object and kind.
     """
 
     graphs: tuple[GraphReport, ...]
     fallbacks: tuple[tuple[FallbackEvent, int], ...] = ()
+    eager_fallbacks: tuple[EagerFallback, ...] = ()
 
     @property
     def rewritten(self) -> tuple[Rewritten, ...]:
@@ -52,10 +96,13 @@ class Report:
         return tuple(c for g in self.graphs for c in g.left_alone)
 
     def __str__(self) -> str:
-        if not self.graphs:
-            lines = ["no graph compiled by kda_compile yet"]
-        else:
+        if self.graphs:
             lines = [g.summary() for g in self.graphs]
+        elif self.eager_fallbacks:
+            lines = ["no graph compiled by kda_compile: Dynamo ran the calls eagerly (eager fallback below)"]
+        else:
+            lines = ["no graph compiled by kda_compile yet"]
+        lines.extend(e.summary() for e in self.eager_fallbacks)
         for event, count in self.fallbacks:
             lines.append(f"fallback: {event.op} ran {event.chosen} ({count} calls): {event.reason}")
         return "\n".join(lines)
@@ -91,20 +138,121 @@ def report(model: Any = None) -> Report:
     fallbacks = tuple(sorted(fallback_events().items(), key=lambda item: (item[0].op, item[0].chosen)))
     if model is None:
         with _history_lock:
-            return Report(tuple(_history), fallbacks)
+            return Report(tuple(_history), fallbacks, tuple(_all_eager.values()))
     backend = _sources.get(model) if _weakrefable(model) else None
     if backend is None:
         raise ValueError(
             f"model must be a model returned by kda_compile.optimize (or the model given to it), got "
             f"{type(model).__name__}; for torch.compile(..., backend='kda_compile') call kda_compile.report()")
-    return Report(tuple(backend.reports), fallbacks)
+    with _history_lock:
+        eager = tuple(_eager.get(backend, {}).values())
+    return Report(tuple(backend.reports), fallbacks, eager)
 
 
 def clear_reports() -> None:
-    """Forget the graphs kept for ``report()`` without a model (tests, long-running processes)."""
+    """Forget the graphs and eager fallbacks kept for ``report()`` without a model (tests,
+    long-running processes)."""
     with _history_lock:
         _history.clear()
         _last_key[0] = None
+        _all_eager.clear()
+        _warned.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager fallbacks: Dynamo's warnings during calls of an optimize() result
+# ---------------------------------------------------------------------------------------------
+DYNAMO_LOGGER = "torch._dynamo.convert_frame"  # where Dynamo warns of a limit hit / suppressed error
+
+_eager: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], EagerFallback]]" = weakref.WeakKeyDictionary()
+_all_eager: dict[tuple[str, str], EagerFallback] = {}
+_warned: set[tuple[str, str]] = set()
+_calls = threading.local()  # .owners: the backends of the optimize() results being called, innermost last
+
+_LIMIT_RE = re.compile(r"torch\._dynamo hit config\.(\w+) \((\d+)\)\s*\n\s*function: (.*)\n\s*last reason: (.*)")
+_WONT_RE = re.compile(r"WON'T CONVERT (\S+) (.+) line (\d+)")
+
+
+def parse_dynamo_warning(record: logging.LogRecord) -> EagerFallback | None:
+    """The eager fallback a Dynamo warning announces, or None for any other record."""
+    msg = record.msg if isinstance(record.msg, str) else ""
+    args = record.args if isinstance(record.args, tuple) else ()
+    if msg.startswith("torch._dynamo hit config.") and len(args) >= 4:
+        kind, value, function, reason = args[:4]
+        limit = value if isinstance(value, int) else None
+        return EagerFallback(str(function), str(kind), limit, str(reason).strip())
+    try:
+        text = record.getMessage()
+    except Exception:  # noqa: BLE001  (a malformed record is not ours to report)
+        return None
+    match = _LIMIT_RE.match(text)
+    if match:
+        kind, value, function, reason = match.groups()
+        return EagerFallback(function.strip(), kind, int(value), reason.strip())
+    match = _WONT_RE.match(text)
+    if match:
+        name, filename, line = match.groups()
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        return EagerFallback(f"'{name}' ({filename}:{line})", "compile error", None, lines[-1] if lines else "")
+    return None
+
+
+def record_eager_fallback(owner: Any, event: EagerFallback) -> None:
+    """Count ``event`` for ``owner`` (an optimize() result's backend) and process-wide; log the
+    first one of each code object and kind at WARNING."""
+    key = (event.function, event.kind)
+    with _history_lock:
+        per_owner = _eager.setdefault(owner, {})
+        for table in (per_owner, _all_eager):
+            seen = table.get(key)
+            table[key] = event if seen is None else dataclasses.replace(
+                event, count=seen.count + 1)
+        first = key not in _warned
+        _warned.add(key)
+    if first:
+        logger.warning("kda_compile: %s; kda_compile.report(model) lists it", event.summary())
+
+
+class _DynamoFallbackHandler(logging.Handler):
+    """Records Dynamo's eager-fallback warnings emitted during calls of an optimize() result."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        owners = getattr(_calls, "owners", None)
+        if not owners:
+            return  # not inside a call of ours: not our frame
+        try:
+            event = parse_dynamo_warning(record)
+            if event is not None:
+                record_eager_fallback(owners[-1], event)
+        except Exception:  # noqa: BLE001  (a report must never break the user's call)
+            self.handleError(record)
+
+
+_handler = _DynamoFallbackHandler(logging.WARNING)
+
+
+_dynamo_logger = logging.getLogger(DYNAMO_LOGGER)
+
+
+def install_fallback_handler() -> None:
+    """Attach the handler to Dynamo's logger (again, should something have removed it)."""
+    if _handler not in _dynamo_logger.handlers:
+        _dynamo_logger.addHandler(_handler)
+
+
+def enter_calls_of(owner: Any) -> None:
+    """Attribute Dynamo's eager-fallback warnings to ``owner`` (a backend) until
+    :func:`exit_calls_of`; a pair around each call of an optimize() result (no context manager:
+    this is on every call's path)."""
+    owners = getattr(_calls, "owners", None)
+    if owners is None:
+        owners = _calls.owners = []
+    owners.append(owner)
+
+
+def exit_calls_of() -> None:
+    """Ends the innermost :func:`enter_calls_of`."""
+    _calls.owners.pop()
 
 
 def _weakrefable(obj: Any) -> bool:

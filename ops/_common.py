@@ -21,8 +21,24 @@ logger = logging.getLogger("kda_compile.ops")
 # Errors: name the argument, the value, and what is accepted.
 # ----------------------------------------------------------------------------------------------
 def arg_error(name: str, value, accepted: str, *, kind: type[Exception] = ValueError) -> Exception:
-    """Build the error raised for a bad argument: ``"<name> must be <accepted>, got <value>"``."""
-    return kind(f"{name} must be {accepted}, got {value}")
+    """Build the error raised for a bad argument: ``"<name> must be <accepted>, got <value>"``.
+
+    Safe to call while Dynamo traces (``torch.compile``): a symbolic int / float value is formatted as
+    its concrete value (the error path may specialise), so the message stays a plain string."""
+    return kind(f"{name} must be {accepted}, got {plain(value)}")
+
+
+def plain(value):
+    """``value`` for an error message: symbolic ints / floats (and lists / tuples of them, e.g. a
+    shape) as plain numbers, joined into a string by this function, never by an f-string of a list (which
+    Dynamo keeps as a lazy format it cannot turn into the message)."""
+    if isinstance(value, (list, tuple, torch.Size)):
+        return "[" + ", ".join(f"{plain(x)}" for x in value) + "]"
+    if isinstance(value, torch.SymInt):
+        return f"{int(value)}"
+    if isinstance(value, torch.SymFloat):
+        return f"{float(value)}"
+    return value
 
 
 def kernel_switch(env: str, choices: tuple[str, ...]) -> str:
@@ -37,7 +53,7 @@ def kernel_switch(env: str, choices: tuple[str, ...]) -> str:
 def describe(t) -> str:
     """A compact description of a tensor (shape, dtype, device) or any other value for errors."""
     if isinstance(t, torch.Tensor):
-        return f"a {t.dtype} tensor of shape {list(t.shape)} on {t.device}"
+        return f"a {t.dtype} tensor of shape {plain(t.shape)} on {t.device}"
     return repr(t)
 
 

@@ -1,17 +1,28 @@
 """The benchmark command line on a machine without CUDA: options are parsed and checked, and a GPU
-benchmark says it needs CUDA instead of failing somewhere inside."""
+benchmark says it needs CUDA instead of failing somewhere inside; the report mode and the CSV schema of
+the repository's benchmarks/."""
+import csv
+import importlib.util
+import pathlib
+import sys
+
 import pytest
 import torch
 
 from kda_compile.bench.__main__ import main
 from kda_compile.bench.kda import prefill_shapes
+from kda_compile.bench.kda_providers import Shape
 
 
 def test_prefill_shapes_parse():
-    assert prefill_shapes("1x8192x32, 8X1024x64") == [(1, 8192, 32), (8, 1024, 64)]
+    assert prefill_shapes("1x8192x32, 8X1024x64") == [Shape(1, 8192, 32), Shape(8, 1024, 64)]
+    assert prefill_shapes("varlen:4x512x32,VARLEN:3000+1+0x16") == [
+        Shape(1, 2048, 32, (512, 512, 512, 512)), Shape(1, 3001, 16, (3000, 1, 0))]
 
 
-@pytest.mark.parametrize("text", ["1x8192", "1x0x32", "axbxc", "1x8192x32,"])
+@pytest.mark.parametrize("text", ["1x8192", "1x0x32", "axbxc", "1x8192x32,", "varlen:0+0x32", "varlen:5+x32",
+                                  "varlen:4x512x32x2", "varlen:x32", "varlen:-1+3x4", "varlen:3x0x4", "varlen:3x4x0",
+                                  "mixed:1x2x3"])
 def test_bad_prefill_shapes_name_the_item(text, capsys):
     with pytest.raises(SystemExit):
         main(["kda", "--shapes", text])
@@ -32,6 +43,203 @@ def test_profile_option_is_parsed(monkeypatch, tmp_path):
     monkeypatch.setattr(kda_bench, "run", lambda args: seen.setdefault("profile", args.profile) and [])
     main(["kda", "--profile", "--csv", str(tmp_path / "out.csv")])
     assert seen == {"profile": True}
+
+
+# ------------------------------------------------------------------------------------------------
+# The prefill comparison (--modes prefill): options, shapes, providers, rows.
+# ------------------------------------------------------------------------------------------------
+def _parsed_args(monkeypatch, tmp_path, *argv):
+    import kda_compile.bench.kda as kda_bench
+
+    seen = {}
+    monkeypatch.setattr(kda_bench, "run", lambda args: seen.setdefault("args", args) and [])
+    main(["kda", "--csv", str(tmp_path / "out.csv"), *argv])
+    return seen["args"]
+
+
+def test_comparison_options_and_their_defaults(monkeypatch, tmp_path):
+    from kda_compile.bench.kda import resolve_gates
+
+    args = _parsed_args(monkeypatch, tmp_path)
+    assert args.modes == ["prefill"] and args.gates is None and args.rounds == 3 and args.shapes is None
+    assert resolve_gates(args) == ["lower_bound", "softplus"]
+    args = _parsed_args(monkeypatch, tmp_path, "--gates", "softplus", "--rounds", "2", "--modes", "prefill,decode",
+                        "--shapes", "varlen:2x8x4")
+    assert (args.gates, args.rounds, args.modes) == (["softplus"], 2, ["prefill", "decode"])
+    assert resolve_gates(args) == ["softplus"] and args.shapes == [Shape(1, 16, 4, (8, 8))]
+    # the older modes keep their one softplus gate by default (the curated CSVs' commands)
+    assert resolve_gates(_parsed_args(monkeypatch, tmp_path, "--modes", "decode")) == ["softplus"]
+    assert resolve_gates(_parsed_args(monkeypatch, tmp_path, "--gate", "lower_bound", "--modes", "fwd,fwd+bwd")) \
+        == ["lower_bound"]
+    with pytest.raises(SystemExit, match="not both"):
+        resolve_gates(_parsed_args(monkeypatch, tmp_path, "--gate", "softplus", "--gates", "lower_bound"))
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "0"], ["--rounds", "x"], ["--gates", "sigmoid"],
+                                  ["--gates", "softplus,softplus"], ["--modes", "prefill,bwd"]])
+def test_bad_comparison_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(["kda", *argv])
+    assert "argument --" in capsys.readouterr().err
+
+
+def test_issue_shapes_and_their_cu_seqlens():
+    from kda_compile.bench.kda_providers import MIXED_LENGTHS, issue_shapes, make_inputs, parse_shapes
+
+    shapes = issue_shapes()
+    assert [s.label for s in shapes] == [
+        "1x2048x32", "1x8192x32", "1x8192x64", "1x8192x96", "1x32768x32", "1x65536x16", "8x4096x32",
+        "varlen:4x512x32", "varlen:8x1024x32", "varlen:8x1024x64", "varlen:8x1024x96", "varlen:16x2048x32",
+        "varlen:64x256x32", "varlen:256x128x16", "varlen:3000+1+0+517+2048+2626x32"]
+    assert all(parse_shapes(s.label) == [s] for s in shapes)  # every label is its own --shapes item
+    assert shapes[6] == Shape(8, 4096, 32) and not shapes[6].varlen  # batched: no cu_seqlens
+    assert shapes[7].offsets() == [0, 512, 1024, 1536, 2048] and (shapes[7].B, shapes[7].T) == (1, 2048)
+    assert shapes[13].num_sequences == 256 and shapes[13].offsets()[-1] == 256 * 128
+    mixed = shapes[-1]
+    assert 0 in mixed.lengths and 1 in mixed.lengths and mixed.lengths == MIXED_LENGTHS
+    x = make_inputs(Shape.packed(MIXED_LENGTHS, 2), "cpu")
+    assert x.cu_seqlens.dtype == torch.int64 and x.cu_seqlens.tolist() == [0, 3000, 3001, 3001, 3518, 5566, 8192]
+    assert torch.equal(x.cu_seqlens_cpu, x.cu_seqlens) and x.q.shape == (1, 8192, 2, 128)
+    assert x.h0.shape == (6, 2, 128, 128) and x.h0.dtype == torch.float32  # [N, H, V, K]
+    assert x.beta.shape == (1, 8192, 2) and x.dt_bias.shape == (256,) and x.A_log.shape == (2,)
+    batch = make_inputs(Shape(3, 5, 2), "cpu")
+    assert batch.cu_seqlens is None and batch.h0.shape == (3, 2, 128, 128) and batch.q.dtype == torch.bfloat16
+
+
+def test_flashkda_is_skipped_with_a_reason_when_absent(monkeypatch):
+    from kda_compile.bench.kda_providers import flashkda_missing, skip_reasons
+
+    monkeypatch.setitem(sys.modules, "flash_kda", None)  # import flash_kda now raises ImportError
+    why = flashkda_missing()
+    assert why.startswith("not installed") and "flash_kda" in why and "flashkda_build.sh" in why
+    fla_present = {"FLA": lambda: None}
+    assert skip_reasons("lower_bound", missing={**fla_present, "FlashKDA": flashkda_missing}) == {"FlashKDA": why}
+    assert skip_reasons("softplus", missing=fla_present) == {"FlashKDA": "n/a: lower-bound gate only"}
+    monkeypatch.setitem(sys.modules, "flash_kda", _fake_flash_kda())
+    assert flashkda_missing() is None
+    assert skip_reasons("lower_bound", missing={**fla_present, "FlashKDA": flashkda_missing}) == {}
+
+
+def _fake_flash_kda():
+    """A stand-in ``flash_kda`` that checks its arguments against FlashKDA's documented API and computes
+    with our op (same math), so a provider mapping the inputs wrongly fails or disagrees with ours."""
+    import types
+
+    from kda_compile.ops import chunk_kda
+
+    def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
+            cu_seqlens=None):
+        B, T, H, D = q.shape
+        assert D == 128 and all(t.dtype == torch.bfloat16 and t.shape == q.shape for t in (k, v, g, out))
+        assert beta.dtype == torch.bfloat16 and beta.shape == (B, T, H) and isinstance(scale, float)
+        assert A_log.dtype == torch.float32 and A_log.shape == (H,)
+        assert dt_bias.dtype == torch.float32 and dt_bias.shape == (H, 128) and -5 <= lower_bound <= 0
+        if cu_seqlens is not None:
+            assert B == 1 and cu_seqlens.dtype == torch.int64
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        for state in (initial_state, final_state):
+            assert state.shape == (N, H, 128, 128) and state.dtype == torch.float32
+        assert all(t.is_contiguous() for t in (q, k, v, g, beta, out, A_log, dt_bias, initial_state, final_state))
+        o, final = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             safe_gate=True, lower_bound=lower_bound, state_v_first=True, cu_seqlens=cu_seqlens,
+                             A_log=A_log, dt_bias=dt_bias.flatten())
+        out.copy_(o)
+        final_state.copy_(final)
+
+    return types.SimpleNamespace(fwd=fwd)
+
+
+def _run_comparison(monkeypatch, gates, shapes, calls, missing):
+    """``bench_comparison`` on the CPU with stand-in timers: every call's wall time is 2 ms (p50), its
+    kernels 0.5 ms in 3 launches."""
+    from kda_compile.bench import kda_providers
+
+    timed = []
+    monkeypatch.setattr(kda_providers, "wall_time_quantiles", lambda fn: timed.append(fn) or (1.0, 2.0, 3.0))
+    monkeypatch.setattr(kda_providers, "kernel_times", lambda fn: [("a", 2, 0.25), ("b", 1, 0.25)])
+    rows = []
+    tables = kda_providers.bench_comparison(gates, shapes, "cpu", rows, rounds=2, calls=calls, missing=missing)
+    return rows, tables, timed
+
+
+def test_comparison_rows_have_the_schema_and_the_same_math(monkeypatch):
+    """Ours on the CPU (the reference math), FLA as a stand-in that adds 1% noise, FlashKDA through its
+    real provider with the stand-in module: every row has the CSV schema and the gate, FlashKDA runs for the
+    lower-bound gate only and agrees with ours, the mixed shape's empty and 1-token sequences included."""
+    from kda_compile.bench import kda_providers
+    from kda_compile.bench.common import CSV_COLUMNS, environment
+
+    monkeypatch.setitem(sys.modules, "flash_kda", _fake_flash_kda())
+
+    def fla_like(x, gate):
+        ours = kda_providers.ours_call(x, gate)
+        return lambda: tuple(t * 1.01 for t in ours())
+
+    calls = {"ours": kda_providers.ours_call, "FLA": fla_like, "FlashKDA": kda_providers.flashkda_call}
+    missing = {"FLA": lambda: None, "FlashKDA": kda_providers.flashkda_missing}
+    shapes = [Shape.packed((20, 1, 0, 7), 2), Shape(2, 9, 1)]
+    rows, tables, timed = _run_comparison(monkeypatch, ["lower_bound", "softplus"], shapes, calls, missing)
+    assert len(timed) == 2 * (2 * 3 + 2 * 2)  # rounds x (3 providers + 2 providers per shape)
+    for r in rows:
+        assert tuple({**r, **environment()}) == CSV_COLUMNS
+        assert r["op"] == "chunk_kda" and r["mode"] == "fwd" and r["gate"] in ("lower_bound", "softplus")
+    got = {(r["gate"], r["shape"], r["provider"], r["metric"]): r for r in rows}
+    label = "varlen:20+1+0+7x2"
+    for provider in ("ours", "FLA", "FlashKDA"):
+        assert got["lower_bound", label, provider, "wall_time"]["p50"] == 2.0
+        assert got["lower_bound", label, provider, "kernel_time"]["p50"] == 0.5
+        assert got["lower_bound", label, provider, "launches"]["p50"] == 3
+    assert not any(k[0] == "softplus" and k[2] == "FlashKDA" for k in got)
+    assert ("lower_bound", label, "ours", "rel_error_vs_ours") not in got
+    assert got["lower_bound", label, "FlashKDA", "rel_error_vs_ours"]["p50"] < 1e-6
+    assert got["lower_bound", "2x9x1", "FlashKDA", "final_state_rel_error_vs_ours"]["p50"] < 1e-6
+    assert got["softplus", label, "FLA", "rel_error_vs_ours"]["p50"] == pytest.approx(0.01, rel=0.05)
+    lb, sp = tables["lower_bound"][0], tables["softplus"][0]
+    assert lb[0] == label and lb[1:6] == [2.0, 2.0, 2.0, 1.0, 1.0] and lb[-2] == "3 / 3 / 3"
+    assert sp[3] == "n/a" and sp[5] == "-" and sp[4] == 1.0
+
+
+def test_comparison_without_flashkda_or_with_a_failing_provider(monkeypatch, caplog):
+    from kda_compile.bench import kda_providers
+    from kda_compile.bench.common import format_table
+
+    monkeypatch.setitem(sys.modules, "flash_kda", None)
+
+    def broken(x, gate):
+        def call():
+            raise RuntimeError("kernel exploded")
+        return call
+
+    calls = {"ours": kda_providers.ours_call, "FLA": broken, "FlashKDA": kda_providers.flashkda_call}
+    missing = {"FLA": lambda: None, "FlashKDA": kda_providers.flashkda_missing}
+    with caplog.at_level("INFO", logger="kda_compile.bench.kda"):
+        rows, tables, _ = _run_comparison(monkeypatch, ["lower_bound"], [Shape(1, 5, 1)], calls, missing)
+    assert {r["provider"] for r in rows} == {"ours"}
+    assert "provider FlashKDA skipped: not installed" in caplog.text and "kernel exploded" in caplog.text
+    line = tables["lower_bound"][0]
+    assert line[2] == "failed" and line[3] == "not installed" and line[4] == "-"
+    assert "not installed" in format_table(kda_providers.COMPARISON_HEADERS, tables["lower_bound"])
+
+
+def test_comparison_csv_feeds_the_catalogued_report(tmp_path):
+    """A CSV of the comparison's rows makes the catalogued tables: both gates, ratios vs ours."""
+    from kda_compile.bench.catalog import CATALOG
+    from kda_compile.bench.common import row, write_csv
+    from kda_compile.bench.report import build_table, read_rows
+
+    rows = []
+    for gate, providers in (("lower_bound", {"ours": 1.0, "FLA": 2.0, "FlashKDA": 0.5}),
+                            ("softplus", {"ours": 1.0, "FLA": 1.5})):
+        for name, ms in providers.items():
+            for metric in ("wall_time", "kernel_time"):
+                rows.append(row("chunk_kda", name, "fwd", "varlen:4x512x32", metric, "ms", (ms, ms, ms), gate=gate))
+    write_csv([{**r, **TEST_ENV} for r in rows], tmp_path / "kda_prefill_vs_flashkda.csv")
+    views = CATALOG["kda_prefill_vs_flashkda"].views
+    table = build_table(read_rows(tmp_path / "kda_prefill_vs_flashkda.csv"), views[0])
+    assert table.metric == "wall_time" and table.headers[:2] == ["gate", "shape"]
+    assert table.ratios == {"FLA / ours": [2.0, 1.5], "FlashKDA / ours": [0.5, None]}
+    assert [v.metric for v in views] == ["wall_time", "kernel_time", "rel_error_vs_ours"]
 
 
 def test_kernel_times_aggregate_per_call():
@@ -73,3 +281,102 @@ def test_prefill_providers_take_turns_and_report_the_median_round(monkeypatch):
     got = kda_bench._interleaved_quantiles({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
     assert calls == ["a", "b", "a", "b", "a", "b"]
     assert got == {"a": (1.5, 2.5, 3.5), "b": (4.0, 5.0, 6.0)}
+
+
+# ------------------------------------------------------------------------------------------------
+# The CSV schema and ``python -m kda_compile.bench report``.
+# ------------------------------------------------------------------------------------------------
+REPO_BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+TEST_ENV = {"device": "Test GPU", "versions": "torch 0.0; triton 0.0"}
+
+
+def _has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _write_tiny_csvs(folder):
+    """attention.csv (a catalogued benchmark: two modes, one provider missing on one shape) and a CSV the
+    catalogue does not know."""
+    from kda_compile.bench.common import row, write_csv
+
+    rows = [row("attention", "kda_compile", "fwd", "1x4096", "time", "ms", (0.9, 1.0, 1.1)),
+            row("attention", "sdpa", "fwd", "1x4096", "time", "ms", (1.9, 2.0, 2.1)),
+            row("attention", "kda_compile-triton", "fwd", "1x4096", "time", "ms", (3.9, 4.0, 4.1)),
+            row("attention", "kda_compile", "fwd+bwd", "1x4096", "time", "ms", (2.9, 3.0, 3.1)),
+            row("attention", "sdpa", "fwd+bwd", "1x4096", "time", "ms", (2.9, 3.3, 3.4)),
+            row("attention", "sdpa", "fwd", "1x4096", "rel_err_vs_sdpa", "1", (0.0, 0.0, 0.0))]
+    write_csv([{**r, **TEST_ENV} for r in rows], folder / "attention.csv")
+    other = [row("my_op", "ours", "fwd", "8x8", "throughput", "TFLOP/s", (1.0, 2.0, 3.0), gate="softplus")]
+    write_csv([{**r, **TEST_ENV} for r in other], folder / "my_bench.csv")
+
+
+def test_row_takes_a_gate_and_fills_every_schema_column():
+    from kda_compile.bench.common import CSV_COLUMNS, environment, row
+
+    r = {**row("chunk_kda", "FLA", "fwd", "1x8x2", "time", "ms", (1, 2, 3), gate="lower_bound"), **environment()}
+    assert tuple(r) == CSV_COLUMNS
+    assert r["gate"] == "lower_bound" and r["device"] and r["versions"].startswith("torch ")
+
+
+def test_report_writes_the_readme_tables_and_plots(tmp_path):
+    from kda_compile.bench.report import write_report
+
+    _write_tiny_csvs(tmp_path)
+    if _has_matplotlib():
+        assert main(["report", "--dir", str(tmp_path)]) == 0
+        for name in ("attention", "my_bench"):
+            assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        write_report(tmp_path, plots=False)  # the tables do not need matplotlib; the plots are not checked
+    text = (tmp_path / "README.md").read_text()
+    assert "python -m kda_compile.bench report" in text.splitlines()[2]
+    assert "- Device: Test GPU" in text and "- Versions: torch 0.0; triton 0.0" in text
+    assert ("| mode | shape | sdpa (ms) | kda_compile (ms) | kda_compile-triton (ms) | sdpa / kda_compile "
+            "| sdpa / kda_compile-triton |") in text
+    assert "| fwd | 1x4096 | 2 | 1 | 4 | 2.00x | 0.50x |" in text
+    assert "| fwd+bwd | 1x4096 | 3.3 | 3 | - | 1.10x | - |" in text
+    assert "rel_err" not in text  # only the catalogued views are tabulated
+    assert "## my_bench (`my_bench.csv`)" in text and "| 8x8 | 2 |" in text  # uncatalogued: its first metric
+    assert "![Softmax attention](attention.png)" in text
+
+
+def test_report_without_matplotlib_names_the_package_and_writes_nothing(monkeypatch, tmp_path):
+    _write_tiny_csvs(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SystemExit, match=r"matplotlib.*pip install \"kda-compile\[bench\]\""):
+        main(["report", "--dir", str(tmp_path)])
+    assert not (tmp_path / "README.md").exists()
+
+
+def test_report_rejects_a_csv_of_another_schema(tmp_path):
+    (tmp_path / "old.csv").write_text("op,provider,mode,shape,metric,unit,p20,p50,p80,device,torch,triton,fla\n")
+    with pytest.raises(SystemExit, match="old.csv: columns"):
+        main(["report", "--dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no CSV files"):
+        main(["report", "--dir", str(tmp_path / "missing")])
+
+
+def test_repository_benchmark_csvs_have_the_schema_and_an_environment():
+    from kda_compile.bench.common import CSV_COLUMNS
+
+    paths = sorted(REPO_BENCHMARKS.glob("*.csv"))
+    assert paths, f"no benchmark CSVs in {REPO_BENCHMARKS}"
+    for path in paths:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+        assert tuple(reader.fieldnames) == CSV_COLUMNS, path.name
+        assert rows, path.name
+        for r in rows:
+            assert r["device"].strip() and r["versions"].strip(), f"{path.name}: {r}"
+            float(r["p50"])  # a number
+
+
+def test_repository_benchmark_readme_is_up_to_date():
+    """benchmarks/README.md is what ``python -m kda_compile.bench report`` makes of the CSVs beside it, and
+    every CSV has its plot: after changing a CSV, run the report."""
+    from kda_compile.bench.report import read_rows, readme_text
+
+    csvs = {path.stem: read_rows(path) for path in sorted(REPO_BENCHMARKS.glob("*.csv"))}
+    assert (REPO_BENCHMARKS / "README.md").read_text() == readme_text(csvs)
+    assert all((REPO_BENCHMARKS / f"{name}.png").is_file() for name in csvs)

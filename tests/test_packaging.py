@@ -1,8 +1,15 @@
-"""The repository's promises about itself: every package folder is installed, CI runs the README's
-test command, and code never imports the top-level folder names."""
+"""The repository's promises about itself: every package folder is installed, the wheel holds Python
+modules and metadata only, CI installs what the README's set-up installs and runs its test command, the
+extras the README and the error messages name exist, optional dependencies stay optional, and code never
+imports the top-level folder names."""
 import pathlib
 import re
+import subprocess
+import sys
 import tomllib
+import zipfile
+
+from packaging.requirements import Requirement
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROOTS = {"kda_compile": "kda_compile", "ops": "kda_compile.ops", "passes": "kda_compile.passes"}
@@ -109,3 +116,167 @@ def test_the_package_imports_without_triton():
             "print('imported')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=300)
     assert done.stdout.strip() == "imported", done.stderr[-2000:]
+
+
+def _readme_setup_command():
+    """The README's set-up command: its first bash block that installs the package."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.+?)\n```", readme, re.S)
+    setup = [block.strip() for block in blocks if "pip install -e" in block]
+    assert setup, "the README has no set-up command (a bash block with `pip install -e`)"
+    return setup[0]
+
+
+def test_ci_installs_what_the_readme_setup_installs():
+    """Every `pip install ...` of the README's set-up command, in order, is an install line of .ci/run
+    (which may add pip options such as --quiet), and .ci/run runs the set-up's example too."""
+    steps = [step.strip() for step in _readme_setup_command().split("&&")]
+    installs = [step.split("pip install", 1)[1].split() for step in steps if step.startswith("pip install")]
+    assert installs[0] == ["torch==2.13.0"], f"the README's set-up must install torch==2.13.0 first, not {installs[0]}"
+    ci_installs = [line.split("pip install", 1)[1].split() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                   if re.match(r"\s*(python3 -m )?pip install", line)]
+    ci_installs = [[arg for arg in args if not arg.startswith("--")] for args in ci_installs]
+    assert ci_installs == installs, f".ci/run installs {ci_installs}, the README's set-up {installs}"
+    ci = (ROOT / ".ci" / "run").read_text()
+    for step in steps:
+        if step.startswith("python "):
+            script = step.split()[1]
+            assert (ROOT / script).is_file(), f"the README's set-up runs {script}, which does not exist"
+            assert f"python3 {script}" in ci, f".ci/run does not run the set-up's {script}"
+
+
+def _extras():
+    return _pyproject()["project"]["optional-dependencies"]
+
+
+def test_the_extras_that_the_docs_and_messages_name_exist():
+    """`.[test]`, `kda-compile[testing]`, ... wherever the README, the docs, .ci/run or an error message of the
+    package names an extra, pyproject defines it."""
+    pattern = re.compile(r"(?:\.|kda-compile|kda_compile)\[([A-Za-z0-9_,\- ]+)\]")
+    files = [ROOT / "README.md", ROOT / ".ci" / "run", *ROOT.glob("*.md"), *(ROOT / "docs").rglob("*.md")]
+    for folder in ROOTS:
+        files += (ROOT / folder).rglob("*.py")
+    named = {}
+    for path in files:
+        if path.is_file():
+            for match in pattern.finditer(path.read_text()):
+                for extra in match.group(1).split(","):
+                    named.setdefault(extra.strip(), set()).add(str(path.relative_to(ROOT)))
+    unknown = {extra: sorted(paths) for extra, paths in named.items() if extra not in _extras()}
+    assert unknown == {}, f"extras named but not defined in pyproject.toml: {unknown}"
+    setup_extras = re.findall(r"\.\[([^\]]+)\]", _readme_setup_command())
+    assert setup_extras == ["test"], f"the README's set-up installs the extras {setup_extras}, expected ['test']"
+
+
+def test_the_test_extra_holds_everything_the_suite_needs():
+    """`test` holds the requirements of `hf` and `testing` (same specs), pytest, xdist and triton for the
+    interpreter; no extra pins torch (installed first, by hand: CPU or CUDA wheel)."""
+    extras = {name: [Requirement(r) for r in reqs] for name, reqs in _extras().items()}
+    assert {"hf", "testing", "fla", "bench", "test"} <= set(extras)
+    test = {str(r) for r in extras["test"]}
+    for name in ("hf", "testing"):
+        missing = {str(r) for r in extras[name]} - test
+        assert not missing, f"the test extra lacks {name}'s {sorted(missing)}"
+    names = {r.name for r in extras["test"]}
+    assert {"pytest", "pytest-xdist", "hypothesis", "transformers", "triton"} <= names
+    for name, reqs in extras.items():
+        assert "torch" not in {r.name for r in reqs}, f"the {name} extra must not pull torch"
+
+
+def test_the_license_metadata_is_consistent():
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0"
+    assert project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def _source_tree_copy(dest):
+    """The files a wheel is built from, without __pycache__ (and whatever else git would not track is
+    still copied inside the package folders: the wheel must leave it out)."""
+    import shutil
+
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, dest / name)
+    for folder in ROOTS:
+        shutil.copytree(ROOT / folder, dest / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    return dest
+
+
+def test_the_wheel_holds_python_modules_and_metadata_only(tmp_path):
+    """Builds the wheel (offline, no isolation: torch brings setuptools >= 77) from a copy of the tree and
+    checks it holds every module of the listed packages, installed under kda_compile/, the license and the
+    metadata, and nothing else (no benchmark results, CSVs, PNGs, logs, notes)."""
+    src = _source_tree_copy(tmp_path / "src")
+    (src / "kda_compile" / "stray_results").mkdir()
+    (src / "kda_compile" / "stray_results" / "table.csv").write_text("a,b\n")  # package data never ships
+    (src / "ops" / "notes.md").write_text("# notes\n")
+    out = tmp_path / "wheel"
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = out.glob("kda_compile-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    dist_info = {n for n in names if n.split("/", 1)[0].endswith(".dist-info")}
+    modules = set(names) - dist_info
+    assert {n for n in modules if not (n.startswith("kda_compile/") and n.endswith(".py"))} == set(), \
+        f"the wheel holds files other than kda_compile's modules: {sorted(modules)}"
+    package_dir = _pyproject()["tool"]["setuptools"]["package-dir"]
+    expected = set()
+    for package in _pyproject()["tool"]["setuptools"]["packages"]:
+        base = max((p for p in package_dir if package == p or package.startswith(p + ".")), key=len)
+        folder = src.joinpath(package_dir[base], *package[len(base):].split(".")[1:])
+        expected |= {"/".join([*package.split("."), path.name]) for path in folder.glob("*.py")}
+    assert modules == expected, (f"missing from the wheel: {sorted(expected - modules)}; "
+                                 f"unexpected: {sorted(modules - expected)}")
+    info = {n.split("/", 1)[1] for n in dist_info}
+    assert info == {"METADATA", "WHEEL", "RECORD", "entry_points.txt", "top_level.txt", "licenses/LICENSE"}, info
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in dist_info if n.endswith("/METADATA"))).decode()
+    assert "License-Expression: Apache-2.0" in metadata and "License-File: LICENSE" in metadata
+    for extra in _extras():
+        assert f"Provides-Extra: {extra}" in metadata
+
+
+def test_optional_dependencies_stay_optional():
+    """A plain import of the package, its ops, passes and kda_compile.optimize loads none of hypothesis,
+    transformers, matplotlib, fla-core (the HF rewrites and the benchmarks import transformers where a call
+    meets a Hugging Face model); without them every module imports, and kda_compile.testing fails with an
+    ImportError that names hypothesis and the extra that brings it."""
+    code = """
+import importlib, pkgutil, sys
+OPTIONAL = ("hypothesis", "transformers", "matplotlib", "fla")
+import kda_compile, kda_compile.ops, kda_compile.passes, kda_compile.optimize
+print(sorted(name for name in OPTIONAL if name in sys.modules))
+for name in OPTIONAL:
+    sys.modules[name] = None
+for module in pkgutil.walk_packages(kda_compile.__path__, "kda_compile."):
+    if not module.name.startswith("kda_compile.testing"):
+        importlib.import_module(module.name)
+try:
+    import kda_compile.testing
+except ImportError as exc:
+    print("ImportError:", exc)
+else:
+    print("imported kda_compile.testing without hypothesis")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded, message = done.stdout.strip().splitlines()[-2:]
+    assert loaded == "[]", f"importing kda_compile loads optional dependencies: {loaded}"
+    assert message.startswith("ImportError:") and "hypothesis" in message, message
+    assert 'pip install "kda-compile[testing]"' in message, message
+
+
+def test_every_cited_design_note_exists():
+    """Code and docs cite design notes as ``docs/<name>.md`` (and notes link each other): each must exist."""
+    cited = re.compile(r"\bdocs/([\w.-]+\.md)")
+    missing = []
+    sources = [p for p in ROOT.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)]
+    sources += [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md",
+                *(ROOT / "docs").glob("*.md")]
+    for path in sources:
+        for name in cited.findall(path.read_text()):
+            if not (ROOT / "docs" / name).is_file():
+                missing.append(f"{path.relative_to(ROOT)} cites docs/{name}")
+    assert missing == [], f"citations of design notes that do not exist: {missing}"

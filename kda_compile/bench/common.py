@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import importlib.metadata
 import logging
 import pathlib
 
@@ -11,19 +12,32 @@ import torch
 logger = logging.getLogger("kda_compile.bench")
 
 QUANTILES = (0.2, 0.5, 0.8)
-CSV_COLUMNS = ("op", "provider", "mode", "shape", "metric", "unit", "p20", "p50", "p80",
-               "device", "torch", "triton", "fla")
+# One schema for every benchmark's CSV (the runs' and the curated ones in the repository's benchmarks/):
+# ``gate`` is the KDA gate form ("softplus", "lower_bound") and empty where it does not apply; ``versions``
+# is one string, e.g. "torch 2.11.0+cu130; triton 3.6.0; fla 0.6.0; transformers 5.17.0".
+CSV_COLUMNS = ("op", "provider", "mode", "gate", "shape", "metric", "unit", "p20", "p50", "p80",
+               "device", "versions")
+VERSIONED_PACKAGES = (("torch", "torch"), ("triton", "triton"), ("fla", "fla"), ("transformers", "transformers"),
+                      ("flash_kda", "flash_kda"))
+
+
+def _version(module: str) -> str:
+    """``module.__version__``, else its distribution's version (FlashKDA has no ``__version__``; its build,
+    ``.ci/flashkda_build.sh``, records ``0.0.1+<commit>``); raises when neither is there."""
+    found = getattr(importlib.import_module(module), "__version__", None)
+    return found if found is not None else importlib.metadata.version(module)
 
 
 def environment() -> dict:
-    """Device name and library versions, added to every row."""
-    def version(module):
+    """The ``device`` and ``versions`` columns added to every row (packages not installed are left out)."""
+    found = []
+    for label, module in VERSIONED_PACKAGES:
         try:
-            return importlib.import_module(module).__version__
-        except Exception:
-            return "absent"
+            found.append(f"{label} {_version(module)}")
+        except Exception:  # not installed, or broken: the run did not use it
+            continue
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "torch": torch.__version__, "triton": version("triton"), "fla": version("fla")}
+    return {"device": device, "versions": "; ".join(found)}
 
 
 def time_quantiles(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float, float]:
@@ -31,6 +45,36 @@ def time_quantiles(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float
     from triton.testing import do_bench
 
     return tuple(do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES)))
+
+
+def wall_time_quantiles(fn, *, rep_ms: float = 50.0, min_reps: int = 5, max_reps: int = 100,
+                        flush_l2: bool = True) -> tuple[float, float, float]:
+    """p20 / p50 / p80 ms of one call of ``fn`` as its caller waits for it: host time (argument checks,
+    allocations, launches) plus the kernels and the gaps between them. Like do_bench (CUDA events around
+    each call, the L2 cache flushed before it), but the device is synchronised before each start event, so
+    the call's host time is inside the interval; do_bench lets it overlap the flush of the call before.
+    ``rep_ms`` of calls, at least ``min_reps`` and at most ``max_reps``, after two untimed calls."""
+    import time
+
+    cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if flush_l2 else None
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    estimate_ms = (time.perf_counter() - start) * 1e3
+    reps = max(min_reps, min(max_reps, int(rep_ms / max(estimate_ms, 1e-3))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for begin, end in events:
+        if cache is not None:
+            cache.zero_()
+        torch.cuda.synchronize()
+        begin.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = torch.tensor([begin.elapsed_time(end) for begin, end in events], dtype=torch.float64)
+    return tuple(torch.quantile(times, torch.tensor(QUANTILES, dtype=torch.float64)).tolist())
 
 
 def cuda_graph_time(fn, *, rep_ms: int = 200) -> tuple[float, float, float]:
@@ -52,13 +96,15 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def row(op, provider, mode, shape, metric, unit, values) -> dict:
+def row(op, provider, mode, shape, metric, unit, values, *, gate: str = "") -> dict:
+    """One long-format CSV row (without the environment columns); ``values`` is (p20, p50, p80)."""
     p20, p50, p80 = values
-    return {"op": op, "provider": provider, "mode": mode, "shape": shape, "metric": metric, "unit": unit,
-            "p20": p20, "p50": p50, "p80": p80}
+    return {"op": op, "provider": provider, "mode": mode, "gate": gate, "shape": shape, "metric": metric,
+            "unit": unit, "p20": p20, "p50": p50, "p80": p80}
 
 
 def write_csv(rows: list[dict], path: pathlib.Path) -> None:
+    """Write ``rows`` (with their environment columns) as a CSV of ``CSV_COLUMNS``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
@@ -67,7 +113,7 @@ def write_csv(rows: list[dict], path: pathlib.Path) -> None:
 
 
 def format_table(headers: list[str], lines: list[list]) -> str:
-    """A GitHub-markdown table (what docs/benchmarks.md records)."""
+    """A GitHub-markdown table (floats with 3 decimals, anything else as ``str``)."""
     text = [headers] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in line] for line in lines]
     out = ["| " + " | ".join(text[0]) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(line) + " |" for line in text[1:]]
@@ -126,19 +172,3 @@ def host_profile(fn, *, calls: int = 300, top: int = 15) -> str:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
 
-
-def experiment_log(filename: str):
-    """A ``report(*parts)`` for the experiment scripts in ``results/``: prints the line and appends it to
-    ``$OUT/filename`` (the device's output folder; /tmp without OUT), flushed at once so a run cut off by its
-    time limit keeps what it measured."""
-    import os
-
-    log = open(os.path.join(os.environ.get("OUT", "/tmp"), filename), "w")
-
-    def report(*parts) -> None:
-        line = " ".join(str(part) for part in parts)
-        print(line, flush=True)
-        log.write(line + "\n")
-        log.flush()
-
-    return report

@@ -130,7 +130,7 @@ def kda_binding(binding: str):
     module = importlib.import_module(HF_KIMI_MODULE)
     if binding == "fla" and not bound_kda_implementation().startswith("fla."):
         raise RuntimeError(f"HF's Kimi-Linear bound {bound_kda_implementation()}: flash-linear-attention was "
-                           "not importable when transformers loaded the model code (pip install fla-core)")
+                           "not importable when transformers loaded the model code (pip install \"kda-compile[fla]\")")
     from kda_compile.passes.kda_substitution import hf_torch_path
 
     with hf_torch_path(module, *(KDA_FUNCTIONS if binding == "torch" else ())):

@@ -1,5 +1,16 @@
-"""KDA: kda_compile's ops against flash-linear-attention's public functions, side by side.
+"""KDA: kda_compile's ops against flash-linear-attention's and FlashKDA's public functions, side by side.
 
+``--modes prefill`` (the default): the forward of ``chunk_kda`` in inference mode for the
+lower-bound and the softplus gate (``--gates``), providers ``ours`` (the op as it chooses), ``FLA`` and
+``FlashKDA`` (lower-bound gate only; skipped with the reason logged when ``import flash_kda`` fails), the same
+math for all (``kda_providers.py``), on 7 batched and 8 packed-varlen shapes (``kda_providers.issue_shapes``).
+Per provider, shape and gate: ``wall_time`` (one call as its caller waits for it, host time included:
+``common.wall_time_quantiles``), ``kernel_time`` (the summed GPU time of its kernels per call, torch.profiler)
+and ``launches`` (kernels per call), timed in ``--rounds`` interleaved rounds; FLA's and FlashKDA's
+``rel_error_vs_ours`` (output) and ``final_state_rel_error_vs_ours``. CSV mode ``fwd``.
+
+The older modes (``fwd``, ``fwd+bwd``, ``decode``; softplus gate unless ``--gate`` / ``--gates`` say otherwise;
+batched shapes only) measure our own kernels and our FLA path against FLA.
 Prefill (``chunk_kda``): forward in inference mode and forward+backward, bf16, K = V = 128, the
 in-kernel q/k L2 norm, gate and beta sigmoid, an fp32 initial state, on the shapes of the project's
 anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: "ours (own kernels)"
@@ -8,7 +19,7 @@ anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: 
 ``only_backends("fla")``: FLA's gate and intra-chunk kernels, then our scan kernel; FLA's backward) and
 "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the speedup over FLA per shape (needs
 matplotlib; otherwise the log says why there is none). The providers of a shape are timed in
-``PREFILL_ROUNDS`` interleaved rounds, each quantile the median over the rounds.
+``--rounds`` interleaved rounds, each quantile the median over the rounds.
 ``KDA_COMPILE_PREFILL_SEGMENTS=P`` forces the scan's segment count (tuning).
 Decode (``fused_recurrent_kda``): one token, 32 heads, fp32 state, batch
 1 / 64 / 256, with the state bytes moved per second. GPU time two ways, both from CUDA graphs: one call
@@ -28,18 +39,21 @@ import logging
 
 import torch
 
+from kda_compile.bench import kda_providers
 from kda_compile.bench.common import (cuda_graph_time, environment, format_table, host_profile, kernel_times,
                                       measure_copy_bandwidth, rel_error, row, time_quantiles, write_csv)
+from kda_compile.bench.kda_providers import COMPARISON_ROUNDS, GATES, Shape, parse_shapes
 
 logger = logging.getLogger("kda_compile.bench.kda")
 
-PREFILL_SHAPES = [  # (B, T, H): anchors.md (H100 table, then the H200 FLA-vs-FlashKDA table)
+PREFILL_SHAPES = [Shape(*s) for s in (  # (B, T, H): anchors.md (H100 table, then the H200 FLA-vs-FlashKDA table)
     (1, 8192, 32), (8, 4096, 32), (1, 32768, 32),
     (8, 1024, 32), (1, 8192, 64), (8, 1024, 64), (1, 8192, 96), (8, 1024, 96), (16, 2048, 32),
     (1, 65536, 16),  # one long sequence with few heads: the case the segmented scan is for
-]
+)]
+MODES = ("prefill", "fwd", "fwd+bwd", "decode")
 PREFILL_PROVIDERS = ("ours (own kernels)", "ours (FLA path)", "FLA")
-PREFILL_TARGET = 1.7  # issue 6: inference forward at least 1.7x FLA on every anchor shape
+PREFILL_TARGET = 1.7  # the goal: inference forward at least 1.7x FLA on every benchmark shape
 PREFILL_ROUNDS = 3  # interleaved timing rounds per shape and mode (_interleaved_quantiles)
 DECODE_BATCHES = (1, 64, 256)
 DECODE_STEPS_PER_GRAPH = 8
@@ -47,30 +61,65 @@ K = V = 128
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--gate", choices=("softplus", "lower_bound"), default="softplus",
-                        help="in-kernel gate form (lower_bound uses -5 and safe_gate, as FlashKDA's anchor)")
-    parser.add_argument("--modes", default="fwd,fwd+bwd,decode", help="comma-separated subset of fwd,fwd+bwd,decode")
+    parser.add_argument("--modes", type=_modes, default=["prefill"],
+                        help="comma-separated subset of prefill,fwd,fwd+bwd,decode (default: prefill, the "
+                             "ours / FLA / FlashKDA comparison)")
+    parser.add_argument("--gates", type=_gates, default=None,
+                        help="comma-separated gate forms, lower_bound (-5, safe_gate: FlashKDA's) and softplus; "
+                             "default: both for prefill, softplus for fwd / fwd+bwd / decode")
+    parser.add_argument("--gate", choices=GATES, default=None, help="one gate form (the same as --gates GATE)")
+    parser.add_argument("--rounds", type=_positive, default=COMPARISON_ROUNDS,
+                        help="interleaved timing rounds per shape (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="first two prefill shapes and batch 1/64 only")
     parser.add_argument("--shapes", type=prefill_shapes, default=None,
-                        help="prefill shapes as BxTxH[,BxTxH...] (default: every anchor shape), e.g. to split a "
-                             "run that would not fit a device's time limit")
+                        help=f"prefill shapes, comma-separated: {kda_providers.SHAPES_HELP} (default: the 15 "
+                             "comparison shapes for prefill, the anchor shapes for fwd / fwd+bwd, which skip "
+                             "varlen ones), e.g. to split a run that would not fit a device's time limit")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's GPU time per prefill call (torch.profiler) and the host "
                              "functions of each decode call (cProfile)")
 
 
-def prefill_shapes(text: str) -> list[tuple[int, int, int]]:
-    """``"1x8192x32,8x1024x64"`` -> ``[(1, 8192, 32), (8, 1024, 64)]`` (the ``--shapes`` option)."""
+def _split(text: str, allowed, what: str) -> list[str]:
     import argparse
 
-    shapes = []
-    for item in text.split(","):
-        parts = item.strip().lower().split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(
-                f"shapes must be BxTxH items of positive integers separated by commas, got {item.strip()!r}")
-        shapes.append(tuple(int(p) for p in parts))
-    return shapes
+    items = [t.strip() for t in text.split(",")]
+    bad = [t for t in items if t not in allowed]
+    if bad or len(set(items)) != len(items):
+        raise argparse.ArgumentTypeError(f"{what} must be distinct items of {','.join(allowed)}, got {text!r}")
+    return items
+
+
+def _modes(text: str) -> list[str]:
+    return _split(text, MODES, "modes")
+
+
+def _gates(text: str) -> list[str]:
+    return _split(text, GATES, "gates")
+
+
+def _positive(text: str) -> int:
+    import argparse
+
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def resolve_gates(args) -> list[str]:
+    """The gates to run: ``--gates``, else ``--gate``, else both for prefill and softplus otherwise."""
+    if args.gates is not None and args.gate is not None:
+        raise SystemExit("give --gates or --gate, not both")
+    if args.gates is not None:
+        return args.gates
+    if args.gate is not None:
+        return [args.gate]
+    return list(GATES) if "prefill" in args.modes else ["softplus"]
+
+
+def prefill_shapes(text: str) -> list[Shape]:
+    """The ``--shapes`` option: ``kda_providers.parse_shapes``."""
+    return parse_shapes(text)
 
 
 def _providers():
@@ -105,7 +154,8 @@ def _prefill_providers():
     from kda_compile.ops.kda.backends import only_backends
 
     return {
-        "ours (own kernels)": (chunk_kda, lambda: only_backends("triton_chunk")),  # opt-in (below FLA); its backward is FLA's
+        # our kernels: the default for the bounded lower-bound gate, opt-in otherwise; the backward is FLA's
+        "ours (own kernels)": (chunk_kda, lambda: only_backends("triton_chunk")),
         "ours (FLA path)": (chunk_kda, lambda: only_backends("fla")),
         "FLA": (fla_chunk, contextlib.nullcontext),
     }
@@ -123,17 +173,22 @@ def _log_prefill_backend(device) -> None:
         logger.info("ours (own kernels) runs on the triton_chunk backend")
 
 
-def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, profile=False) -> list[list]:
+def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, profile=False,
+                   rounds=PREFILL_ROUNDS) -> list[list]:
     """Time every prefill provider on every shape and mode; returns the table lines. ``checkpoint``
     runs after each shape (the CLI writes the CSV so far: a run cut off by a time limit keeps it);
-    ``profile`` adds each provider's per-kernel GPU times (``_record_kernel_times``)."""
+    ``profile`` adds each provider's per-kernel GPU times (``_record_kernel_times``). Batched shapes only."""
     if not any(m in ("fwd", "fwd+bwd") for m in modes):
         return []
     providers = _prefill_providers()
     _log_prefill_backend(device)
     table = []
-    for B, T, H in shapes:
-        shape = f"{B}x{T}x{H}"
+    for item in shapes:
+        if item.varlen:
+            logger.warning("fwd / fwd+bwd modes: varlen shape %s skipped (batched shapes only)", item.label)
+            continue
+        B, T, H = item.B, item.T, item.H
+        shape = item.label
         common = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
                       **_gate_kwargs(gate, H, device))
         for mode in [m for m in modes if m in ("fwd", "fwd+bwd")]:
@@ -153,16 +208,16 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, p
                         return o
                 outputs[name] = fn().detach()  # also compiles and autotunes before timing
                 fns[name] = fn
-            results = _interleaved_quantiles(fns)
+            results = _interleaved_quantiles(fns, rounds)
             for name, fn in fns.items():
-                rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name]))
+                rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name], gate=gate))
                 if profile:
-                    _record_kernel_times(fn, name, mode, shape, rows)
+                    _record_kernel_times(fn, name, mode, shape, gate, rows)
             torch.cuda.empty_cache()
             errors = {}
             for name in PREFILL_PROVIDERS[:2]:
                 errors[name] = rel_error(outputs[name], outputs["FLA"])
-                rows.append(row("chunk_kda", name, mode, shape, "rel_err_vs_fla", "1", (errors[name],) * 3))
+                rows.append(row("chunk_kda", name, mode, shape, "rel_err_vs_fla", "1", (errors[name],) * 3, gate=gate))
             fla_ms, own_ms, path_ms = (results[n][1] for n in ("FLA", "ours (own kernels)", "ours (FLA path)"))
             table.append([mode, shape, fla_ms, path_ms, own_ms, fla_ms / path_ms, fla_ms / own_ms,
                           f"{errors['ours (own kernels)']:.1e}"])
@@ -185,12 +240,12 @@ def _interleaved_quantiles(fns: dict, rounds: int = PREFILL_ROUNDS) -> dict:
     return {name: tuple(statistics.median(q) for q in zip(*values)) for name, values in samples.items()}
 
 
-def _record_kernel_times(fn, provider, mode, shape, rows) -> None:
+def _record_kernel_times(fn, provider, mode, shape, gate, rows) -> None:
     """Rows ``kernel_time: <kernel>`` (ms per call) for one provider, and the breakdown in the log."""
     kernels = kernel_times(fn)
     total = sum(ms for _, _, ms in kernels)
     for kernel, launches, ms in kernels:
-        rows.append(row("chunk_kda", provider, mode, shape, f"kernel_time: {kernel}", "ms", (ms, ms, ms)))
+        rows.append(row("chunk_kda", provider, mode, shape, f"kernel_time: {kernel}", "ms", (ms, ms, ms), gate=gate))
     share = 100 / total if total > 0 else 0.0  # (no kernel recorded: a profiler without CUDA activity)
     lines = [f"  {ms:8.3f} ms {share * ms:5.1f}%  x{launches:<3d} {kernel[:100]}" for kernel, launches, ms in kernels]
     logger.info("%s %s, %s: %.3f ms of kernels per call\n%s", mode, shape, provider, total, "\n".join(lines))
@@ -208,7 +263,7 @@ def _plot_prefill_speedup(table: list[list], path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        logger.warning("no prefill speedup PNG: matplotlib is not importable (%s); pip install matplotlib", exc)
+        logger.warning("no prefill speedup PNG: matplotlib is not importable (%s); pip install \"kda-compile[bench]\"", exc)
         return
     modes = [m for m in ("fwd", "fwd+bwd") if any(line[0] == m for line in table)]
     fig, axes = plt.subplots(len(modes), 1, figsize=(11, 3.6 * len(modes)), squeeze=False)
@@ -297,22 +352,25 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                 logger.info("decode %s, %s: host functions by own time\n%s", shape, name, host_profile(fn))
             one_call = cuda_graph_time(fn)
             gpu[name] = tuple(t / len(steps) for t in cuda_graph_time(fn_steps))
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", one_call))
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time_per_step", "ms", gpu[name]))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time", "ms", one_call, gate=gate))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "gpu_time_per_step", "ms", gpu[name],
+                            gate=gate))
             bandwidth[name] = tuple(state_bytes / (t * 1e-3) / 1e12 for t in reversed(gpu[name]))
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bandwidth[name]))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "state_bandwidth", "TB/s", bandwidth[name],
+                            gate=gate))
         host = _host_times_per_call(eager)
         for name, times in host.items():
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", times))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "host_time_per_call", "ms", times, gate=gate))
         for name in ("ours (triton_decode)", "ours (fla path)"):
             err = rel_error(outputs[name], outputs["fla"])  # final states: fp32, so differences are the kernels'
-            rows.append(row("fused_recurrent_kda", name, "decode", shape, "rel_err_vs_fla", "1", (err, err, err)))
+            rows.append(row("fused_recurrent_kda", name, "decode", shape, "rel_err_vs_fla", "1", (err, err, err),
+                            gate=gate))
             table.append([f"decode host/call: {name}", shape, host["fla"][1], host[name][1],
                           host["fla"][1] / host[name][1],
                           f"{err:.1e}; {1e3 * (host[name][1] - host['fla'][1]):+.1f} us per call"])
             bw_ours = bandwidth[name][1]
             rows.append(row("fused_recurrent_kda", name, "decode", shape, "fraction_of_copy_bandwidth", "1",
-                            tuple(b / copy_bw[1] for b in bandwidth[name])))
+                            tuple(b / copy_bw[1] for b in bandwidth[name]), gate=gate))
             table.append([f"decode GPU (graph, per step of {len(steps)}): {name}", shape, gpu["fla"][1],
                           gpu[name][1],
                           gpu["fla"][1] / gpu[name][1],
@@ -320,27 +378,44 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
 
 
 def run(args) -> list[dict]:
+    gates = resolve_gates(args)
     if not torch.cuda.is_available():
         raise SystemExit("the KDA benchmark needs a CUDA device")
     torch.manual_seed(0)
-    providers = _providers()
-    modes = args.modes.split(",")
-    shapes = args.shapes or (PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES)
-    batches = DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES
-    rows, table = [], []
+    modes = args.modes
+    rows = []
     env = environment()
 
     def checkpoint():
         write_csv([{**r, **env} for r in rows], args.csv)
 
-    prefill_table = _bench_prefill(args.gate, modes, shapes, "cuda", rows, checkpoint, profile=args.profile)
-    if prefill_table:
-        print(f"\nKDA prefill, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
-        print(format_table(PREFILL_HEADERS, prefill_table))
-        _plot_prefill_speedup(prefill_table, args.csv.with_name(args.csv.stem + "_prefill_speedup.png"))
-    if "decode" in modes:
-        _bench_decode(providers, args.gate, batches, "cuda", rows, table, profile=args.profile)
-    if table:  # decode rows (prefill modes alone leave it empty)
-        print(f"\nKDA, bf16, K = V = {K}, {args.gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
-        print(format_table(["mode", "B x T x H", "FLA", "kda_compile", "FLA / ours", "rel. err vs FLA"], table))
+    if "prefill" in modes:
+        shapes = args.shapes or kda_providers.issue_shapes()
+        shapes = shapes[:2] if args.quick else shapes
+        tables = kda_providers.bench_comparison(gates, shapes, "cuda", rows, rounds=args.rounds,
+                                                checkpoint=checkpoint, profile=args.profile)
+        for gate, lines in tables.items():
+            print(f"\nKDA prefill forward (inference), {gate} gate, bf16, K = V = {K}, in-kernel l2norm/gate/beta, "
+                  f"fp32 state [N, H, V, K] in and out; median ms over {args.rounds} rounds (wall: one call with its "
+                  "host time; kernels: summed GPU time per call)")
+            print(format_table(kda_providers.COMPARISON_HEADERS, lines))
+    legacy = [m for m in modes if m != "prefill"]
+    if not legacy:
+        return rows
+    providers = _providers()
+    shapes = args.shapes or (PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES)
+    batches = DECODE_BATCHES[:2] if args.quick else DECODE_BATCHES
+    for gate in gates:
+        prefill_table = _bench_prefill(gate, legacy, shapes, "cuda", rows, checkpoint, profile=args.profile,
+                                       rounds=args.rounds)
+        if prefill_table:
+            print(f"\nKDA prefill, bf16, K = V = {K}, {gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
+            print(format_table(PREFILL_HEADERS, prefill_table))
+            suffix = "" if len(gates) == 1 else f"_{gate}"
+            _plot_prefill_speedup(prefill_table, args.csv.with_name(f"{args.csv.stem}{suffix}_prefill_speedup.png"))
+        if "decode" in legacy:
+            table = []
+            _bench_decode(providers, gate, batches, "cuda", rows, table, profile=args.profile)
+            print(f"\nKDA, bf16, K = V = {K}, {gate} gate, in-kernel l2norm/gate/beta, fp32 state (median ms)")
+            print(format_table(["mode", "B x T x H", "FLA", "kda_compile", "FLA / ours", "rel. err vs FLA"], table))
     return rows

@@ -12,9 +12,9 @@ eager or SDPA attention function, each eager and under ``torch.compile``. Metric
 (``do_bench``, p20/p50/p80 ms); our GPU time replayed from a CUDA graph; latent bandwidth = latent
 bytes read (B * T * 576 * 2) / our graph time, and its fraction of the measured device-to-device copy
 bandwidth (a 1 GiB copy, bytes read + written), for the whole layer step and for the decode kernel alone
-(its split merge included, the absorption matmuls not: the issue's bandwidth target is the kernel's);
+(its split merge included, the absorption matmuls not: the bandwidth target is the kernel's);
 the speedup over the faster compiled HF path; our
-relative error against HF's eager output. The issue's target: at batch 64 and cache 4k, >= 70% of
+relative error against HF's eager output. The target: at batch 64 and cache 4k, >= 70% of
 copy bandwidth and >= 10x faster than HF's compiled expansion.
 
 Extra modes: ``crossover`` times the two forms, forced, against query length (calibrates

@@ -48,8 +48,16 @@ Multi-head latent attention (``kda_compile.ops.mla_attention``): ``mla_inputs`` 
 Face's DeepSeek / Kimi attention makes it (decode, a chunk against a cache or prefill; masks including
 left padding; HF's strided layouts); building blocks ``mla_cases`` / ``MLACase`` and ``make_mla_args``.
 
-Needs ``hypothesis`` (``pip install kda-compile[test]``).
+Needs ``hypothesis``: ``pip install "kda-compile[testing]"``.
 """
+try:
+    import hypothesis  # noqa: F401  (every strategy module needs it: fail here, with the fix in the message)
+except ImportError as exc:
+    raise ImportError(
+        'kda_compile.testing needs hypothesis, which is not installed: pip install "kda-compile[testing]"',
+        name="hypothesis",
+    ) from exc
+
 from kda_compile.testing.assertions import assert_rel_close, rel_error
 from kda_compile.testing.attention_strategies import (
     MASK_KINDS,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -82,7 +82,8 @@ def _mask(case: AttentionCase, dtype, device, gen) -> torch.Tensor:
     return m.to(dtype)
 
 
-def make_attention_args(case: AttentionCase, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
+def make_attention_args(case: AttentionCase, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu", seed: int = 0,
                         requires_grad: bool = False) -> AttentionArgs:
     """The tensors of one call for ``case``: standard normal q, k, v (drawn in float64, then cast), the
     mask and sinks it asks for; with ``requires_grad`` every floating input is a leaf needing grad."""
@@ -169,8 +170,8 @@ def attention_cases(
 
 
 @st.composite
-def attention_inputs(draw, *, dtypes: Sequence[torch.dtype] = (torch.float32,), device="cpu",
-                     requires_grad: bool = False, **case_bounds) -> AttentionArgs:
+def attention_inputs(draw, *, dtypes: Sequence[torch.dtype] = (torch.float32,), device: str | torch.device = "cpu",
+                     requires_grad: bool = False, **case_bounds: Any) -> AttentionArgs:
     """Draw a case (``case_bounds``: the arguments of :func:`attention_cases`), a dtype and a seed, and
     build the call's arguments with :func:`make_attention_args`."""
     return draw_call(draw, attention_cases(**case_bounds), make_attention_args, dtypes, device, requires_grad)

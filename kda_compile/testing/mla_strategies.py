@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from hypothesis import strategies as st
@@ -92,7 +92,7 @@ def _mask(case: MLACase, dtype, gen) -> torch.Tensor | None:
     return (torch.randn(shape, generator=gen) * 0.5).to(dtype)
 
 
-def make_mla_args(case: MLACase, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0,
+def make_mla_args(case: MLACase, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
                   requires_grad: bool = False) -> MLAArgs:
     """The tensors of one call for ``case`` (drawn on CPU from ``seed``, then moved): standard normal
     queries and caches, kv_b_proj's weight scaled by ``r ** -0.5``; with ``requires_grad`` the five
@@ -180,8 +180,8 @@ def mla_cases(
 
 
 @st.composite
-def mla_inputs(draw, *, dtypes: Sequence[torch.dtype] = (torch.float32,), device="cpu",
-               requires_grad: bool = False, **case_bounds) -> MLAArgs:
+def mla_inputs(draw, *, dtypes: Sequence[torch.dtype] = (torch.float32,), device: str | torch.device = "cpu",
+               requires_grad: bool = False, **case_bounds: Any) -> MLAArgs:
     """Draw a case (``case_bounds``: the arguments of :func:`mla_cases`), a dtype and a seed, and build
     the call's arguments with :func:`make_mla_args`."""
     return draw_call(draw, mla_cases(**case_bounds), make_mla_args, dtypes, device, requires_grad)

@@ -16,8 +16,19 @@ from kda_compile.ops.attention import custom_ops  # noqa: F401  (registers torch
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def attention(query, key, value, *, attn_mask=None, is_causal=False, scale=None, softcap=None, sinks=None,
-              dropout_p=0.0, sliding_window=None):
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Softmax attention, fused: no [Sq, Sk] score matrix on CUDA.
 
     Args:
@@ -48,8 +59,19 @@ def attention(query, key, value, *, attn_mask=None, is_causal=False, scale=None,
     return out
 
 
-def attention_with_lse(query, key, value, *, attn_mask=None, is_causal=False, scale=None, softcap=None, sinks=None,
-                       dropout_p=0.0, sliding_window=None):
+def attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    sliding_window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``attention`` that also returns the log-sum-exp of each row.
 
     Returns:

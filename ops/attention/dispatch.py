@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -33,7 +34,7 @@ _FAST_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @contextlib.contextmanager
-def attention_backend(name: str):
+def attention_backend(name: str) -> Iterator[None]:
     """Force the implementation of the attention ops inside the block ("auto" restores the default)."""
     if name not in IMPLEMENTATIONS:
         raise arg_error("name", repr(name), f"one of {IMPLEMENTATIONS}")
@@ -128,8 +129,20 @@ def _grad_reason(mask_needs_grad: bool, lse_grad: bool) -> str | None:
     return None
 
 
-def explain_dispatch(query, key, value, *, attn_mask=None, is_causal=False, softcap=None, dropout_p=0.0,
-                     sliding_window=None, backward=False, mask_needs_grad=False, lse_grad=False):
+def explain_dispatch(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    sliding_window: int | None = None,
+    backward: bool = False,
+    mask_needs_grad: bool = False,
+    lse_grad: bool = False,
+) -> tuple[str, str | None]:
     """(implementation, reason) that would serve this call on its device, without running it.
 
     ``implementation`` is one of "cudnn", "flash", "efficient", "triton", "reference"; ``reason``

@@ -7,7 +7,7 @@ the matching backward kernel. Which backend serves which case, and why:
 
 | case                                   | backend      | why |
 |----------------------------------------|--------------|-----|
-| no mask, causal with Sq == Sk or none  | cuDNN        | fastest on sm90 (anchors.md: 0.26 ms vs flash 0.51 ms, d 128, T 4096); takes d_qk 192 / d_v 128 |
+| no mask, causal with Sq == Sk or none  | cuDNN        | fastest on sm90 (H100: 0.26 ms vs flash 0.51 ms, d 128, T 4096); takes d_qk 192 / d_v 128 |
 | float/bool mask, forward               | cuDNN        | same; masks become an additive bias (bool -> -65504 like torch's own cuDNN path) |
 | mask, backward pass                    | efficient    | cuDNN's backward returns NaN dQ with a bias tensor on sm90 (pytorch#196678) |
 | causal with Sq != Sk, sliding window   | flash        | flash is bottom-right aligned and has a window; cuDNN's causal here is top-left |

@@ -2,11 +2,14 @@
 ``fused_recurrent_kda`` (fla-core 0.6 signatures), traceable by torch.compile with no graph break."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kda_compile.ops._common import record_fallback
 from kda_compile.ops.kda import custom_ops
-from kda_compile.ops.kda.validation import reject_unsupported_kwargs, validate_kda_arguments
+from kda_compile.ops.kda.validation import (check_free_values, check_input_values, reject_unsupported_kwargs,
+                                            validate_kda_arguments)
 
 # FLA options accepted only at their default value.
 _CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "cp_context": None, "use_graph": False,
@@ -37,7 +40,8 @@ def chunk_kda(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
-    **kwargs,
+    check_inputs: bool = False,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention over whole sequences (prefill and training), chunked.
 
@@ -73,21 +77,41 @@ def chunk_kda(
             cumsum is kept too, 1.8 KB without, against 0.75 KB of FLA's default residuals). Honoured on
             FLA's kernels; with ``cu_seqlens`` (the number of saved states depends on the sequence lengths)
             and on the reference math it is ignored, the former with a logged reason.
-        cu_seqlens_cpu: accepted for compatibility; a performance hint with no effect here.
+        cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (optional): CPU, int32/int64, as many offsets as
+            ``cu_seqlens``; its values are checked (eager calls), and compared with ``cu_seqlens`` where that
+            needs no device synchronisation (both on the host) or ``check_inputs`` asks for it.
+        check_inputs: run the full value checks for this call (eager only; under torch.compile set
+            ``KDA_COMPILE_CHECK_INPUTS=1``, which the op reads when it runs): see "Input checks" below.
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state`` or None.
+
+    Input checks (docs/kda-input-checks.md): every argument's type, shape, dtype, device and every Python
+    scalar is checked on every call, free (never a tensor value, so no GPU synchronisation; under
+    torch.compile these checks become guards). Errors are ``ValueError`` / ``TypeError`` naming the argument,
+    its value and what is accepted; under ``torch.compile(fullgraph=True)`` the compiled function raises the
+    same error when it runs (not Dynamo's "Observed exception"). Rules beyond the shapes: q, k and v share
+    one floating dtype (g and beta may differ); H, K, HV, V >= 1 (T = 0, B = 0 and empty sequences are
+    fine); ``scale`` finite and > 0; ``A_log`` / ``dt_bias`` only with ``use_gate_in_kernel``.
+    Tensor VALUES are checked where reading them costs no device synchronisation: ``cu_seqlens`` on the CPU
+    or on the reference path (which reads the lengths anyway), and ``cu_seqlens_cpu`` (eager): offsets from
+    0 to T, non-decreasing. Everywhere else (CUDA kernels) only with ``check_inputs=True`` or
+    ``KDA_COMPILE_CHECK_INPUTS=1``, which also require a finished gate ``g <= 0``. Bad offsets on an unchecked
+    CUDA call are undefined behaviour (out-of-range reads). NaN / Inf in q, k, v, g or beta are data, not
+    errors: they stay within their own sequence (packed or batched); inside it they may reach every token
+    of their chunk (``chunk_size`` tokens from the sequence start) and everything after it, never a token
+    of an earlier chunk. ``g = -inf`` (or any very negative gate) is an exact reset of the state.
 
     Differentiable w.r.t. q, k, v, g, beta, initial_state, A_log and dt_bias. On CUDA the work runs in
     FLA's kernels when fla-core 0.6 is installed, otherwise in our Triton prefill forward (backward by the
     reference math); on CPU in the reference math. Which backend serves a call, and why a faster one
     could not, is logged once and shown by the rewrite report (``kda_compile.ops.kda.backends``).
     """
-    reject_unsupported_kwargs("chunk_kda", {"return_intermediate_states": return_intermediate_states, **kwargs},
-                              _CHUNK_ONLY_DEFAULTS)
+    unsupported = {"return_intermediate_states": return_intermediate_states, **kwargs}
     return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                 state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, recurrent=False,
-                disable_recompute=bool(disable_recompute))
+                disable_recompute=bool(disable_recompute), cu_seqlens_cpu=cu_seqlens_cpu, check_inputs=check_inputs,
+                unsupported=("chunk_kda", unsupported, _CHUNK_ONLY_DEFAULTS))
 
 
 def fused_recurrent_kda(
@@ -108,19 +132,21 @@ def fused_recurrent_kda(
     lower_bound: float | None = None,
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    **kwargs,
+    *,
+    check_inputs: bool = False,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r"""Kimi Delta Attention token by token, for decode (small T). Same math and arguments as
+    r"""Kimi Delta Attention token by token, for decode (small T). Same math, arguments and input checks as
     :func:`chunk_kda` (note FLA's order: ``A_log`` and ``dt_bias`` come before ``scale``).
 
     Inference runs our fused Triton decode step on CUDA (FLA's kernel, then the reference, for what it
     cannot serve; the reference on CPU). When gradients are needed (grad mode on and an input requires
     grad), the call takes the differentiable chunked op instead: same result, with a backward.
     """
-    reject_unsupported_kwargs("fused_recurrent_kda", kwargs, {})
     return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
-                state_v_first, cu_seqlens, A_log, dt_bias, 64, recurrent=True)
+                state_v_first, cu_seqlens, A_log, dt_bias, 64, recurrent=True, check_inputs=check_inputs,
+                unsupported=("fused_recurrent_kda", kwargs, {}))
 
 
 def dispatcher_needed() -> bool:
@@ -134,13 +160,33 @@ def dispatcher_needed() -> bool:
 
 def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
-         dt_bias, chunk_size, *, recurrent: bool, disable_recompute: bool = False):
-    validate_kda_arguments(
-        q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
-        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
-        state_v_first=state_v_first, scale=scale, chunk_size=chunk_size,
-    )
+         dt_bias, chunk_size, *, recurrent: bool, disable_recompute: bool = False, cu_seqlens_cpu=None,
+         check_inputs: bool = False, unsupported=None):
+    compiling = torch.compiler.is_compiling()
+    try:
+        if unsupported is not None:
+            reject_unsupported_kwargs(*unsupported)
+        validate_kda_arguments(
+            q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+            state_v_first=state_v_first, scale=scale, chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu,
+        )
+        if check_inputs is not False and check_inputs is not True:
+            raise TypeError(f"check_inputs must be a bool, got {type(check_inputs).__name__}")
+        if check_inputs and compiling:
+            raise ValueError("check_inputs must be False under torch.compile (its checks read tensor values, "
+                             "which tracing cannot), got True; set KDA_COMPILE_CHECK_INPUTS=1 instead: the "
+                             "compiled op then checks every call when it runs")
+    except (ValueError, TypeError) as error:
+        if not compiling:
+            raise
+        return _deferred_error(error, q, v, cu_seqlens, output_final_state, state_v_first)
+    if not compiling:  # value checks that need no device synchronisation (host tensors); eager only
+        check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if check_inputs:
+            check_input_values(q, g, cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel,
+                               cu_seqlens_cpu=cu_seqlens_cpu)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if not use_gate_in_kernel:  # A_log / dt_bias only feed the in-kernel gate
@@ -168,3 +214,19 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     if not output_final_state:
         return o, None
     return o, (final.transpose(-1, -2) if state_v_first else final)
+
+
+def _deferred_error(error, q, v, cu_seqlens, output_final_state, state_v_first):
+    """While Dynamo traces: ``custom_ops.argument_error`` in place of the KDA op, which raises ``error`` (same
+    type and message) when the compiled function runs; its placeholder outputs have the shapes the call's
+    outputs would have had where they are known."""
+    tensor = lambda x, ndim: isinstance(x, torch.Tensor) and x.dim() == ndim  # noqa: E731
+    like = q if isinstance(q, torch.Tensor) else torch.empty(0)
+    o_shape, state_shape = [0], [0]
+    if tensor(q, 4) and tensor(v, 4):
+        o_shape = [q.shape[0], q.shape[1], v.shape[2], v.shape[3]]
+        N = cu_seqlens.shape[0] - 1 if tensor(cu_seqlens, 1) and cu_seqlens.shape[0] > 0 else q.shape[0]
+        K, V = (v.shape[3], q.shape[3]) if state_v_first else (q.shape[3], v.shape[3])
+        state_shape = [N, v.shape[2], K, V]
+    o, final = custom_ops.argument_error(like.detach(), isinstance(error, TypeError), str(error), o_shape, state_shape)
+    return o, (final if output_final_state else None)

@@ -29,9 +29,9 @@ The chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u`` ``[64, BV]``, ``A_qk`` ``[
 CTA of ``BV / 16`` warps per (value block, head, sequence): grid ``(128 / BV, HV, N)``, BV = 64 or 32 (more
 CTAs, for few heads).
 
-Measured (H100, session 18; ``kda_compile/bench/results/README.md``): a chunk step takes 1.86 us with BV = 64 and
-1.68 us with BV = 32 at 1 x 32768 x 32, against 2.4 us for the session-17 kernel, whose warps split the state by
-rows and passed ``S`` and ``v_new`` through shared memory (ncu: 1700 instructions a warp a step, a third of them
+Measured (H100, 2026-11-23; ``docs/kda-kernels.md`` section 5): a chunk step takes 1.86 us with BV = 64 and
+1.68 us with BV = 32 at 1 x 32768 x 32, against 2.4 us for the kernel's first design, whose warps split the state
+by rows and passed ``S`` and ``v_new`` through shared memory (ncu: 1700 instructions a warp a step, a third of them
 register moves and address arithmetic; now about 880). What is left is latency with one warp per scheduler
 (ncu: 3.9 cycles per issued instruction, mostly fixed-latency and shared-memory waits).
 """

@@ -2,7 +2,7 @@
 
 Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fake and backward), and
 PREFERRED over it for the lower-bound gate with ``lower_bound >= -BOUNDED_GATE_LIMIT`` (``preferred_reason``).
-On an H100 (session 12, 2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta; ``bench/results``) our
+On an H100 (2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta; ``docs/kda-kernels.md``) our
 forward runs 1.19-1.60x FLA's over seven benchmark shapes with the softplus gate, but its cost depends on
 the data: with strong decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g.
 Mamba-style ``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the prepare kernel adds its exact-diagonal

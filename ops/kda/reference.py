@@ -1,7 +1,7 @@
 """Reference KDA math in plain torch: runs on any device, differentiable, fp32 accumulation.
 
 This is what the ops run on CPU, what CUDA falls back to without fast kernels, and what the
-reference backward differentiates. It follows ../shared/docs/kda.md:
+reference backward differentiates. It follows docs/kda.md:
 
 - the in-kernel options (section 2): L2 norm with the eps inside the sqrt, the softplus and the
   lower-bound gate, the beta sigmoid;
@@ -10,13 +10,23 @@ reference backward differentiates. It follows ../shared/docs/kda.md:
 - packed variable-length sequences (``cu_seqlens``) by padding to ``[N, T_max]``: a padded token has
   gate 0 and beta 0, which leaves the state untouched, so final states stay exact.
 
-``exp(G_i - G_j)`` is only ever formed for ``j <= i`` (masked to ``-inf`` before ``exp``): for
-``j > i`` the difference is positive and would overflow.
+Decays between tokens, ``exp(sum of g over (j, i])``, are summed from the gates of that span only
+(``_span_decays``), never as a difference ``G_i - G_j`` of cumulative sums: that difference cancels
+(after a gate of -1e4 both sums are about -1e4 and fp32 keeps ~1e-3 of the difference) and turns a
+``-inf`` gate (an exact reset of the state) into ``-inf - (-inf) = NaN``. Spans with ``j > i`` are masked
+to ``-inf`` before ``exp`` (their sum is positive and would overflow). Exponentials of the cumulative sum
+from the chunk start (``exp(G_i)``, which may be ``exp(-inf) = 0``) lose nothing that matters: their
+absolute error ``exp(G) |G| eps`` is at most ``eps / e``.
+
+Packed sequences are read to the host once (``cu_seqlens.tolist()``, as the padding needs the longest
+length) and their offsets checked there, for free: a call on this path never computes on bad offsets.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kda_compile.ops.kda.validation import check_cu_seqlens_values
 
 L2NORM_EPS = 1e-6
 
@@ -112,9 +122,8 @@ def chunk_kda_core(
     outputs = []
     for n in range(NC):
         qn, kn, vn, bn = qc[:, :, n], kc[:, :, n], vc[:, :, n], bc[:, :, n]
-        G = gc[:, :, n].cumsum(-2)  # [B, HV, C, K]
-        diff = G[..., :, None, :] - G[..., None, :, :]  # [B, HV, C(i), C(j), K]
-        decay = diff.masked_fill(~causal[:, :, None], float("-inf")).exp()
+        G = gc[:, :, n].cumsum(-2)  # [B, HV, C, K]: decay from the chunk start, exp(G) only
+        decay = _span_decays(gc[:, :, n], strict, causal)  # [B, HV, C(i), C(j), K]
         A_qk = torch.einsum("bhid,bhjd,bhijd->bhij", qn, kn, decay)
         A_kk = torch.einsum("bhid,bhjd,bhijd->bhij", kn, kn, decay)
         A_kk = (A_kk * bn[..., :, None]).masked_fill(~strict, 0.0)
@@ -125,13 +134,23 @@ def chunk_kda_core(
         v_new = u - w @ state
         outputs.append((qn * G.exp()) @ state + A_qk @ v_new)
         G_last = G[..., -1:, :]  # [B, HV, 1, K]
-        state = G_last.transpose(-1, -2).exp() * state + (kn * (G_last - G).exp()).transpose(-1, -2) @ v_new
+        to_last = decay[..., -1, :, :]  # exp(sum of g over (j, C - 1]) [B, HV, C(j), K]
+        state = G_last.transpose(-1, -2).exp() * state + (kn * to_last).transpose(-1, -2) @ v_new
 
     if NC == 0:
         o = v.new_zeros(B, HV, 0, V)
     else:
         o = torch.stack(outputs, dim=2).reshape(B, HV, NC * C, V)[:, :, :T]
     return o.transpose(1, 2), state
+
+
+def _span_decays(g: torch.Tensor, strict: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+    """``exp(sum_{j < t <= i} g_t)`` for ``j <= i``, 0 above the diagonal: ``[..., C(i), C(j), K]`` from the
+    chunk's gates ``g`` ``[..., C, K]``. Column j is a cumulative sum that starts after token j, so no
+    sum carries the gates before j (exact for any gate down to -inf; no cancellation)."""
+    steps = torch.where(strict[:, :, None], g[..., :, None, :], torch.zeros((), dtype=g.dtype, device=g.device))
+    spans = steps.cumsum(-3)  # along i
+    return spans.masked_fill(~causal[:, :, None], float("-inf")).exp()
 
 
 def _pad_varlen(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, t_max: int) -> torch.Tensor:
@@ -183,16 +202,18 @@ def kda_reference(
         o, final = chunk_kda_core(qf, kf, vf, gf, bf, scale, state, chunk_size)
         return o.to(q.dtype), final
 
+    offsets = cu_seqlens.tolist()  # the one host read of this path (the padding needs the longest length)
+    check_cu_seqlens_values(offsets, T)
     starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
     lengths = ends - starts
     N = lengths.numel()
-    t_max = int(lengths.max()) if N > 0 else 0
+    t_max = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)
     padded = [_pad_varlen(x, starts, lengths, t_max) for x in (qf, kf, vf, gf, bf)]
     state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(N, HV, K, V)
     o_pad, final = chunk_kda_core(*padded, scale, state, chunk_size)  # [N, t_max, HV, V]
     steps = torch.arange(t_max, device=q.device)
     valid = steps[None, :] < lengths[:, None]
     positions = (starts[:, None] + steps[None, :])[valid]
-    # Scatter back by position: tokens outside every sequence (if cu_seqlens does not cover T) stay 0.
+    # Scatter back by position (the checked offsets cover every token exactly once).
     o = o_pad.new_zeros(T, HV, V).index_put((positions,), o_pad[valid])
     return o.unsqueeze(0).to(q.dtype), final

@@ -44,13 +44,13 @@ CHUNK = 64  # BT: fixed by the prepare kernel (four 16-row sub-blocks)
 MAX_HEAD_DIM = 256
 SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
 # Programs of the scan / summary kernel counted per SM by the segment cost model: an effective value fitted to
-# measured segment sweeps (H100, bf16, K = V = 128; kda_compile/bench/results/README.md, session 17), not an
+# measured segment sweeps (H100, 2026-11-23, bf16, K = V = 128; docs/kda-kernels.md section 3), not an
 # occupancy count (offline sm_90 compiles give one resident program of 8 warps, but the model with 1 picked P = 3
 # at 1 x 65536 x 16, 3.33 ms, where P = 8 takes 3.17 ms).
 SCAN_RESIDENT = 2
 # One chunk step of the CUDA scan (cuda_scan_source.py, one CTA per SM) in the cost model's units, per value
 # columns a CTA (cuda_scan.block_v_for): 1.68 / 1.86 us against about 6 us per unit for the Triton scan and
-# summaries (H100, session 18).
+# summaries (H100, 2026-11-23).
 CUDA_STEP_COST = {32: 0.28, 64: 0.31}
 MAX_SEGMENTS = 16
 MIN_SEGMENT_CHUNKS = 8  # shorter segments are not worth their summaries
@@ -86,7 +86,7 @@ def _scan_configs(configs, named_args, **kwargs):
     - bf16 products with a state block of <= 32 columns and ``num_stages=1`` are miscompiled by Triton
       3.6 on sm_90: measured on an H100, wrong outputs (relative error ~1) or an illegal memory access
       for BK = 64 at 4 warps and BK = 128 at 8 warps, while 2 stages and BV = 64 are right everywhere
-      (kda_compile/bench/results/kda_scan_bf16_configs*). Those configurations are never used.
+      (docs/kda-kernels.md section 3). Those configurations are never used.
     - bf16 with BK <= 128: 8 warps with 2 stages leads (0.45 ms against 0.53 ms with one stage,
       T = 8192, 32 heads, K = V = 128, H100).
     - BK = 256 needs one stage (two exceed the 227 KiB of shared memory).
@@ -107,7 +107,7 @@ def _tuned(kernel_name: str):
     tests/conftest.py makes every autotuner run only the first config during tests, so each list
     starts with a safe default."""
     # The prepare kernel (offline sm_90 compiles with ptxas, all 4 warps): 16-channel K slices lay each
-    # 16-row block inside one warp (kda_compile/bench/results/README.md, session 12) and spill at most
+    # 16-row block inside one warp (docs/kda-kernels.md section 2.1) and spill at most
     # 56 B over every dtype, K <= 256, pass-2 slice and flag combination, so they lead; pass 2 in 64- or
     # 128-column slices; 32-channel slices with one stage as the third. Which is fastest is for the GPU to
     # say (autotuned).

@@ -21,8 +21,8 @@ Work is on whole tiles: the chunk is held as ``[NB = 4, BC = 16, BKC]`` (16-row 
 so per-block quantities (block sums, anchors) broadcast along the middle axis. Tiles are loaded and
 stored as 2-D ``[64, BKC]`` and reshaped (``_load_tile``): with ``BKC = 16`` Triton then puts each block
 in one warp, lanes along its rows, so the block scans and sums are shuffles; the block sums are
-exchanged between warps once per slice (``_block_gates``). On an H100 this layout made the kernel 1.35x
-faster, 2.8x with strong decays (``bench/results/README.md``, session 12). The ``A`` matrices
+exchanged between warps once per slice (``_block_gates``). On an H100 this layout made the kernel 1.33-1.34x
+faster, 2.5x with strong decays (2026-11-22; ``docs/kda-kernels.md`` section 2.1). The ``A`` matrices
 are built as four column stripes ``[64, 16]`` (key block s), each from two ``[64, BKC] x [BKC, 16]``
 tensor-core products per K slice (TF32, ``A_PRECISION``). Pass 1 (per K slice) reads q, k, g once;
 pass 2 reads v and the ``beta 2^G k`` it left in ``W``.
@@ -48,7 +48,7 @@ Numerics (g <= 0, so G decreases along the chunk):
   (``_exact_diagonal``: slow, in a second pass over K that runs only when some slice needs it and
   reloads its inputs). Launches that cannot need it (``exact_diagonal_needed``: the lower-bound gate
   with ``lower_bound >= -MAX_BOUNDED_DECAY``) compile without it (``EXACT_DIAGONAL``): its code alone cost
-  6-8% of the kernel's time on an H100 (register allocation around it; session 13).
+  6-8% of the kernel's time on an H100 (register allocation around it; docs/kda-kernels.md section 2.3).
 - Gates are floored at ``GATE_FLOOR`` (log2 units): any span containing such a step decays by less
   than 2^-150, which is 0 in fp32 either way; the floor keeps ``-inf`` gates from producing NaN.
 - The triangular inverse: forward substitution on the four 16 x 16 diagonal blocks at once (fp32),
@@ -426,8 +426,8 @@ def kda_prepare_kernel(
 
     # ---- the L2 norms, in a pass of their own when K spans several slices ---------------------------
     # 64-channel tiles in an unrolled loop: every load is issued before the first sum waits (a loop of
-    # dependent BKC-wide iterations left each load's latency exposed: 11% of the kernel's stall samples
-    # on an H100, session 13).
+    # dependent BKC-wide iterations left each load's latency exposed: 12% of the kernel's stall samples
+    # on an H100, 2026-11-22; docs/kda-kernels.md section 2.2).
     q_scale3 = tl.zeros([NB, BC, 1], dtype=tl.float32) + scale
     k_scale3 = tl.zeros([NB, BC, 1], dtype=tl.float32) + 1.0
     if L2NORM and K > BKC:

@@ -20,7 +20,7 @@ Every program of a head recomputes the prologue over the full K (cheap: K loads 
 V-split costs no extra state traffic: each state element is still read once and written once. A
 token's q / k / g / beta / v loads are all issued before its prologue math: loaded one at a time
 between the L2-norm reductions, their round trips queued behind each other (batch 64 on an H100:
-101.7 us, 88% of the copy bandwidth, before this order; kda_compile/bench/results/README.md).
+101.7 us, 88% of the copy bandwidth, before this order; docs/kda-kernels.md section 8).
 Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` are autotuned per (K, V, grid size
 class, dtypes); a small grid (batch 1) favours a small ``BV`` to spread the state over more SMs.
 Under the interpreter one fixed config runs (it cannot benchmark).

@@ -18,8 +18,18 @@ from kda_compile.ops.mla.path_choice import PATHS, PathCost, choose_path, estima
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def mla_attention(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, *, scale, attn_mask=None, is_causal=False,
-                  path="auto"):
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    *,
+    scale: float,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    path: str = "auto",
+) -> torch.Tensor:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Kimi-Linear) from the latent KV cache.
 
     Computes exactly what Hugging Face's ``expand_kv`` + attention compute (docs/mla.md §2), without
@@ -58,7 +68,16 @@ def mla_attention(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, *, scale, attn
                                                    scale, is_causal, path)
 
 
-def explain_mla_path(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, *, is_causal=False, path="auto"):
+def explain_mla_path(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    *,
+    is_causal: bool = False,
+    path: str = "auto",
+) -> tuple[str, str, PathCost]:
     """(form, reason, cost): the form ("absorbed" or "expanded") ``mla_attention`` would take for
     these inputs, why, and the :class:`PathCost` estimate behind an "auto" choice."""
     q_nope, q_rope, kv_latent, k_rope, kv_b_weight, _ = _check_arguments(

@@ -19,9 +19,9 @@ below about 170 queries, a fresh causal prompt below about 190 tokens (with the 
 the crossover does not depend on H or B, which scale both forms alike).
 
 Time estimate: ``flops / (PEAK_FLOPS * efficiency) + bytes / BANDWIDTH``; the rule takes the
-smaller. Constants are an H100's (docs/anchors.md); only their ratios matter. The efficiencies are
-what each kernel reaches when compute-bound: cuDNN/flash MHA ~0.55 (anchors: 532 TFLOP/s at
-192/128), cuBLAS matmuls ~0.75, our Triton absorbed kernel ~0.35 (d_qk 576 tiles); recalibrate
+smaller. Constants are an H100's (docs/mla.md §4); only their ratios matter. The efficiencies are
+what each kernel reaches when compute-bound: cuDNN/flash MHA ~0.55 (532 TFLOP/s measured at
+192/128, docs/mla.md §6), cuBLAS matmuls ~0.75, our Triton absorbed kernel ~0.35 (d_qk 576 tiles); recalibrate
 them with ``python -m kda_compile.bench mla --modes crossover`` on the GPU.
 """
 from __future__ import annotations

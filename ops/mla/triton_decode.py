@@ -200,7 +200,7 @@ def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeCo
     128 heads). The [64, R] fp32 accumulator is 128 registers per thread over 8 warps; the 64-row
     fp16/bf16 query (64 KB) plus two 64 KB latent stages fit an H100's shared memory, fp32 ones do
     not (32 rows there). BLOCK_N makes one latent tile ~64 KB. Stages and split counts follow the
-    H200 sweep of ``python -m kda_compile.bench mla --modes configs`` (results/README.md).
+    H200 sweep of ``python -m kda_compile.bench mla --modes configs`` (docs/mla-decode-kernels.md section 2).
     """
     if interpreted():
         return INTERPRET_CONFIG

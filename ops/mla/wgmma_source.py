@@ -2,7 +2,7 @@
 
 Source text only (compiled at run time by NVRTC, see ``kda_compile.ops._nvrtc``); the launcher is
 ``wgmma_decode.py``. Triton 3.6 cannot express this schedule for 64 heads x (512 + 64) channels (see
-results/README.md, "MLA decode kernel variants"). Here:
+docs/mla-decode-kernels.md section 2). Here:
 
 - A program (384 threads, three warpgroups) owns 64 rows of the flattened (query, head) axis of one
   batch element and one KV split; grid (row blocks, splits, B), row block fastest, so the programs

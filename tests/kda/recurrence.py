@@ -1,6 +1,6 @@
 """The fp64 token-by-token KDA recurrence the tests trust, and the harness comparing an op with it.
 
-Written from /work/shared/docs/kda.md section 1, independently of the ops under test:
+Written from docs/kda.md section 1, independently of the ops under test:
 
     S'  = diag(exp(g_t)) S
     u   = beta_t * (v_t - S'^T k_t)

@@ -108,3 +108,150 @@ def test_gate_parameters(op):
 def test_non_tensor_input(op):
     a = _args()
     _expect_error(op, dict(a, q=a["q"].tolist()), "q", "list")
+
+
+# ------------------------------------------------------------------------------------------------
+# No silent garbage from bad arguments
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+@pytest.mark.parametrize("name, dim, letter", [("q", 3, "K"), ("q", 2, "H"), ("v", 3, "V"), ("v", 2, "HV")])
+def test_zero_sized_head_dims(op, name, dim, letter):
+    a = _args(shape=KDAShape(1, 8, 1, 1, 16, 8))
+    cut = {"q": ("q", "k") + (("g",) if dim == 3 else ()), "v": ("v",) + (("g", "beta") if dim == 2 else ())}[name]
+    if name == "q" and dim == 2:
+        cut = ("q", "k")
+    bad = dict(a)
+    for n in cut:
+        bad[n] = a[n].narrow(dim, 0, 0)
+    _expect_error(op, bad, name, f"{letter} >= 1")
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_empty_batch_and_tokens_are_fine(op):
+    for shape in (KDAShape(0, 8, 1, 1, 16, 8), KDAShape(2, 0, 1, 1, 16, 8)):
+        o, state = op(**_args(shape=shape, initial_state=True))
+        assert o.shape == (shape.batch, shape.seq_len, 1, 8) and state.shape == (shape.batch, 1, 16, 8)
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_mixed_qkv_dtypes(op, name):
+    a = _args()
+    _expect_error(op, dict(a, **{name: a[name].to(torch.bfloat16)}), name, "q's dtype", "bfloat16", kinds=TypeError)
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_gate_and_beta_may_have_their_own_dtype(op):
+    a = _args()
+    o, _ = op(**dict(a, g=a["g"].double(), beta=a["beta"].half()))
+    assert torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+@pytest.mark.parametrize("name", ["A_log", "dt_bias"])
+def test_gate_parameters_without_in_kernel_gate(op, name):
+    a = _args(gate_form="softplus")
+    bad = dict(a, use_gate_in_kernel=False, **{"A_log": None, "dt_bias": None})
+    bad[name] = a[name]
+    _expect_error(op, bad, name, "use_gate_in_kernel")
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -0.5])
+def test_scale_finite_and_positive(op, scale):
+    _expect_error(op, dict(_args(), scale=scale), "scale", str(scale))
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+@pytest.mark.parametrize("offsets, fragment", [
+    ([0, 3, 7], "ending at T=10"), ([2, 5, 10], "starting at 0"), ([0, 6, 3, 10], "non-decreasing"),
+    ([0, -3, 10], "non-decreasing"), ([0], "ending at T=10"), ([0, 3, 12], "ending at T=10"),
+])
+def test_cu_seqlens_values(op, offsets, fragment):
+    a = _args(shape=KDAShape(1, 10, 1, 1, 16, 8))
+    _expect_error(op, dict(a, cu_seqlens=torch.tensor(offsets)), "cu_seqlens", str(offsets), fragment)
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_empty_sequences_are_fine(op):
+    a = _args(shape=KDAShape(1, 10, 1, 1, 16, 8), cu_seqlens=[0, 0, 4, 4, 10], initial_state=True)
+    o, state = op(**a)
+    assert torch.equal(state[0], a["initial_state"][0]) and torch.equal(state[2], a["initial_state"][2])
+
+
+def test_cu_seqlens_cpu():
+    a = _args(shape=KDAShape(1, 10, 1, 1, 16, 8), cu_seqlens=[0, 4, 10])
+    chunk_kda(**a, cu_seqlens_cpu=torch.tensor([0, 4, 10]))  # a matching host copy is fine
+    _expect_error(chunk_kda, dict(a, cu_seqlens_cpu=torch.tensor([0, 5, 10])), "cu_seqlens_cpu", "[0, 5, 10]",
+                  "equal to cu_seqlens [0, 4, 10]")
+    _expect_error(chunk_kda, dict(a, cu_seqlens_cpu=torch.tensor([0, 10])), "cu_seqlens_cpu", "3 offsets")
+    _expect_error(chunk_kda, dict(a, cu_seqlens=None, cu_seqlens_cpu=torch.tensor([0, 10])), "cu_seqlens_cpu",
+                  "None when cu_seqlens is None")
+
+
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_check_inputs_rejects_positive_gates(op, monkeypatch):
+    a = _args()
+    g = a["g"].clone()
+    g[1, 3, 2, 5] = 0.5
+    bad = dict(a, g=g)
+    op(**bad)  # not checked by default: a value check reads the device
+    _expect_error(op, dict(bad, check_inputs=True), "g", "1 positive", "[1, 3, 2, 5]", "<= 0")
+    monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "1")
+    _expect_error(op, bad, "g", "1 positive")  # the op's own run-time check
+    monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "maybe")
+    _expect_error(op, a, "KDA_COMPILE_CHECK_INPUTS", "'maybe'")
+
+
+def _first_line_compiled(op, args, dynamic):
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda kw: op(**kw), backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    try:
+        compiled(args)
+    except (ValueError, TypeError) as error:
+        return type(error), str(error).splitlines()[0]
+    finally:
+        torch._dynamo.reset()
+    raise AssertionError("the compiled call raised nothing")
+
+
+def _first_line_eager(op, args):
+    try:
+        op(**args)
+    except (ValueError, TypeError) as error:
+        return type(error), str(error).splitlines()[0]
+    raise AssertionError("the eager call raised nothing")
+
+
+COMPILED_CASES = {
+    "scale-nan": lambda a: dict(a, scale=float("nan")),
+    "mixed-dtype": lambda a: dict(a, k=a["k"].to(torch.bfloat16)),
+    "g-shape": lambda a: dict(a, g=a["g"][..., :-1]),
+    "A_log-without-gate": lambda a: dict(a, A_log=torch.zeros(4)),
+    "unknown-keyword": lambda a: dict(a, not_an_option=1),
+    "K=0": lambda a: dict(a, q=a["q"][..., :0], k=a["k"][..., :0], g=a["g"][..., :0]),
+}
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("case", sorted(COMPILED_CASES))
+@pytest.mark.parametrize("op", OPS, ids=_ids)
+def test_compiled_error_is_ours(op, case, dynamic):
+    # Under torch.compile(fullgraph=True) the user sees our error first (same type, same first line), not
+    # Dynamo's "Observed exception".
+    args = COMPILED_CASES[case](_args())
+    assert _first_line_compiled(op, args, dynamic) == _first_line_eager(op, args)
+
+
+def test_compiled_check_inputs_argument_points_to_the_variable():
+    kind, line = _first_line_compiled(chunk_kda, dict(_args(), check_inputs=True), False)
+    assert kind is ValueError and "check_inputs" in line and "KDA_COMPILE_CHECK_INPUTS" in line
+
+
+def test_compiled_run_time_checks(monkeypatch):
+    monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "1")
+    a = _args()
+    g = a["g"].clone()
+    g[0, 0, 0, 0] = 1.0
+    kind, line = _first_line_compiled(chunk_kda, dict(a, g=g), False)
+    assert kind is ValueError and line.startswith("g must be <= 0")

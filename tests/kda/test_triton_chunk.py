@@ -443,7 +443,7 @@ def test_long_sequence_segments_on_cuda():
     assert rel_error(auto[0], want[0]) < 5e-3 and rel_error(auto[1], want[1]) < 5e-3
 
 
-# ---- the prepare kernel's code paths (issue 6 rewrite) -----------------------------------------------
+# ---- the prepare kernel's code paths -----------------------------------------------------------------
 def _prepare_residuals(args, scale=0.25):
     """(g_cumsum, A_qk, Akk) from our kernels and the fp64 per-chunk reference, for precomputed gates
     and the in-kernel L2 norm."""

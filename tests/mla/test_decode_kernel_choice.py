@@ -87,7 +87,8 @@ def test_kernel_source_rejects_unknown_switches():
     (128, 64, 1),  # batch 64, cache 4k, 128 heads
 ])
 def test_wgmma_split_rule_counts_the_query_load_and_the_partials(programs, tiles, expected):
-    """Measured on an H100 (results/README.md, session 15): 1 / 2 / 8 / 1 splits were the fastest."""
+    """Measured on an H100 (2026-11-22, docs/mla-decode-kernels.md section 4): 1 / 2 / 8 / 1 splits were the
+    fastest."""
     assert choose_num_splits(programs, tiles, 132, 4, program_tiles=wgmma_decode.QUERY_TILES,
                              partial_tiles=wgmma_decode.PARTIAL_TILES) == expected
 

@@ -1,0 +1,154 @@
+"""What each curated benchmark CSV in the repository's ``benchmarks/`` folder measures, and which tables
+``python -m kda_compile.bench report`` makes of it.
+
+Keys are the CSV names without ``.csv``. A CSV without an entry still gets a table (``DEFAULT_VIEW``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class View:
+    """One table of a benchmark: the median (p50) of ``metric`` per shape (one column per provider) and,
+    for every ``(baseline, ours)`` pair present, the ratio ``baseline / ours``. Ratios are only asked of time
+    metrics, so above 1 means ours is faster. ``providers`` restricts and orders the columns (default: every
+    provider with that metric, in the CSV's order)."""
+
+    metric: str
+    ours: tuple[str, ...] = ()
+    baselines: tuple[str, ...] = ()
+    providers: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """The heading, a paragraph on what is measured, the command that produces the CSV, and its tables."""
+
+    title: str
+    measures: str
+    command: str
+    views: tuple[View, ...]
+
+
+DEFAULT_VIEW = View("time")
+
+
+
+def _kda_prefill(gate: str) -> str:
+    return (
+        f"`chunk_kda` on bf16 q / k / v with K = V = 128, the q / k L2 norm, the gate and the beta sigmoid computed "
+        f"inside the op, and an fp32 initial state, over B x T x H shapes. {gate} `fwd`: the forward in inference "
+        "mode; "
+        "`fwd+bwd`: forward and backward. Providers: `ours (own kernels)` (our prepare and scan kernels; the "
+        "backward is FLA's), `ours (FLA path)` (FLA's gate and intra-chunk kernels, then our scan kernel) and `FLA` "
+        "(flash-linear-attention's own `chunk_kda`). Each figure is the median over 3 interleaved rounds of "
+        "`triton.testing.do_bench`. Kernel design and its measurements: [docs/kda-kernels.md](../docs/kda-kernels.md)."
+    )
+
+CATALOG: dict[str, Benchmark] = {
+    "kda_prefill_lower_bound": Benchmark(
+        title="KDA prefill, lower-bound gate",
+        measures=_kda_prefill("Gate: `lower_bound=-5` with `safe_gate=True` (FlashKDA's setting); for it the op's "
+                              "default on CUDA is `ours (own kernels)`."),
+        command="python -m kda_compile.bench kda --gate lower_bound --modes fwd,fwd+bwd",
+        views=(View("time", ours=("ours (own kernels)",), baselines=("FLA",)),),
+    ),
+    "kda_prefill_softplus": Benchmark(
+        title="KDA prefill, softplus gate",
+        measures=_kda_prefill("Gate: the softplus gate of the released Kimi-Linear (`A_log`, `dt_bias`); for it the "
+                              "op's default on CUDA is `ours (FLA path)`, and `ours (own kernels)` is opt-in "
+                              "(`only_backends(\"triton_chunk\")`): its prepare kernel slows down on strong "
+                              "decays."),
+        command="python -m kda_compile.bench kda --gate softplus --modes fwd,fwd+bwd",
+        views=(View("time", ours=("ours (FLA path)", "ours (own kernels)"), baselines=("FLA",)),),
+    ),
+    "kda_prefill_vs_flashkda": Benchmark(
+        title="KDA prefill: ours, FLA and FlashKDA",
+        measures="The forward of `chunk_kda` in inference mode on bf16 q / k / v / g with K = V = 128, the q / k L2 "
+        "norm, the gate and the beta sigmoid computed inside the op, an fp32 initial state in the value-first "
+        "layout `[N, H, V, K]` and the final state returned, for the lower-bound gate (`lower_bound=-5`, "
+        "`safe_gate=True`) and the softplus gate. Shapes: `BxTxH` is a batch of B sequences of T tokens; "
+        "`varlen:NxTxH` packs N sequences of T tokens into one call with `cu_seqlens` (`varlen:3000+1+0+517+2048+"
+        "2626x32`: sequences of those lengths, one empty and one of a single token). Providers, all with the same "
+        "math: `ours` (`kda_compile.ops.chunk_kda` with its automatic backend choice), `FLA` "
+        "(flash-linear-attention's `chunk_kda`) and `FlashKDA` (MoonshotAI's CUDA kernels, `flash_kda.fwd`, built "
+        "from source for sm_90a by `.ci/flashkda_build.sh`; lower-bound gate only, and missing where it was not "
+        "installed; it keeps the state in bf16 while computing). `wall_time`: one call as its caller waits for it, "
+        "host time (checks, allocations, launches) included: CUDA events around the call after synchronising, L2 "
+        "flushed before it. `kernel_time`: the summed GPU time of the call's kernels (torch.profiler), without "
+        "the host. Each figure is the median over 3 interleaved rounds; the CSV also holds `launches` (the GPU "
+        "kernels and memory operations the profiler records per call), `rel_error_vs_ours` (output) and `final_state_rel_error_vs_ours`. A ratio above 1 means ours "
+        "is faster.",
+        command="python -m kda_compile.bench kda --modes prefill --gates lower_bound,softplus",
+        views=(View("wall_time", ours=("ours",), baselines=("FLA", "FlashKDA")),
+               View("kernel_time", ours=("ours",), baselines=("FLA", "FlashKDA")),
+               View("rel_error_vs_ours", providers=("FLA", "FlashKDA"))),
+    ),
+    "kda_decode": Benchmark(
+        title="KDA decode",
+        measures="`fused_recurrent_kda` for one token: 32 heads, K = V = 128, bf16 inputs, an fp32 state, the "
+        "softplus gate, q / k L2 norm and beta sigmoid inside the op; batch 1 / 64 / 256. `gpu_time_per_step`: 8 "
+        "steps on distinct inputs and states captured in one CUDA graph, per step (the L2 cache is flushed between "
+        "replays); `host_time_per_call`: wall clock per eager call over 500 back-to-back calls, as a loop without "
+        "CUDA graphs sees it. `fraction_of_copy_bandwidth`: state bytes read and written per second over the "
+        "measured device-to-device copy bandwidth. Providers: `ours (triton_decode)` (the op's default on CUDA), "
+        "`ours (fla path)` (the op on FLA's kernel) and `fla` (FLA's `fused_recurrent_kda`).",
+        command="python -m kda_compile.bench kda --modes decode",
+        views=(View("gpu_time_per_step", ours=("ours (triton_decode)",), baselines=("fla",)),
+               View("host_time_per_call", ours=("ours (triton_decode)",), baselines=("fla",)),
+               View("fraction_of_copy_bandwidth", providers=("ours (triton_decode)",))),
+    ),
+    "mla_decode": Benchmark(
+        title="MLA decode",
+        measures="One decode step of one MLA layer, from the query and the latent cache to the per-head outputs: "
+        "bf16, kv_lora_rank 512, nope 128, rope 64, v 128; shapes are batch x cache x heads. `kda_compile` is "
+        "`mla_attention` (absorbed form: the wgmma kernel on an H100 with 64 or more query rows, else the Triton "
+        "split-KV kernel); `hf_*` is Hugging Face's `DeepseekV3Attention.expand_kv` followed by its eager or SDPA "
+        "attention, `*_compiled` under `torch.compile`. `time`: one eager call (at batch 1 ours is bound by host "
+        "time). `gpu_time_cuda_graph`: our layer step replayed from a CUDA graph, automatic kernel choice against "
+        "the Triton kernel forced. `fraction_of_copy_bandwidth`: latent bytes the decode kernel alone reads per "
+        "second over the measured copy bandwidth. Kernel design: "
+        "[docs/mla-decode-kernels.md](../docs/mla-decode-kernels.md).",
+        command="python -m kda_compile.bench mla --quick --heads 32,64,128 --modes decode",
+        views=(View("time", ours=("kda_compile",), baselines=("hf_sdpa_compiled",),
+                    providers=("kda_compile", "hf_eager", "hf_sdpa", "hf_eager_compiled", "hf_sdpa_compiled")),
+               View("gpu_time_cuda_graph", ours=("kda_compile",), baselines=("kda_compile_triton_kernel",),
+                    providers=("kda_compile", "kda_compile_triton_kernel")),
+               View("fraction_of_copy_bandwidth",
+                    providers=("kda_compile_triton_kernel_only", "kda_compile_wgmma_kernel_only"))),
+    ),
+    "attention": Benchmark(
+        title="Softmax attention",
+        measures="Causal attention, batch 1, 32 heads, bf16, Hugging Face layout (q / k / v are [B, H, T, D] views "
+        "of [B, T, H, D] storage), head dims 128 / 128 and 192 / 128 (MLA prefill); `fwd` without autograd, "
+        "`fwd+bwd` with the gradients of q, k and v. `kda_compile`: the op's automatic choice; "
+        "`kda_compile-triton`: our Triton kernel forced (the path for softcap, dropout and mask gradients); "
+        "`sdpa`: `F.scaled_dot_product_attention`'s own choice; `sdpa-<backend>`: one backend forced (missing "
+        "where it refuses the shape).",
+        command="python -m kda_compile.bench attention --lengths 4096",
+        views=(View("time", ours=("kda_compile", "kda_compile-triton"), baselines=("sdpa",)),),
+    ),
+    "e2e_llama": Benchmark(
+        title="End to end: Llama-style 1B prefill",
+        measures="A Llama-style decoder body of about 1B parameters (hidden 2048, 16 layers, 32 / 8 heads, MLP "
+        "8192), random weights, bf16, batch 1: one prefill forward with the default cache, prompts of 1k / 4k / 8k "
+        "tokens. `hf_sdpa`: transformers with SDPA attention; `inductor`: `torch.compile` of the eager-attention "
+        "model; `kda_compile`: `kda_compile.optimize` of the eager-attention model.",
+        command="python -m kda_compile.bench e2e --configs hf_sdpa,inductor,kda_compile",
+        views=(View("time", ours=("kda_compile",), baselines=("hf_sdpa", "inductor")), View("peak_memory")),
+    ),
+    "e2e_kimi": Benchmark(
+        title="End to end: Kimi-Linear-shaped model",
+        measures="`KimiLinearForCausalLM` from transformers at the released model's widths (hidden 2304; KDA 32 "
+        "heads x 128; MLA 32 heads, kv_lora_rank 512; MoE 16 experts, 4 active) with 4 layers (KDA, KDA, KDA, MLA), "
+        "random weights, bf16, batch 1. Prefill (`time`): one forward of the prompt with a fresh cache and "
+        "`logits_to_keep=1`. Decode (`time_per_token`): 16 greedy single-token forwards with the cache after a "
+        "512-token prompt, median of 3 loops. `hf_eager_fla`: HF eager with flash-linear-attention's kernels; "
+        "`kda_compile`: `kda_compile.optimize(model.forward)`.",
+        command="python -m kda_compile.bench e2e --model kimi_linear --configs hf_eager_fla,kda_compile "
+        "--prompts 1024,4096 --decode-repeats 3 --new-tokens 16",
+        views=(View("time", ours=("kda_compile",), baselines=("hf_eager_fla",)),
+               View("time_per_token", ours=("kda_compile",), baselines=("hf_eager_fla",))),
+    ),
+}

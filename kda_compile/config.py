@@ -19,6 +19,9 @@ class Config:
         softmax_attention: rewrite Hugging Face eager softmax attention
             (``softmax(q @ k^T * scale + mask) @ v`` and its softcap / sinks / GQA variants) into
             ``kda_compile.ops.attention``.
+        sdpa_attention: rewrite torch's ``scaled_dot_product_attention`` calls (Hugging Face's
+            default ``"sdpa"`` attention, with ``repeat_kv`` or ``enable_gqa``) into
+            ``kda_compile.ops.attention``, keys and values un-repeated.
         attention_mask_to_flags: when the graph proves an attention mask is the causal mask (or
             causal + sliding window, possibly with key padding), pass ``is_causal`` /
             ``sliding_window`` (and a ``[B, 1, 1, Sk]`` padding mask) instead of the T x T mask.
@@ -41,6 +44,7 @@ class Config:
     """
 
     softmax_attention: bool = True
+    sdpa_attention: bool = True
     attention_mask_to_flags: bool = True
     kda_substitution: bool = True
     kda_recurrence: bool = True

@@ -141,7 +141,16 @@ def read_additive_mask(mask: Any, q_length: Any, kv_length: Any) -> MaskMeaning 
         return f"the mask is not built by torch.where(allowed, 0, min) (found {describe_node(mask)})"
     try:
         _check_fill(where, mask)
-        allowed = _as_allowed(_evaluate(where["condition"], {}))
+    except NotUnderstood as exc:
+        return f"the mask construction is not understood: {exc}"
+    return read_bool_mask(where["condition"], q_length, kv_length)
+
+
+def read_bool_mask(mask: Any, q_length: Any, kv_length: Any) -> MaskMeaning | str:
+    """Interpret the boolean mask ``mask`` (True = attend: ``sdpa_mask``'s output, or the condition
+    of the additive mask's ``torch.where``) like :func:`read_additive_mask`."""
+    try:
+        allowed = _as_allowed(_evaluate(mask, {}))
     except NotUnderstood as exc:
         return f"the mask construction is not understood: {exc}"
     if allowed is None:
@@ -161,6 +170,29 @@ def read_additive_mask(mask: Any, q_length: Any, kv_length: Any) -> MaskMeaning 
     return MaskMeaning(causal, window, allowed.key_padding)
 
 
+def mask_keywords(mask: torch.fx.Node, q_length: Any, kv_length: Any, to_flags: bool,
+                  additive: bool) -> tuple[dict, dict]:
+    """Keyword arguments of ``kda_compile.ops.attention`` for ``mask`` (``additive``: added to the
+    scores; else a bool mask, True = attend), and the details a report shows. A mask proven causal
+    becomes ``is_causal`` / ``sliding_window`` (and the key-padding mask); any other stays the tensor."""
+    if not to_flags:
+        meaning: MaskMeaning | str = "attention_mask_to_flags is off"
+    else:
+        meaning = (read_additive_mask if additive else read_bool_mask)(mask, q_length, kv_length)
+    kwargs: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    if isinstance(meaning, MaskMeaning):
+        kwargs.update(is_causal=meaning.causal, attn_mask=meaning.key_padding)
+        details.update(is_causal=meaning.causal)
+        if meaning.sliding_window is not None:
+            kwargs["sliding_window"] = details["sliding_window"] = meaning.sliding_window
+        details["mask"] = "key padding [B, 1, 1, Sk]" if meaning.key_padding is not None else "none"
+    else:
+        kwargs["attn_mask"] = mask
+        details["mask"] = f"tensor ({meaning})"
+    return kwargs, details
+
+
 def _check_fill(where: dict, node: torch.fx.Node) -> None:
     """The mask must add 0 where allowed and -inf or the dtype minimum elsewhere (so a masked key
     gets exactly zero weight whenever its row has an allowed key)."""
@@ -172,7 +204,7 @@ def _check_fill(where: dict, node: torch.fx.Node) -> None:
         raise NotUnderstood(f"the masked value {fill} is not -inf or the dtype minimum")
 
 
-def _is_scalar_tensor_literal(value: Any) -> bool:
+def is_scalar_tensor_literal(value: Any) -> bool:
     """``torch.tensor(<python number>, ...)``: a 0-d tensor holding a constant."""
     return (isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target is torch.tensor
             and len(value.args) == 1 and isinstance(value.args[0], (int, float))
@@ -182,7 +214,7 @@ def _is_scalar_tensor_literal(value: Any) -> bool:
 def _is_zero(value: Any) -> bool:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value == 0
-    if _is_scalar_tensor_literal(value):  # transformers 5.17: torch.tensor(0.0, device=..., dtype=...)
+    if is_scalar_tensor_literal(value):  # transformers 5.17: torch.tensor(0.0, device=..., dtype=...)
         return _is_zero(value.args[0])
     bound = ZEROS.bind(value)
     return bound is not None and tuple(bound["size"]) in ((), ((),))

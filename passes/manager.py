@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 import torch.fx
 
@@ -121,6 +121,18 @@ class GraphRewrite(abc.ABC):
     @abc.abstractmethod
     def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
         """Rewrite ``gm.graph`` in place, log every site and candidate; return the sites rewritten."""
+
+    def replace_site(self, log: RewriteLog, where: tuple[str, str], op: str, replace: Callable[[], dict]) -> bool:
+        """Run ``replace`` (it inserts ``op`` for the site at ``where`` = (module path, source line) and returns
+        the report's details) and log the site as rewritten. The op's argument checks raise ``TypeError`` /
+        ``ValueError`` before anything is inserted: then the site is logged as left alone with that reason."""
+        try:
+            details = replace()
+        except (TypeError, ValueError) as exc:
+            log.left_alone.append(LeftAlone(self.name, *where, f"{op} refuses the arguments: {exc}"))
+            return False
+        log.rewritten.append(Rewritten(self.name, *where, op, details))
+        return True
 
 
 REWRITES: dict[str, type[GraphRewrite]] = {}

@@ -31,7 +31,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import example_value, is_real_number, same_value
+from kda_compile.passes.graph_tools import (example_value, is_real_number, is_tensor_node, known_shape_equal, same_value,
+                                            tensor_of)
 
 LINK = "__link__"  # capture name marking where a chain continues (or came from)
 
@@ -145,9 +146,13 @@ DROPOUT = OpFamily("dropout", {
     F.dropout: ("input", "p", "training", "inplace"),
     torch.dropout: ("input", "p", "training"),
 }, defaults={"p": 0.5, "training": True, "inplace": False}, aliases={"train": "training"})
-# Casts that only change the dtype: x.to(dtype), x.float(), x.type_as(y), ...
+SDPA = family("scaled_dot_product_attention", ("query", "key", "value", "attn_mask", "dropout_p", "is_causal",
+                                               "scale"),
+              functions={F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention},
+              defaults={"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False})
+# Casts that only change the dtype: x.to(dtype), x.type(dtype), x.float(), x.type_as(y), ...
 CAST = OpFamily("cast", {
-    "to": ("input", "*args"),
+    "to": ("input", "*args"), "type": ("input", "*args"),
     "float": ("input",), "half": ("input",), "bfloat16": ("input",), "double": ("input",),
     "type_as": ("input", "other"),
 }, defaults={"dtype": None, "non_blocking": False, "copy": False, "memory_format": None})
@@ -451,3 +456,35 @@ def match_downward(start: torch.fx.Node, stages: Sequence[Stage], anchor: Patter
     for result, taken in walk(0, start, bindings or Bindings(), ()):
         return ChainMatch(result, taken)
     return failure
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared attention patterns
+# ----------------------------------------------------------------------------------------------
+# repeat_kv(x, n): x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D), or repeat_interleave.
+REPEATED_KV = OneOf(
+    Call(RESHAPE, look_through=True, input=Call(EXPAND, look_through=True, name="groups", input=Call(
+        GETITEM, look_through=True, input=Capture("kv", is_tensor_node),
+        index=Const(where=lambda i: i == (slice(None),) * 2 + (None,) + (slice(None),) * 2)))),
+    Call(REPEAT_INTERLEAVE, look_through=True, input=Capture("kv", is_tensor_node), dim=1,
+         repeats=Const("repeats", where=lambda r: isinstance(r, int))),
+)
+
+
+def unrepeat_kv(node: torch.fx.Node) -> torch.fx.Node:
+    """The [B, Hkv, S, D] tensor that ``repeat_kv`` expanded into ``node`` (head h reads kv head
+    h // n_rep), or ``node`` itself."""
+    for b in REPEATED_KV.matches(node, Bindings()):
+        kv, rep = tensor_of(b["kv"]), tensor_of(node)
+        if kv is None or rep is None or kv.dim() != 4 or rep.dim() != 4:
+            continue
+        bsz, hkv, s, d = kv.shape
+        if "groups" in b.values:  # x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)
+            groups = tensor_of(b["groups"]).shape
+            n_rep = groups[2]
+            ok = known_shape_equal(groups, (bsz, hkv, n_rep, s, d))
+        else:
+            n_rep, ok = b["repeats"], True
+        if ok and known_shape_equal(rep.shape, (bsz, hkv * n_rep, s, d)):
+            return b["kv"]
+    return node

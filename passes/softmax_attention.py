@@ -30,10 +30,17 @@ is the causal mask (with a sliding window, with key padding: see ``attention_mas
 other mask is passed as the additive tensor. A query row whose keys are all padding gives 0 where
 eager attention gave a uniform average (both are unused: only padding positions have such rows).
 
+Neutral spellings are read as the same attention: ``attn_weights.type(value.dtype)`` (gpt2) and
+other pure casts of the probabilities, a cast of fp16 / bf16 / fp32 scores to fp32 before the
+softmax (the op's softmax runs in fp32), in-place ``scores /= divisor`` / ``scores *= scale``
+(falcon), keys and values with one head that both matmuls broadcast (falcon multi-query), and
+``torch.where(keep, scores, finfo.min)`` before the mask (gpt_neo; ``keep`` a bool tensor, True =
+attend, passed to the op as the bool mask, or combined with the additive mask).
+
 Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``),
 a softmax not over the key dimension, anything else between the two matmuls, shapes that do not
-pair up, in-place ops between the two matmuls, arguments the op refuses. A softmax with no matmul
-on either side (a MoE router) is not a candidate.
+pair up, in-place ops between the two matmuls (other than the in-place scale), arguments the op
+refuses. A softmax with no matmul on either side (a MoE router) is not a candidate.
 
 The new node calls the public function ``attention``, not ``torch.ops.kda_compile.attention_fwd``.
 Both pass AOTAutograd (a node of the op, then ``getitem``, was checked too, forward and backward
@@ -46,6 +53,8 @@ running ``attention`` on the example values, i.e. from the op's fake implementat
 from __future__ import annotations
 
 import logging
+import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,14 +62,15 @@ import torch
 import torch.fx
 
 from kda_compile.ops.attention import attention
-from kda_compile.passes.attention_mask import MaskMeaning, read_additive_mask
+from kda_compile.passes.attention_mask import is_scalar_tensor_literal, mask_keywords
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
                                             source_line, tensor_of)
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
+from kda_compile.passes.manager import GraphRewrite, LeftAlone, RewriteLog, register_rewrite
 from kda_compile.passes.matching import (ADD, CAST, CAT, DIV, DROPOUT, EXPAND, GETITEM, LINK, MATMUL, MAX, MUL,
-                                         REPEAT_INTERLEAVE, RESHAPE, SOFTMAX, SUB, TANH, TRANSPOSE, Bindings, Call,
-                                         Capture, Const, OneOf, Seq, Stage, cast_dtype, match_downward, match_upward)
+                                         RESHAPE, SOFTMAX, SUB, TANH, TRANSPOSE, Bindings, Call, Capture, Const,
+                                         OneOf, Seq, Stage, cast_dtype, family, match_downward, match_upward,
+                                         unrepeat_kv)
 
 logger = logging.getLogger("kda_compile.passes.softmax_attention")
 
@@ -88,8 +98,32 @@ def _is_probability(p: Any) -> bool:
 LAST_DIM = Const(where=_is_last_dim_4d)
 LINKED = Capture(LINK)
 
+# In-place spellings of the score chain (``scores /= divisor``, ``scores *= scale``). They mutate a
+# node of the chain itself (fresh tensors from q @ k^T on), which check_site proves has no other user.
+IN_PLACE_MUL = family("imul", ("input", "other"), functions=(operator.imul,), methods=("mul_",))
+IN_PLACE_DIV = family("itruediv", ("input", "other"), functions=(operator.itruediv,), methods=("div_",))
+WHERE = family("where", ("condition", "input", "other"), functions=(torch.where,))
+
+
+def _fill_value(fill: Any) -> Any:
+    """The number ``torch.where(keep, scores, fill)`` writes: a float, or ``torch.tensor(float)``."""
+    return fill.args[0] if is_scalar_tensor_literal(fill) else fill
+
+
+def _upcasts(node: torch.fx.Node) -> bool:
+    """A cast of half / bf16 / fp32 scores to fp32: neutral, since the op's softmax runs in fp32."""
+    source = tensor_of(CAST.bind(node)["input"])
+    return (cast_dtype(node) == torch.float32 and source is not None
+            and source.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def _is_fill(fill: Any) -> bool:
+    value = _fill_value(fill)
+    return isinstance(value, float) and not isinstance(value, bool)
+
 # From the softmax input up to the scores, each stage optional, in the order HF applies them.
 SCORE_STAGES = (
+    Stage("upcast", Call(CAST, input=LINKED, where=_upcasts), repeat=True),
     Stage("sink_shift", Call(SUB, input=LINKED, other=Call(GETITEM, index=0, input=Call(
         MAX, input=LINKED, dim=LAST_DIM, keepdim=True)))),
     Stage("sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Call(
@@ -97,10 +131,15 @@ SCORE_STAGES = (
             RESHAPE, look_through=True, name="sink_view", input=Capture("sinks", is_tensor_node)))))),
     Stage("mask", Call(ADD, name="masked_scores", commutative=True, input=LINKED,
                        other=Capture("mask", is_tensor_node))),
+    # gpt_neo: torch.where(causal_bool, scores, finfo.min), a bool mask (True = attend).
+    Stage("where_mask", Call(WHERE, name="kept_scores", input=LINKED, condition=Capture("keep", is_tensor_node),
+                             other=Capture("fill", _is_fill))),
     Stage("softcap", Call(MUL, commutative=True, other=Const("softcap", symbolic=True), input=Call(
         TANH, input=Call(DIV, input=LINKED, other=Const("softcap", symbolic=True))))),
     Stage("scale", OneOf(Call(MUL, commutative=True, input=LINKED, other=Const("scale", symbolic=True)),
-                         Call(DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)))),
+                         Call(IN_PLACE_MUL, input=LINKED, other=Const("scale", symbolic=True)),
+                         Call(DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)),
+                         Call(IN_PLACE_DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)))),
 )
 SCORES = Call(MATMUL, name="scores", input=Capture("query", is_tensor_node), other=Call(
     TRANSPOSE, look_through=True, where=_swaps_last_two, input=Capture("key_states", is_tensor_node)))
@@ -115,15 +154,6 @@ PROBABILITY_STAGES = (
     Stage("cast_after_dropout", PURE_CAST, repeat=True),
 )
 OUTPUT = Call(MATMUL, name="output", input=LINKED, other=Capture("value_states", is_tensor_node))
-
-# repeat_kv(x, n): x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D), or repeat_interleave.
-REPEATED_KV = OneOf(
-    Call(RESHAPE, look_through=True, input=Call(EXPAND, look_through=True, name="groups", input=Call(
-        GETITEM, look_through=True, input=Capture("kv", is_tensor_node),
-        index=Const(where=lambda i: i == (slice(None),) * 2 + (None,) + (slice(None),) * 2)))),
-    Call(REPEAT_INTERLEAVE, look_through=True, input=Capture("kv", is_tensor_node), dim=1,
-         repeats=Const("repeats", where=lambda r: isinstance(r, int))),
-)
 
 
 @dataclass
@@ -150,25 +180,6 @@ class Site:
         return self.scores.nodes + (self.softmax,) + self.probabilities.nodes
 
 
-def unrepeat_kv(node: torch.fx.Node) -> torch.fx.Node:
-    """The [B, Hkv, S, D] tensor that ``repeat_kv`` expanded into ``node`` (head h reads kv head
-    h // n_rep), or ``node`` itself."""
-    for b in REPEATED_KV.matches(node, Bindings()):
-        kv, rep = tensor_of(b["kv"]), tensor_of(node)
-        if kv is None or rep is None or kv.dim() != 4 or rep.dim() != 4:
-            continue
-        bsz, hkv, s, d = kv.shape
-        if "groups" in b.values:  # x[:, :, None].expand(B, Hkv, n, S, D).reshape(B, Hkv * n, S, D)
-            groups = tensor_of(b["groups"]).shape
-            n_rep = groups[2]
-            ok = known_shape_equal(groups, (bsz, hkv, n_rep, s, d))
-        else:
-            n_rep, ok = b["repeats"], True
-        if ok and known_shape_equal(rep.shape, (bsz, hkv * n_rep, s, d)):
-            return b["kv"]
-    return node
-
-
 def check_site(site: Site) -> str | None:
     """Why ``site`` must be left alone, or None when replacing it keeps the meaning."""
     soft = SOFTMAX.bind(site.softmax)
@@ -178,8 +189,10 @@ def check_site(site: Site) -> str | None:
     if not _is_last_dim_4d(soft["dim"]):
         return f"the softmax runs over dim {soft['dim']}, not over the keys (dim -1)"
     (b, h, sq, dqk), (_, _, sk, _) = q.shape, k.shape
-    if not (known_equal(k.shape[0], b) and known_equal(k.shape[1], h) and known_equal(k.shape[3], dqk)
-            and known_equal(v.shape[0], b) and known_equal(v.shape[1], h) and known_equal(v.shape[2], sk)):
+    # The keys and values have every query head, or one head both matmuls broadcast (multi-query).
+    kv_heads = 1 if known_equal(k.shape[1], 1) and known_equal(v.shape[1], 1) else h
+    if not (known_equal(k.shape[0], b) and known_equal(k.shape[1], kv_heads) and known_equal(k.shape[3], dqk)
+            and known_equal(v.shape[0], b) and known_equal(v.shape[1], kv_heads) and known_equal(v.shape[2], sk)):
         return (f"the shapes do not pair up as attention: query {list(q.shape)}, keys {list(k.shape)}, "
                 f"values {list(v.shape)}")
     sinks = "sinks" in site.stages
@@ -191,6 +204,15 @@ def check_site(site: Site) -> str | None:
         added = tensor_of(site["masked_scores"])
         if added is None or not known_shape_equal(added.shape, tensor_of(site["scores"]).shape):
             return "the added mask broadcasts the scores to a larger shape"
+    if site.has("keep"):
+        keep, kept = tensor_of(site["keep"]), tensor_of(site["kept_scores"])
+        if keep is None or keep.dtype != torch.bool:
+            return "torch.where selects the scores by a condition that is not a bool tensor"
+        if kept is None or not known_shape_equal(kept.shape, tensor_of(site["scores"]).shape):
+            return "the torch.where mask broadcasts the scores to a larger shape"
+        fill = _fill_value(site["fill"])
+        if not (fill == -math.inf or fill <= float(torch.finfo(kept.dtype).min)):
+            return f"torch.where fills masked scores with {fill}, not -inf or the dtype minimum"
     outside = _used_outside(site)
     if outside is not None:
         return outside
@@ -220,10 +242,12 @@ def _used_outside(site: Site) -> str | None:
 
 
 def _mutated_between(site: Site) -> str | None:
-    node = site["scores"]
+    """An in-place op between the two matmuls, other than a matched in-place stage (which mutates a
+    node of the chain that _used_outside proved has no other user)."""
+    node, matched = site["scores"], set(site.replaced)
     while node is not site.output:
         node = node.next
-        if is_inplace(node):
+        if is_inplace(node) and node not in matched:
             return f"{describe_node(node)} mutates a tensor between the two matmuls"
     return None
 
@@ -246,18 +270,23 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
     if dropout_p:
         details["dropout_p"] = dropout_p
     if site.has("mask"):
-        meaning = read_additive_mask(site["mask"], q.shape[2], k.shape[2]) if mask_to_flags else \
-            "attention_mask_to_flags is off"
-        if isinstance(meaning, MaskMeaning):
-            kwargs.update(is_causal=meaning.causal, attn_mask=meaning.key_padding)
-            details.update(is_causal=meaning.causal)
-            if meaning.sliding_window is not None:
-                kwargs["sliding_window"] = details["sliding_window"] = meaning.sliding_window
-            details["mask"] = "key padding [B, 1, 1, Sk]" if meaning.key_padding is not None else "none"
-        else:
-            kwargs["attn_mask"] = site["mask"]
-            details["mask"] = f"tensor ({meaning})"
+        mask_kwargs, mask_details = mask_keywords(site["mask"], q.shape[2], k.shape[2], mask_to_flags, additive=True)
+        kwargs.update(mask_kwargs)
+        details.update(mask_details)
+    if site.has("keep"):
+        details["where_mask"] = "bool tensor"
     return kwargs, details
+
+
+def _and_kept(graph: torch.fx.Graph, site: Site, mask: Any) -> torch.fx.Node:
+    """The mask the op gets when ``torch.where(keep, scores, min)`` precedes the additive mask: a
+    masked key gets zero weight either way (eager: min + mask; here: -inf)."""
+    keep, at = site["keep"], site.output
+    if mask is None:
+        return keep
+    if tensor_of(mask).dtype == torch.bool:
+        return insert_call(graph, at, operator.and_, (mask, keep), meta_from=at)
+    return insert_call(graph, at, torch.where, (keep, mask, -math.inf), meta_from=at)
 
 
 @register_rewrite
@@ -281,13 +310,7 @@ class SoftmaxAttentionRewrite(GraphRewrite):
             if reason is not None:
                 log.left_alone.append(LeftAlone(self.name, *where, reason))
                 continue
-            try:
-                details = self._replace(graph, site, erased)
-            except (TypeError, ValueError) as exc:  # the op's argument checks (nothing was inserted)
-                log.left_alone.append(LeftAlone(self.name, *where, f"{OP_NAME} refuses the arguments: {exc}"))
-                continue
-            log.rewritten.append(Rewritten(self.name, *where, OP_NAME, details))
-            rewritten += 1
+            rewritten += self.replace_site(log, where, OP_NAME, lambda: self._replace(graph, site, erased))
         return rewritten
 
     @staticmethod
@@ -317,7 +340,14 @@ class SoftmaxAttentionRewrite(GraphRewrite):
         q, k = tensor_of(site["query"]), tensor_of(key)
         details["heads"] = f"{q.shape[1]}/{k.shape[1]}"
         out = site.output
-        new = insert_call(graph, out, attention, (site["query"], key, value), kwargs, meta_from=out)
+        if site.has("keep"):
+            kwargs["attn_mask"] = _and_kept(graph, site, kwargs.get("attn_mask"))
+        try:
+            new = insert_call(graph, out, attention, (site["query"], key, value), kwargs, meta_from=out)
+        except (TypeError, ValueError):
+            if site.has("keep") and kwargs["attn_mask"] is not site["keep"]:
+                graph.erase_node(kwargs["attn_mask"])
+            raise
         want = tensor_of(out).dtype
         if tensor_of(new).dtype != want:
             new = insert_call(graph, out, "to", (new, want), meta_from=out)

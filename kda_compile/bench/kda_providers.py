@@ -87,7 +87,7 @@ class Shape:
 
 
 def issue_shapes() -> list[Shape]:
-    """The 15 shapes of issue 26: 7 batched, 8 packed (the last of mixed lengths)."""
+    """The 15 comparison shapes: 7 batched, 8 packed (the last of mixed lengths)."""
     batched = [Shape(1, 2048, 32), Shape(1, 8192, 32), Shape(1, 8192, 64), Shape(1, 8192, 96),
                Shape(1, 32768, 32), Shape(1, 65536, 16), Shape(8, 4096, 32)]
     packed = [Shape.packed([T] * N, H) for N, T, H in

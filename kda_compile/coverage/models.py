@@ -1,0 +1,165 @@
+"""The causal-LM families of the installed transformers, each built tiny with random weights.
+
+:func:`model_types` lists ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``. :func:`tiny_config` starts from the
+family's default config (``AutoConfig.for_model``) and shrinks every size it knows by name (hidden
+size 64, 4 heads of 16, 2 kv heads, intermediate sizes 128 / 32 for experts, vocabulary 256, 4
+experts of which 2 per token, 256 positions), recursing into sub-configs (``text_config``...).
+Layers: 2, or as many as it takes to keep one layer of every distinct kind of a hybrid model. A
+layer's kind is the tuple of its entries in every per-layer list of the config (``layer_types``,
+``mlp_layer_types``, ``layers_block_type``...: any list as long as the layer count) and whether it is
+named by index lists (``full_attn_idxs``, ``hybrid_layer_ids``...); the first layer of each kind is
+kept and those lists are cut down to the kept layers. ``*_period`` / ``*_offset`` layer schedules
+become 2 / 1. Nothing is downloaded; transformers is imported lazily.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("kda_compile.coverage")
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, POSITIONS = 64, 4, 2, 16, 256, 256
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
+              "num_decoder_layers", "num_encoder_layers")
+SIZES = {  # config attribute -> tiny value (only set where the default config has a number there)
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "word_embed_proj_dim",
+                     "embedding_size", "projection_dim"), HIDDEN),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
+                     "encoder_attention_heads", "attention_heads"), HEADS),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                     "num_key_value_groups"), KV_HEADS),
+    **dict.fromkeys(("head_dim", "attention_head_dim", "kv_channels", "d_kv"), HEAD_DIM),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "decoder_ffn_dim", "encoder_ffn_dim",
+                     "ffn_hidden_size", "d_ff", "dim_feedforward", "ffn_config_hidden"), 128),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+                     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"), 32),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
+                     "num_routed_experts", "n_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_selected_experts",
+                     "num_experts_per_token"), 2),
+    **dict.fromkeys(("n_group", "topk_group", "n_shared_experts", "num_shared_experts", "num_expert_group"), 1),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
+                     "seq_length"), POSITIONS),
+    **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
+    **dict.fromkeys(("qk_nope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_head_dim", "index_head_dim", "mamba_d_head", "mamba_head_dim"), 16),
+    **dict.fromkeys(("qk_rope_head_dim",), 8),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "index_n_heads",
+                     "mamba_n_heads", "n_mamba_heads", "mamba_n_groups", "n_groups"), 2),
+    **dict.fromkeys(("index_topk",), 8),
+    **dict.fromkeys(("vocab_size",), VOCAB),
+    **dict.fromkeys(("sliding_window", "attention_window"), 8),
+    **dict.fromkeys(("first_k_dense_replace",), 1),
+}
+TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+              "cls_token_id", "mask_token_id", "unk_token_id", "forced_eos_token_id", "forced_bos_token_id")
+
+
+def model_types() -> list[str]:
+    """Every model type with a causal-LM class in the installed transformers, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _layer_count(d: dict[str, Any]) -> tuple[str, int] | None:
+    for key in LAYER_KEYS:
+        value = d.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
+def _kept_layers(d: dict[str, Any], n: int) -> tuple[list[int], list[str], list[str]]:
+    """The layers to keep (first of each kind), the per-layer list keys and the index-list keys."""
+    per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == n and n > 1
+                 and all(isinstance(x, (str, int, bool, type(None))) for x in v)
+                 and not all(isinstance(x, int) and not isinstance(x, bool) for x in v)]
+    index_lists = [k for k, v in d.items() if isinstance(v, list) and v and k not in per_layer
+                   and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in v)
+                   and ("layer" in k or "idx" in k or "ids" in k)]
+    seen: dict[tuple, int] = {}
+    for i in range(n):
+        kind = tuple(d[k][i] for k in per_layer) + tuple(i in d[k] for k in index_lists)
+        seen.setdefault(kind, i)
+    kept = sorted(seen.values())
+    for i in range(n):  # at least 2 layers
+        if len(kept) >= min(2, n):
+            break
+        if i not in kept:
+            kept = sorted(kept + [i])
+    return kept, per_layer, index_lists
+
+
+def shrink(d: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the config dict ``d`` with tiny sizes (see the module docstring)."""
+    out = dict(d)
+    for key, value in d.items():
+        if isinstance(value, dict) and ("config" in key or key.endswith("_cfg")):
+            out[key] = shrink(value)
+        elif key in SIZES and isinstance(value, int) and not isinstance(value, bool):
+            out[key] = SIZES[key]
+        elif (key.endswith("_period") or key.endswith("_freq")) and isinstance(value, int) and value > 1:
+            out[key] = 2
+        elif key.endswith("_offset") and isinstance(value, int) and value > 0:
+            out[key] = 1
+    counted = _layer_count(d)
+    if counted is not None:
+        count_key, n = counted
+        kept, per_layer, index_lists = _kept_layers(d, n)
+        for key in LAYER_KEYS:
+            if isinstance(d.get(key), int) and d[key] == n:
+                out[key] = len(kept)
+        for key in per_layer:
+            out[key] = [d[key][i] for i in kept]
+        for key in index_lists:
+            out[key] = [kept.index(i) for i in d[key] if i in kept]
+    if isinstance(out.get("qk_rope_head_dim"), int):  # MLA: derived head sizes follow the tiny ones
+        if "head_dim" in out:
+            out["head_dim"] = out["qk_rope_head_dim"]
+        if "num_key_value_heads" in out and "kv_lora_rank" in out:  # MLA expands k/v to every head
+            out["num_key_value_heads"] = out.get("num_attention_heads", HEADS)
+        if isinstance(out.get("qk_head_dim"), int) and isinstance(out.get("qk_nope_head_dim"), int):
+            out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    for key in TOKEN_KEYS:
+        value = out.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
+            out[key] = 2
+        elif isinstance(value, list):
+            out[key] = [x if not isinstance(x, int) or x < VOCAB else 2 for x in value]
+    return out
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of ``model_type`` (eager attention, fp32)."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    d = shrink(default.to_dict())
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        d.pop(key, None)
+    cfg = type(default).from_dict(d)
+    return cfg
+
+
+def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny causal LM of ``model_type`` with random weights, eager attention, fp32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    return model.eval()
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The number of token ids the model's input embedding accepts."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    n = getattr(emb, "num_embeddings", None)
+    if isinstance(n, int):
+        return n
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+    return int(getattr(cfg, "vocab_size", VOCAB) or VOCAB)

@@ -1,0 +1,208 @@
+"""One family through the ``kda_compile`` backend: a :class:`Row` of the coverage table.
+
+:func:`run_family` builds the tiny model (models.py), runs eager logits, then
+``torch.compile(model, backend=KdaCompileBackend(config), fullgraph=False)`` on the same input ids,
+and reads the backend's rewrite reports, Dynamo's graph-break counter and the relative logits error.
+:func:`run_isolated` does the same in a subprocess with a time limit, so that a hang or a crash
+becomes a row ("timeout", "crashed") instead of stopping the sweep.
+
+Attention kinds (:func:`attention_kinds`), from the module classes of the built model:
+``KDA`` a class whose name holds "KimiDelta" or "KDA"; ``GDN`` "GatedDeltaNet"; ``DSA`` "Indexer"
+(DeepSeek sparse attention's indexer); ``MLA`` an attention module with a ``kv_b_proj``;
+``softmax`` any other class whose name ends in "Attention" (or "Attn"); ``other`` state-space /
+recurrent / convolution mixers ("Mamba", "Mixer", "Rwkv", "Lstm", "ShortConv", "Recurrent",
+"LinearAttention", "Retention"). A class matches the first kind in that order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kda_compile.config import Config
+
+logger = logging.getLogger("kda_compile.coverage")
+
+SWEEP_CONFIG = Config(compiler="eager")
+BATCH, LENGTH = 2, 12
+STATUSES = ("ok", "build failed", "eager failed", "compile failed", "timeout", "crashed")
+_OTHER = ("Mamba", "Mixer", "Rwkv", "RWKV", "Lstm", "LSTM", "ShortConv", "Recurrent", "LinearAttention",
+          "Retention")
+_NODE_SUFFIX = re.compile(r"\b([A-Za-z]\w*?)_\d+\b")  # attn_weights_3 -> attn_weights: one reason per kind
+
+
+@dataclass
+class Row:
+    """One family's line of the coverage table.
+
+    ``status``: one of :data:`STATUSES`; ``reason``: why a non-"ok" family stopped (first line of
+    the error). ``rewritten``: op -> number of rewritten sites that became it; ``left_alone``:
+    "rewrite: reason" -> count; ``graph_breaks``: Dynamo's graph-break count, ``graphs``: graphs
+    compiled; ``logits_error``: ``|compiled - eager| / |eager|`` (None unless both ran).
+    """
+
+    family: str
+    status: str = "ok"
+    reason: str = ""
+    attention: list[str] = field(default_factory=list)
+    layers: int | None = None
+    rewritten: dict[str, int] = field(default_factory=dict)
+    left_alone: dict[str, int] = field(default_factory=dict)
+    graph_breaks: int | None = None
+    graph_break_reasons: list[str] = field(default_factory=list)
+    graphs: int | None = None
+    logits_error: float | None = None
+    seconds: float = 0.0
+
+    @property
+    def fully_rewritten(self) -> bool:
+        return self.status == "ok" and bool(self.rewritten) and not self.left_alone
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Row":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def attention_kinds(model: torch.nn.Module) -> list[str]:
+    """The attention kinds of ``model`` (see the module docstring), in a fixed order."""
+    kinds: set[str] = set()
+    for module in model.modules():
+        name = type(module).__name__
+        if "KimiDelta" in name or "KDA" in name:
+            kinds.add("KDA")
+        elif "GatedDeltaNet" in name:
+            kinds.add("GDN")
+        elif "Indexer" in name:
+            kinds.add("DSA")
+        elif (name.endswith("Attention") or name.endswith("Attn")) and hasattr(module, "kv_b_proj"):
+            kinds.add("MLA")
+        elif any(s in name for s in _OTHER):
+            kinds.add("other")
+        elif name.endswith("Attention") or name.endswith("Attn"):
+            kinds.add("softmax")
+    order = ("softmax", "MLA", "DSA", "KDA", "GDN", "other")
+    return [k for k in order if k in kinds]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    return line if len(line) <= 240 else line[:237] + "..."
+
+
+def _logits(out: Any) -> torch.Tensor:
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+    return logits
+
+
+def _layer_total(model: torch.nn.Module) -> int | None:
+    from kda_compile.coverage.models import LAYER_KEYS
+
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for key in LAYER_KEYS:
+        value = getattr(cfg, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row:
+    """Build ``family`` tiny, compile it with the kda_compile backend and fill its :class:`Row`."""
+    from torch._dynamo.utils import counters
+
+    from kda_compile.backend import KdaCompileBackend
+    from kda_compile.coverage.models import build_model, vocab_size
+
+    row = Row(family)
+    start = time.perf_counter()
+    try:
+        try:
+            model = build_model(family, seed=seed)
+        except Exception as exc:  # noqa: BLE001  (every failure becomes a row)
+            row.status, row.reason = "build failed", _first_line(exc)
+            return row
+        row.attention = attention_kinds(model)
+        row.layers = _layer_total(model)
+        high = max(4, min(vocab_size(model), 200))
+        ids = torch.randint(3, high, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
+        try:
+            with torch.no_grad():
+                expected = _logits(model(input_ids=ids)).float()
+        except Exception as exc:  # noqa: BLE001
+            row.status, row.reason = "eager failed", _first_line(exc)
+            return row
+        torch._dynamo.reset()
+        counters.clear()
+        backend = KdaCompileBackend(config)
+        try:
+            compiled = torch.compile(model, backend=backend, fullgraph=False)
+            with torch.no_grad():
+                got = _logits(compiled(input_ids=ids)).float()
+        except Exception as exc:  # noqa: BLE001
+            row.status, row.reason = "compile failed", _first_line(exc)
+            logger.debug("%s: %s", family, traceback.format_exc())
+        else:
+            denom = float(expected.double().norm()) or 1.0
+            row.logits_error = float((got.double() - expected.double()).norm()) / denom
+        breaks = counters.get("graph_break", {})
+        row.graph_breaks = int(sum(breaks.values()))
+        row.graph_break_reasons = sorted(str(r).splitlines()[0][:200] for r in breaks)
+        row.graphs = len(backend.reports)
+        ops: collections.Counter[str] = collections.Counter()
+        left: collections.Counter[str] = collections.Counter()
+        for graph in backend.reports:
+            for entries in graph.sites().values():
+                ops[entries[-1].op] += 1
+            for entry in graph.left_alone:
+                reason = _NODE_SUFFIX.sub(r"\1", entry.reason)
+                left[f"{entry.rewrite}: {reason}"] += 1
+        row.rewritten, row.left_alone = dict(sorted(ops.items())), dict(sorted(left.items()))
+        return row
+    finally:
+        row.seconds = round(time.perf_counter() - start, 1)
+        torch._dynamo.reset()
+
+
+def run_isolated(family: str, timeout: float, threads: int | None = None) -> Row:
+    """:func:`run_family` in a fresh ``python -m kda_compile.coverage --worker`` process, at most
+    ``timeout`` seconds; a timeout or a crash (no row printed) becomes a row with that status."""
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kda_compile.coverage", "--worker", family],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return Row(family, status="timeout", reason=f"no result within {timeout:g} s",
+                   seconds=round(time.perf_counter() - start, 1))
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                return Row.from_dict(json.loads(line))
+            except (ValueError, TypeError):
+                break
+    tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    reason = f"exit code {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
+    return Row(family, status="crashed", reason=reason, seconds=round(time.perf_counter() - start, 1))

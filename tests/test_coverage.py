@@ -2,8 +2,8 @@
 
 A fixed list of fast families runs through :func:`run_family` in-process with
 ``Config(compiler="eager")`` (llama and qwen3: plain / q-k-norm GQA, fully rewritten; gemma3_text:
-sliding + full layers; gpt2: not rewritten today, so the table shows a left-alone reason). Also: the
-tiny configs keep one layer of each kind of a hybrid, the markdown writer on hand-made rows, and a
+sliding + full layers; openai-gpt: not rewritten today (a multiplicative mask), so the table shows a
+left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown writer on hand-made rows, and a
 family that fails to build, times out or is unknown becomes a row or a usage error, not a crash.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kda_compile.coverage.__main__ import main  # noqa: E402
 from kda_compile.coverage.models import model_types, shrink, tiny_config  # noqa: E402
 from kda_compile.coverage.table import COLUMNS, format_row  # noqa: E402
 
-CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "gpt2")
+CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "openai-gpt")
 ERROR_TOL = 1e-4
 
 

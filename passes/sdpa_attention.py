@@ -53,8 +53,7 @@ import torch.fx
 from kda_compile.ops.attention import attention
 from kda_compile.passes.attention_mask import mask_keywords
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
-                                            is_real_number,
-                                            known_equal, module_path, source_line, tensor_of)
+                                            is_real_number, known_equal, module_path, source_line, tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, RewriteLog, register_rewrite
 from kda_compile.passes.matching import SDPA, unrepeat_kv
 

@@ -17,8 +17,7 @@ QUANTILES = (0.2, 0.5, 0.8)
 # is one string, e.g. "torch 2.11.0+cu130; triton 3.6.0; fla 0.6.0; transformers 5.17.0".
 CSV_COLUMNS = ("op", "provider", "mode", "gate", "shape", "metric", "unit", "p20", "p50", "p80",
                "device", "versions")
-VERSIONED_PACKAGES = (("torch", "torch"), ("triton", "triton"), ("fla", "fla"), ("transformers", "transformers"),
-                      ("flash_kda", "flash_kda"))
+VERSIONED_PACKAGES = ("torch", "triton", "fla", "transformers", "flash_kda")  # module = label
 
 
 def _version(module: str) -> str:
@@ -31,9 +30,9 @@ def _version(module: str) -> str:
 def environment() -> dict:
     """The ``device`` and ``versions`` columns added to every row (packages not installed are left out)."""
     found = []
-    for label, module in VERSIONED_PACKAGES:
+    for module in VERSIONED_PACKAGES:
         try:
-            found.append(f"{label} {_version(module)}")
+            found.append(f"{module} {_version(module)}")
         except Exception:  # not installed, or broken: the run did not use it
             continue
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

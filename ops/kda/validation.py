@@ -175,13 +175,8 @@ def check_input_values(q, g, *, cu_seqlens, use_gate_in_kernel, cu_seqlens_cpu=N
     """The full value checks of ``check_inputs``: reads ``cu_seqlens`` and (for a finished gate) ``g`` on the
     host, synchronising the device. NaN / Inf inside q, k, v, g or beta are not errors: they stay in
     their own sequence (docs/kda-input-checks.md)."""
-    T = q.shape[1]
     if cu_seqlens is not None:
-        offsets = cu_seqlens.tolist()
-        check_cu_seqlens_values(offsets, T)
-        if cu_seqlens_cpu is not None and cu_seqlens_cpu.tolist() != offsets:
-            raise arg_error("cu_seqlens_cpu", _offsets(cu_seqlens_cpu.tolist()),
-                            f"equal to cu_seqlens {_offsets(offsets)}")
+        _check_offsets(cu_seqlens, cu_seqlens_cpu, q.shape[1])
     if not use_gate_in_kernel and g.numel() > 0:
         positive = g > 0  # log decays: a positive one grows the state (NaN compares False: not flagged)
         if bool(positive.any()):
@@ -198,10 +193,15 @@ def check_free_values(q, *, cu_seqlens, cu_seqlens_cpu) -> None:
     if cu_seqlens_cpu is not None:
         check_cu_seqlens_values(cu_seqlens_cpu.tolist(), T, "cu_seqlens_cpu")
     if cu_seqlens is not None and cu_seqlens.device.type == "cpu":
-        offsets = cu_seqlens.tolist()
-        check_cu_seqlens_values(offsets, T)
-        if cu_seqlens_cpu is not None and cu_seqlens_cpu.tolist() != offsets:
-            raise arg_error("cu_seqlens_cpu", _offsets(cu_seqlens_cpu.tolist()), f"equal to cu_seqlens {_offsets(offsets)}")
+        _check_offsets(cu_seqlens, cu_seqlens_cpu, T)
+
+
+def _check_offsets(cu_seqlens, cu_seqlens_cpu, T: int) -> None:
+    """``cu_seqlens``'s values (read to the host), and ``cu_seqlens_cpu`` equal to them when given."""
+    offsets = cu_seqlens.tolist()
+    check_cu_seqlens_values(offsets, T)
+    if cu_seqlens_cpu is not None and cu_seqlens_cpu.tolist() != offsets:
+        raise arg_error("cu_seqlens_cpu", _offsets(cu_seqlens_cpu.tolist()), f"equal to cu_seqlens {_offsets(offsets)}")
 
 
 def reject_unsupported_kwargs(fn: str, kwargs: dict, defaults: dict) -> None:

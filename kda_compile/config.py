@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 COMPILERS = ("inductor", "aot_eager", "eager")
+NOT_REWRITES = ("capture_data_dependent_ops",)  # boolean fields that switch something other than a rewrite
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,17 @@ class Config:
             unrolled by Dynamo) into one KDA op call.
         kda_prologue: fold the gate (softplus / lower-bound form), the beta sigmoid and the q/k
             L2 norm computed right before a KDA op into the op's in-kernel options.
+        dsa_attention: rewrite Hugging Face's DeepSeek Sparse Attention (the indexer's scores and
+            top-k, and the attention over its top-k mask) into ``kda_compile.ops.dsa_indexer_topk``
+            and ``kda_compile.ops.dsa_sparse_attention`` (docs/dsa-rewrite.md).
         mla_absorb: rewrite Hugging Face's MLA expand-then-attend (``kv_b_proj`` over the latent
             cache, then attention) into ``kda_compile.ops.mla_attention`` (absorbed decode).
+        capture_data_dependent_ops: calls of an :func:`kda_compile.optimize` result run with Dynamo's
+            ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` on (set for the call,
+            restored after): model-side MoE routing (``nonzero``, ``torch.where(mask)``, ``.item()``,
+            ``.tolist()``) is then captured into the graph with unbacked sizes instead of breaking it.
+            ``False`` leaves Dynamo's config as the user set it. Not applied by
+            ``torch.compile(backend="kda_compile")``: a backend is called after Dynamo has traced.
         compiler: what runs the rewritten graph: ``"inductor"`` (default; takes ``mode`` and
             ``options`` from torch.compile), ``"aot_eager"`` (AOTAutograd without code
             generation: quick, for debugging and tests) or ``"eager"`` (the rewritten graph as is).
@@ -49,7 +59,9 @@ class Config:
     kda_substitution: bool = True
     kda_recurrence: bool = True
     kda_prologue: bool = True
+    dsa_attention: bool = True
     mla_absorb: bool = True
+    capture_data_dependent_ops: bool = True
     compiler: str = "inductor"
 
     def __post_init__(self) -> None:
@@ -63,7 +75,7 @@ class Config:
     def rewrite_enabled(self, name: str) -> bool:
         """Whether the rewrite registered as ``name`` runs (every rewrite has a field of its name)."""
         value = getattr(self, name, None)
-        if not isinstance(value, bool):
-            fields = [f.name for f in dataclasses.fields(self) if f.type in (bool, "bool")]
-            raise ValueError(f"rewrite name must be a boolean Config field ({', '.join(fields)}), got {name!r}")
+        if not isinstance(value, bool) or name in NOT_REWRITES:
+            fields = [f.name for f in dataclasses.fields(self) if f.type in (bool, "bool") and f.name not in NOT_REWRITES]
+            raise ValueError(f"rewrite name must be a rewrite's Config field ({', '.join(fields)}), got {name!r}")
         return value

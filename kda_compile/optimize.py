@@ -25,6 +25,21 @@ covers every frame the call compiles; it is restored afterwards, so code outside
 Dynamo's config as the user left it (torch 2.13 keeps Dynamo's config per thread; under torch
 2.11, whose config is process-wide, another thread compiling during such a call sees the raised
 value too).
+
+Data-dependent MoE code. Hugging Face's MoE blocks route tokens with ``nonzero`` /
+``torch.where(mask)`` (a data-dependent output shape) and read ``.item()`` / ``.tolist()`` of
+expert ids or counts (a data-dependent scalar): by default Dynamo breaks the graph at each (tiny
+jetmoe, dbrx, longcat_flash, qwen4_exp_text models: 5 to 9 breaks). With
+``Config.capture_data_dependent_ops`` (default on) each call also runs with Dynamo's
+``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` switched on (and back off
+after, when they were off), scoped like the recompile limit: the routing is captured with unbacked
+sizes, which Inductor compiles (tiny jetmoe: 9 breaks and 17 graphs become 1 graph, logits as
+eager; in dbrx and longcat_flash the breaks move to their loop over the experts hit). Breaks that
+remain (a Python branch on such a value, a loop over a tensor of data-dependent length) are
+listed by ``report()`` with Dynamo's reason and the model line (``report.GraphBreak``). Known
+limit: where an op's output shape needs the data to be traced further (e.g. ``torch.split`` by the
+``.tolist()`` of a ``bincount``), Dynamo raises ``GuardOnDataDependentSymNode`` instead of breaking
+the graph; the error then carries a note naming ``Config(capture_data_dependent_ops=False)``.
 """
 from __future__ import annotations
 
@@ -34,6 +49,7 @@ import threading
 from typing import Any, Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from kda_compile.backend import KdaCompileBackend
 from kda_compile.config import Config
@@ -42,6 +58,8 @@ from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fa
 logger = logging.getLogger("kda_compile.optimize")
 
 ENTRIES_PER_OPTIMIZE = 8  # Dynamo's default recompile_limit: the entries one optimize() result may add
+# Dynamo config switched on for the calls (Config.capture_data_dependent_ops): see the module docstring.
+CAPTURE_DATA_DEPENDENT = ("capture_scalar_outputs", "capture_dynamic_output_shape_ops")
 
 _made = [0]  # optimize() results made in this process
 _made_lock = threading.Lock()
@@ -60,11 +78,14 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend) -> C
     warnings attributed to ``backend``'s report. On every call's path: reading or setting a
     Dynamo config value costs microseconds, so this reads one and sets it only to raise it."""
 
+    capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
+
     @functools.wraps(compiled)  # keeps _torchdynamo_orig_callable and the signature (generate reads it)
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced from inside another compiled region
             return compiled(*args, **kwargs)
         dynamo = torch._dynamo.config
+        switched_on = [name for name in capture if not getattr(dynamo, name)]
         prior = dynamo.recompile_limit
         limit = ENTRIES_PER_OPTIMIZE * _made[0]
         raise_it = limit > prior
@@ -77,9 +98,19 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend) -> C
         enter_calls_of(backend)
         if raise_it:
             dynamo.recompile_limit = limit
+        for name in switched_on:
+            setattr(dynamo, name, True)
         try:
             return compiled(*args, **kwargs)
+        except GuardOnDataDependentSymNode as exc:
+            if capture:  # Dynamo raises, instead of breaking the graph, where an op's result shape needs the data
+                exc.add_note("kda_compile.optimize traced this call with torch._dynamo.config.capture_scalar_outputs "
+                             "and capture_dynamic_output_shape_ops on; Config(capture_data_dependent_ops=False) "
+                             "leaves them off (Dynamo then breaks the graph there instead)")
+            raise
         finally:
+            for name in switched_on:
+                setattr(dynamo, name, False)
             if raise_it:
                 dynamo.recompile_limit = prior
             exit_calls_of()
@@ -125,6 +156,10 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
     duration to 8 entries per ``optimize()`` result made so far (or keeps the user's value if
     higher; ``accumulated_recompile_limit`` stays the cap) and restores it after; see the
     module docstring for why. Calls that still exceed it run eagerly and appear in the report.
+    With ``Config.capture_data_dependent_ops`` (default) the calls also run with Dynamo's
+    ``capture_scalar_outputs`` / ``capture_dynamic_output_shape_ops`` on, so MoE routing
+    (``nonzero``, ``.item()``, ``.tolist()``) is captured; the graph breaks that remain are listed by
+    ``report()`` with the model line and Dynamo's reason.
     ``dynamic`` keeps torch.compile's default (None: a second input shape recompiles once with
     dynamic shapes, after which further lengths reuse that graph).
     """

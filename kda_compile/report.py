@@ -9,6 +9,13 @@ kept as data:
 - ``kda_compile.report()``: every graph compiled in this process, latest last (the most recent
   :data:`HISTORY` graphs), e.g. after ``torch.compile(model, backend="kda_compile")``.
 
+It also lists the graph breaks Dynamo made during calls of an :func:`kda_compile.optimize` result
+(:class:`GraphBreak`: the model line and Dynamo's reason), read from Dynamo's ``graph_breaks`` log
+artifact (the one ``TORCH_LOGS="graph_breaks"`` shows): while such a call runs, that logger is set
+to DEBUG with its propagation off (unless the user enabled it already, in which case it is only
+listened to), then restored, so nothing is printed. A break Dynamo already reported in this
+process for the same code location is reported again in a shorter form, still recorded.
+
 It also lists the frames Dynamo ran eagerly during a call of a :func:`kda_compile.optimize` result
 instead of compiling them (:class:`EagerFallback`): a recompile limit hit (Dynamo then runs that
 code object's new inputs eagerly for the rest of the process) or a compile error Dynamo suppressed.
@@ -23,6 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import re
 import threading
 import weakref
@@ -72,6 +80,19 @@ class EagerFallback:
 
 
 @dataclass(frozen=True)
+class GraphBreak:
+    """Dynamo broke the graph at ``location`` (model file:line) during calls of an ``optimize()``
+    result, for ``reason`` (Dynamo's graph-break type and explanation), ``count`` times."""
+
+    location: str
+    reason: str
+    count: int = 1
+
+    def summary(self) -> str:
+        return f"graph break at {self.location} (x{self.count}): {self.reason}"
+
+
+@dataclass(frozen=True)
 class Report:
     """The rewrite report of some compiled graphs.
 
@@ -81,11 +102,13 @@ class Report:
             its call count; process-wide, since ops do not know which model called them.
         eager_fallbacks: the frames Dynamo ran eagerly instead of compiling during calls of this
             model (or, for ``report()``, of any ``optimize()`` result), one per code object and kind.
+        graph_breaks: the graph breaks Dynamo made during those calls, one per location and reason.
     """
 
     graphs: tuple[GraphReport, ...]
     fallbacks: tuple[tuple[FallbackEvent, int], ...] = ()
     eager_fallbacks: tuple[EagerFallback, ...] = ()
+    graph_breaks: tuple[GraphBreak, ...] = ()
 
     @property
     def rewritten(self) -> tuple[Rewritten, ...]:
@@ -103,6 +126,7 @@ class Report:
         else:
             lines = ["no graph compiled by kda_compile yet"]
         lines.extend(e.summary() for e in self.eager_fallbacks)
+        lines.extend(b.summary() for b in self.graph_breaks)
         for event, count in self.fallbacks:
             lines.append(f"fallback: {event.op} ran {event.chosen} ({count} calls): {event.reason}")
         return "\n".join(lines)
@@ -138,7 +162,7 @@ def report(model: Any = None) -> Report:
     fallbacks = tuple(sorted(fallback_events().items(), key=lambda item: (item[0].op, item[0].chosen)))
     if model is None:
         with _history_lock:
-            return Report(tuple(_history), fallbacks, tuple(_all_eager.values()))
+            return Report(tuple(_history), fallbacks, tuple(_all_eager.values()), tuple(_all_breaks.values()))
     backend = _sources.get(model) if _weakrefable(model) else None
     if backend is None:
         raise ValueError(
@@ -146,7 +170,8 @@ def report(model: Any = None) -> Report:
             f"{type(model).__name__}; for torch.compile(..., backend='kda_compile') call kda_compile.report()")
     with _history_lock:
         eager = tuple(_eager.get(backend, {}).values())
-    return Report(tuple(backend.reports), fallbacks, eager)
+        breaks = tuple(_breaks.get(backend, {}).values())
+    return Report(tuple(backend.reports), fallbacks, eager, breaks)
 
 
 def clear_reports() -> None:
@@ -156,6 +181,7 @@ def clear_reports() -> None:
         _history.clear()
         _last_key[0] = None
         _all_eager.clear()
+        _all_breaks.clear()
         _warned.clear()
 
 
@@ -235,24 +261,93 @@ _dynamo_logger = logging.getLogger(DYNAMO_LOGGER)
 
 
 def install_fallback_handler() -> None:
-    """Attach the handler to Dynamo's logger (again, should something have removed it)."""
+    """Attach the handlers to Dynamo's loggers (again, should something have removed them)."""
     if _handler not in _dynamo_logger.handlers:
         _dynamo_logger.addHandler(_handler)
+    if _break_handler not in _break_logger.handlers:
+        _break_logger.addHandler(_break_handler)
 
 
 def enter_calls_of(owner: Any) -> None:
-    """Attribute Dynamo's eager-fallback warnings to ``owner`` (a backend) until
+    """Attribute Dynamo's eager-fallback warnings and graph breaks to ``owner`` (a backend) until
     :func:`exit_calls_of`; a pair around each call of an optimize() result (no context manager:
     this is on every call's path)."""
     owners = getattr(_calls, "owners", None)
     if owners is None:
         owners = _calls.owners = []
     owners.append(owner)
+    with _listen_lock:
+        _listening[0] += 1
+        if _listening[0] == 1 and not _break_logger.isEnabledFor(logging.DEBUG):
+            _restore_break_logger[:] = [(_break_logger.level, _break_logger.propagate)]
+            _break_logger.propagate = False  # recorded here only, never printed
+            _break_logger.setLevel(logging.DEBUG)
 
 
 def exit_calls_of() -> None:
     """Ends the innermost :func:`enter_calls_of`."""
     _calls.owners.pop()
+    with _listen_lock:
+        _listening[0] -= 1
+        if _listening[0] == 0 and _restore_break_logger:
+            level, propagate = _restore_break_logger.pop()
+            _break_logger.setLevel(level)
+            _break_logger.propagate = propagate
+
+
+# ---------------------------------------------------------------------------------------------
+# Graph breaks: Dynamo's graph_breaks log artifact during calls of an optimize() result
+# ---------------------------------------------------------------------------------------------
+BREAK_LOGGER = "torch._dynamo.symbolic_convert.__graph_breaks"  # torch._logging.getArtifactLogger's name
+_break_logger = logging.getLogger(BREAK_LOGGER)
+_breaks: "weakref.WeakKeyDictionary[Any, dict[tuple[str, str], GraphBreak]]" = weakref.WeakKeyDictionary()
+_all_breaks: dict[tuple[str, str], GraphBreak] = {}
+_listening = [0]  # calls of optimize() results in progress (all threads)
+_restore_break_logger: list[tuple[int, bool]] = []
+_listen_lock = threading.Lock()
+_BREAK_RE = re.compile(r"in user code at ([^\n]*):(\d+)\nGraph Break Reason: (.*?)(?:\nUser code traceback|$)",
+                       re.DOTALL)
+_BREAK_NOISE = ("Encountered graph break when attempting", "Developer debug context", "For more details")
+
+
+def parse_graph_break(text: str) -> GraphBreak | None:
+    """The graph break a Dynamo ``graph_breaks`` log message announces (the break type, Dynamo's
+    explanation and hint, without the generic preamble and links), or None."""
+    match = _BREAK_RE.search(text)
+    if match is None:
+        return None
+    path, line, reason = match.groups()
+    parts = [part.strip() for part in reason.splitlines() if part.strip()]
+    reason = " | ".join(part for part in parts if not part.startswith(_BREAK_NOISE)) or " | ".join(parts)
+    reason = reason if len(reason) <= 400 else reason[:397] + "..."
+    return GraphBreak(f"{os.path.basename(path)}:{line}", reason)
+
+
+def record_graph_break(owner: Any, event: GraphBreak) -> None:
+    key = (event.location, event.reason)
+    with _history_lock:
+        for table in (_breaks.setdefault(owner, {}), _all_breaks):
+            seen = table.get(key)
+            table[key] = event if seen is None else dataclasses.replace(seen, count=seen.count + 1)
+    logger.debug("kda_compile: %s", event.summary())
+
+
+class _GraphBreakHandler(logging.Handler):
+    """Records Dynamo's graph-break log lines emitted during calls of an optimize() result."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        owners = getattr(_calls, "owners", None)
+        if not owners:
+            return
+        try:
+            event = parse_graph_break(record.getMessage())
+            if event is not None:
+                record_graph_break(owners[-1], event)
+        except Exception:  # noqa: BLE001  (a report must never break the user's call)
+            self.handleError(record)
+
+
+_break_handler = _GraphBreakHandler(logging.DEBUG)
 
 
 def _weakrefable(obj: Any) -> bool:

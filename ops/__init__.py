@@ -5,9 +5,13 @@ Ops know nothing of models or of torch.compile passes.
 """
 from kda_compile.ops._common import tag_compile_caches
 from kda_compile.ops.attention import attention, attention_with_lse
+from kda_compile.ops.dsa import dsa_indexer_topk, dsa_sparse_attention
+from kda_compile.ops.gdn import chunk_gated_delta_rule, chunk_gdn, fused_recurrent_gated_delta_rule, fused_recurrent_gdn
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
 from kda_compile.ops.mla import mla_attention
 
 tag_compile_caches()
 
-__all__ = ["attention", "attention_with_lse", "chunk_kda", "fused_recurrent_kda", "mla_attention"]
+__all__ = ["attention", "attention_with_lse", "chunk_gated_delta_rule", "chunk_gdn", "chunk_kda", "dsa_indexer_topk",
+           "dsa_sparse_attention", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn", "fused_recurrent_kda",
+           "mla_attention"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import threading
@@ -140,6 +141,53 @@ def autograd_inside_op():
             stack.enter_context(torch._C._SetExcludeDispatchKeyGuard(key, False))
         stack.enter_context(torch.enable_grad())
         yield
+
+
+def grads_by_autograd(run, inputs: dict, do: torch.Tensor, dht) -> tuple:
+    """A reference backward: autograd through ``run(leaves) -> (o, final_state)`` (plain torch math on
+    ``leaves``, the non-None ``inputs`` as fresh leaves), inside an op's backward kernel. Returns one
+    gradient per entry of ``inputs``, in order: None for an absent input, zeros for one the outputs do not
+    depend on. ``dht``: the final state's gradient, or None."""
+    with autograd_inside_op():
+        leaves = {name: t.detach().requires_grad_() for name, t in inputs.items() if t is not None}
+        o, final = run(leaves)
+        outputs, grads = [o], [do]
+        if dht is not None:
+            outputs.append(final)
+            grads.append(dht.to(final.dtype))
+        got = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)))
+    return tuple(None if t is None else (got[name] if got[name] is not None else torch.zeros_like(t))
+                 for name, t in inputs.items())
+
+
+SUPPORTED_FLA = "0.6."  # the fla-core release whose internal functions the FLA backends call
+
+
+def load_fla_internals(functions: dict[str, str], keywords: dict[str, set[str]] | None = None):
+    """Import fla-core's internal functions, ``{name: "module.path:attribute"}``: ``(namespace, None)``, or
+    ``(None, reason)`` when fla-core is missing, is another release than :data:`SUPPORTED_FLA`, lacks one of
+    them, or (``keywords``: name -> the keyword arguments a caller passes) one lacks a keyword we pass (a
+    release that renamed it is refused with the reason instead of failing inside a call)."""
+    try:
+        fla = importlib.import_module("fla")
+    except Exception as exc:  # ImportError, or a broken install raising anything else
+        return None, f"fla-core is not importable ({type(exc).__name__}: {exc}); install kda-compile[fla]"
+    version = getattr(fla, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_FLA):
+        return None, f"fla-core {version} found; the internals used here are those of fla-core {SUPPORTED_FLA}x"
+    try:
+        namespace = {}
+        for name, where in functions.items():
+            module, attribute = where.split(":")
+            namespace[name] = getattr(importlib.import_module(module), attribute)
+    except Exception as exc:
+        return None, f"fla-core {version} is missing an internal function ({type(exc).__name__}: {exc})"
+    for name, needed in (keywords or {}).items():
+        missing = set(needed) - set(inspect.signature(namespace[name]).parameters)
+        if missing:
+            return None, f"fla-core {version}'s {name} lacks the arguments {sorted(missing)} this backend passes"
+    logger.info("fla-core %s internals loaded: %s", version, ", ".join(functions))
+    return namespace, None
 
 
 def cdiv(a: int, b: int) -> int:

@@ -11,6 +11,7 @@ They run on the Dynamo FX graph inside the ``kda_compile`` backend, before Induc
 from kda_compile.passes import kda_recurrence  # noqa: F401  (registers the rewrite; runs first)
 from kda_compile.passes import kda_prologue  # noqa: F401  (registers the rewrite; runs after kda_recurrence)
 from kda_compile.passes import kda_sites  # noqa: F401  (registers the kda_substitution report; after kda_prologue)
+from kda_compile.passes import dsa_attention  # noqa: F401  (registers the rewrite; before the attention rewrites)
 from kda_compile.passes import softmax_attention  # noqa: F401  (registers the rewrite)
 from kda_compile.passes import sdpa_attention  # noqa: F401  (registers the rewrite; runs after softmax_attention)
 from kda_compile.passes import mla_absorb  # noqa: F401  (registers the rewrite; runs after the attention rewrites)

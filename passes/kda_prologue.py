@@ -17,6 +17,17 @@ and replaces the call with::
     o, S = chunk_kda(q_raw, k_raw, v, f, b, ..., use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                      lower_bound=lower_bound, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
 
+The same for the gated delta rule (GDN: ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``),
+as Hugging Face's Qwen3-Next family writes it (models/qwen3_next/modeling_qwen3_next.py, 5.23)::
+
+    beta = b.sigmoid()                                                    # 2 * sigmoid(b) in olmo_hybrid
+    g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # one decay per value head
+    o, S = chunk_gated_delta_rule(q, k, v, g, beta, ...)                  # the GDN ops (kda_substitution)
+
+becomes ``chunk_gated_delta_rule(q, k, v, a, b, ..., use_gate_in_kernel=True, A_log=A_log,
+dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)``: ``A_log`` and ``dt_bias`` per value head ``[HV]``;
+the lower-bound gate is KDA's only (left alone on a GDN call).
+
 A KDA call is either a call of the public function (inserted by ``kda_recurrence``) or, where
 Dynamo traced our public API (trace-time substitution, user code), a
 ``torch.ops.kda_compile.chunk_kda_fwd`` / ``fused_recurrent_kda_fwd`` node read through getitems; the
@@ -44,7 +55,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from kda_compile.ops import chunk_kda, fused_recurrent_kda
+from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 from kda_compile.passes.delta_rule_step import EXP, SUM
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
                                             known_shape_equal, module_path, source_line, static_int, tensor_of)
@@ -113,13 +124,18 @@ def first_match(pattern, node) -> Bindings | None:
 # ----------------------------------------------------------------------------------------------
 # KDA calls in the graph
 # ----------------------------------------------------------------------------------------------
-PUBLIC = {chunk_kda: chunk_kda, fused_recurrent_kda: fused_recurrent_kda}
+PUBLIC = {chunk_kda: chunk_kda, fused_recurrent_kda: fused_recurrent_kda,
+          chunk_gated_delta_rule: chunk_gated_delta_rule,
+          fused_recurrent_gated_delta_rule: fused_recurrent_gated_delta_rule}
+GDN_FUNCTIONS = (chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)  # g [B, T, HV]: one decay per head
 
 
 @functools.cache
 def _op_overloads() -> dict:
     ops = torch.ops.kda_compile
-    return {ops.chunk_kda_fwd.default: chunk_kda, ops.fused_recurrent_kda_fwd.default: fused_recurrent_kda}
+    return {ops.chunk_kda_fwd.default: chunk_kda, ops.fused_recurrent_kda_fwd.default: fused_recurrent_kda,
+            ops.chunk_gdn_fwd.default: chunk_gated_delta_rule,
+            ops.fused_recurrent_gdn_fwd.default: fused_recurrent_gated_delta_rule}
 
 
 @dataclass
@@ -135,6 +151,10 @@ class KDACall:
     @property
     def is_op(self) -> bool:
         return self.node.target not in PUBLIC
+
+    @property
+    def is_gdn(self) -> bool:
+        return self.fn in GDN_FUNCTIONS
 
 
 def kda_call(node: torch.fx.Node) -> KDACall | None:
@@ -253,6 +273,29 @@ def split_gate_input(x: torch.fx.Node, graph, at, inserted: list) -> tuple[torch
     return x, None
 
 
+def split_gdn_gate_input(x: torch.fx.Node, graph, at, inserted: list) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """GDN: ``x`` = raw gate (+ dt_bias ``[HV]``, leading ones allowed) -> (raw [B, T, HV], dt_bias or None)."""
+    xt, added = tensor_of(x), ADD.bind(x)
+    if added is None:
+        return x, None
+    for f, d in ((added["input"], added["other"]), (added["other"], added["input"])):
+        ft, dt = tensor_of(f), tensor_of(d)
+        if ft is None or dt is None or not known_shape_equal(ft.shape, xt.shape):
+            continue
+        core = list(dt.shape)
+        while len(core) > 1 and static_int(core[0]) == 1:
+            core = core[1:]
+        if len(core) == 1 and known_equal(core[0], xt.shape[-1]):
+            return _drop_upcast(f), _flat(graph, d, at, inserted)
+    return x, None
+
+
+def per_value_head(a_log: torch.fx.Node, g_shape) -> bool:
+    """GDN: exp(A_log) broadcast against g [B, T, HV] is one rate per value head: A_log is [..., HV]."""
+    shape = list(tensor_of(a_log).shape)
+    return 1 <= len(shape) <= 3 and all(static_int(n) == 1 for n in shape[:-1]) and known_equal(shape[-1], g_shape[-1])
+
+
 def per_head(a_log: torch.fx.Node, g_shape) -> bool:
     """exp(A_log) broadcast against g [B, T, HV, K] scales whole heads: A_log is [..., HV, 1]."""
     shape = list(tensor_of(a_log).shape)
@@ -290,10 +333,25 @@ def fold_gate(call: KDACall, graph, fold: Fold) -> None:
         fold.kept.append(f"g: softplus threshold {gate['threshold']} differs from the kernel's {SOFTPLUS_THRESHOLD}")
         return
     a_log = gate.get("A_log")
+    lower_bound = float(concrete_number(gate["lower_bound"])) if "lower_bound" in gate.values else None
+    if call.is_gdn:
+        if lower_bound is not None or a_log is None:
+            fold.kept.append("g: the lower-bound gate is KDA's; the GDN op's in-kernel gate is the softplus form")
+            return
+        if not per_value_head(a_log, g_shape):
+            fold.kept.append(f"g: exp(A_log) of shape {list(tensor_of(a_log).shape)} is not per value head "
+                             f"(expected [HV])")
+            return
+        raw, dt_bias = split_gdn_gate_input(x, graph, call.node, fold.inserted)
+        fold.args.update(g=raw, use_gate_in_kernel=True, dt_bias=dt_bias,
+                         A_log=_flat(graph, a_log, call.node, fold.inserted))
+        fold.replaced += [node, *casts]
+        fold.folded["gate"] = "softplus" + (" + dt_bias" if dt_bias is not None else "") + \
+            (" (through casts)" if casts else "")
+        return
     if a_log is not None and not per_head(a_log, g_shape):
         fold.kept.append(f"g: exp(A_log) of shape {list(tensor_of(a_log).shape)} is not per head (expected [HV, 1])")
         return
-    lower_bound = float(concrete_number(gate["lower_bound"])) if "lower_bound" in gate.values else None
     if lower_bound is not None and not lower_bound < 0:
         fold.kept.append(f"g: lower bound {lower_bound} is not negative")
         return
@@ -389,7 +447,9 @@ class KDAPrologueRewrite(GraphRewrite):
     @staticmethod
     def _replace(graph: torch.fx.Graph, call: KDACall, fold: Fold) -> None:
         args = dict(call.args, **fold.args)
-        positional = tuple(args.pop(name) for name in ("q", "k", "v", "g", "beta"))
+        # (GDN's decode function takes gk / gv before beta: only q, k, v, g go by position)
+        names = ("q", "k", "v", "g") if call.is_gdn else ("q", "k", "v", "g", "beta")
+        positional = tuple(args.pop(name) for name in names)
         new = insert_call(graph, call.node, call.fn, positional, args, meta_from=call.node)
         gone = [call.node]
         if call.is_op:

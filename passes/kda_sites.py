@@ -7,9 +7,12 @@ changes nothing: it reads the graph and reports, per KDA call::
         entry=transformers chunk_kimi_delta_attention, heads=2/2, K=16, V=16, scale=0.25,
         use_qk_l2norm_in_kernel=True, initial_state=False, output_final_state=True, ...)
 
-for every node calling ``torch.ops.kda_compile.chunk_kda_fwd`` / ``fused_recurrent_kda_fwd`` (what
-a substitute or a direct call of ``kda_compile.ops`` traces to) or the public ``chunk_kda`` /
-``fused_recurrent_kda`` (what other rewrites insert). ``entry`` is the entry point the call stands
+for every node calling ``torch.ops.kda_compile.chunk_kda_fwd`` / ``fused_recurrent_kda_fwd`` or the
+GDN ops ``chunk_gdn_fwd`` / ``fused_recurrent_gdn_fwd`` (what a substitute or a direct call of
+``kda_compile.ops`` traces to), or the public ``chunk_kda`` / ``fused_recurrent_kda`` /
+``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (what other rewrites insert). A GDN
+site reads e.g. ``-> kda_compile.chunk_gdn_fwd(entry=transformers torch_chunk_gated_delta_rule, ...)``.
+``entry`` is the entry point the call stands
 for, read from the node's stack trace: the frame of the substitute that produced it (e.g.
 ``fla chunk_kda``, ``transformers recurrent_kimi_delta_attention``, with ``via HF wrapper`` when
 HF's wrapper was substituted), else ``kda_compile.ops`` (called by the model) or ``graph rewrite``.
@@ -36,13 +39,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.ops import chunk_kda, fused_recurrent_kda
-from kda_compile.passes import kda_substitution
+from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
+from kda_compile.passes import delta_rule_probe, kda_substitution
 from kda_compile.passes.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 
-KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent"}
-PUBLIC_FUNCTIONS = {chunk_kda: "chunk", fused_recurrent_kda: "recurrent"}
+KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent",
+           "kda_compile::chunk_gdn_fwd": "chunk", "kda_compile::fused_recurrent_gdn_fwd": "recurrent"}
+PUBLIC_FUNCTIONS = {chunk_kda: "chunk", fused_recurrent_kda: "recurrent", chunk_gated_delta_rule: "chunk",
+                    fused_recurrent_gated_delta_rule: "recurrent"}
 FLAGS = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
          "lower_bound", "output_final_state")
 
@@ -88,6 +93,9 @@ def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
         return "graph rewrite" + unrolled, source_line(node)
     callers = [(p, line) for p, line, _ in frames[:first_ours] if not any(d in p for d in _WRAPPER_DIRS)]
     source = f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else ""
+    probed = delta_rule_probe.recognised_entry(frames)
+    if probed is not None:  # a look-alike function, recognised by what it computes
+        return probed, source
     if not substitutes:
         return "kda_compile.ops", source
     entry = kda_substitution.SUBSTITUTE_FRAMES[substitutes[-1]]
@@ -114,9 +122,10 @@ def site_details(node: torch.fx.Node, kind: str, arguments: dict[str, Any], entr
 
 def _reference_function(frames: list[tuple[str, int, str]]) -> str | None:
     """The HF torch KDA reference a node was traced in (not through a substitute), or None."""
-    if any(is_our_file(path) for path, _, _ in frames):
-        return None
-    names = [fn for _, _, fn in frames if fn in kda_substitution.HF_REFERENCE_FUNCTIONS]
+    if any(is_our_file(path) and os.path.abspath(path) != delta_rule_probe.PROBE_FILE for path, _, _ in frames):
+        return None  # (a probing substitute that declined a call traces the original: still a reference)
+    names = [fn for _, _, fn in frames
+             if fn in kda_substitution.HF_REFERENCE_FUNCTIONS or delta_rule_probe.traced_as_written(fn)]
     return names[-1] if names else None
 
 
@@ -152,9 +161,11 @@ class KdaSites(GraphRewrite):
             log.rewritten.append(Rewritten(self.name, module_path(node), source, op,
                                            site_details(node, kind, arguments, entry)))
         for (site, function), count in unsubstituted_references(gm).items():
+            probed = "; ".join(delta_rule_probe.traced_as_written(function))
+            why = probed or (f"its substitute is not registered ({kda_substitution.ENV_SWITCH}=0, or see the "
+                             f"kda_compile.passes.kda_substitution log)")
             log.left_alone.append(LeftAlone(
                 self.name, site, "",
                 f"Hugging Face's torch reference {function} traced as written ({count} nodes, its loops "
-                f"unrolled): its substitute is not registered ({kda_substitution.ENV_SWITCH}=0, or see the "
-                f"kda_compile.passes.kda_substitution log)"))
+                f"unrolled): {why}"))
         return 0

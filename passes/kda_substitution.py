@@ -28,14 +28,18 @@ Entry points substituted (each object once; an alias is the same object):
   (``wrapper.__wrapped__``) -> ``chunk_kda`` / ``fused_recurrent_kda``: pre-activated g and beta,
   scale ``K ** -0.5``, ``chunk_size`` kept when 16/32/64 (any other size is the same math: 64), the
   initial state cast to float32 as HF does, HF's extra keywords ignored as HF ignores them.
+- FLA's ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` and their aliases
+  ``chunk_gdn`` / ``fused_recurrent_gdn`` (``fla.ops.gated_delta_rule`` and its submodules, ``fla.ops``,
+  ``fla``) -> kda_compile's GDN functions of the same names, same arguments (``gk`` / ``gv`` and
+  ``cp_context`` other than None trace FLA's own function: logged).
 - HF's gated-delta-rule torch references ``torch_chunk_gated_delta_rule`` /
   ``torch_recurrent_gated_delta_rule`` (qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid, qwen4_exp)
-  -> the same ops, the per-head GDN gate ``g [B, T, HV]`` broadcast over the K channels (a stride-0
-  view): exactly the GDN recurrence; grouped value heads read q/k head ``h // (HV // H)``, as HF's
-  ``repeat_interleave`` does.
+  -> ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` with the per-head gate
+  ``g [B, T, HV]`` as it is; grouped value heads read q/k head ``h // (HV // H)``, as HF's
+  ``repeat_interleave`` does. (The GDN ops choose their kernels per call: FLA's GDN kernels on CUDA,
+  docs/gdn.md.)
 - HF's wrappers (the module-level names) -> what the wrapper bound, mapped as above, after HF's
-  filtering of the keywords. A GDN wrapper bound to FLA is left alone: FLA's GDN kernels exploit
-  the per-head gate, ours would do per-channel work (measure before substituting them).
+  filtering of the keywords; a GDN wrapper bound to FLA becomes the GDN ops too.
 
 Returns are the entry points': ``(o in q's dtype, float32 final state, or None unless
 output_final_state)``. FLA arguments given by position are bound by FLA's own parameter order, so
@@ -72,6 +76,7 @@ import importlib.abc
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 import types
@@ -80,7 +85,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kda_compile.ops import chunk_kda, fused_recurrent_kda
+from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
@@ -88,12 +93,16 @@ ENV_SWITCH = "KDA_COMPILE_SUBSTITUTION"
 _OFF_VALUES, _ON_VALUES = ("0", "false", "off", "no"), ("", "1", "true", "on", "yes")
 
 FLA_MODULES = ("fla.ops.kda", "fla.ops.kda.chunk", "fla.ops.kda.fused_recurrent", "fla.ops", "fla")
+FLA_GDN_MODULES = ("fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk",
+                   "fla.ops.gated_delta_rule.fused_recurrent", "fla.ops", "fla")
 HF_KIMI_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
 
 CHUNK_SIZES = (16, 32, 64)
 _OURS_PARAMS = {fn: frozenset(n for n, p in inspect.signature(fn).parameters.items()
                               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL))
-                for fn in (chunk_kda, fused_recurrent_kda)}
+                for fn in (chunk_kda, fused_recurrent_kda, chunk_gated_delta_rule, fused_recurrent_gated_delta_rule)}
+# FLA options our functions take only at their default: another value traces FLA's own function (logged).
+_ONLY_AT_DEFAULT = {"cp_context": None, "gk": None, "gv": None}
 
 
 def substitution_enabled_by_env() -> bool:
@@ -189,11 +198,12 @@ def _serve_fla_call(entry: str, ours: Callable, original: Callable, positional: 
     call = dict(zip(positional, args))
     call.update(kwargs)
     foreign = tuple(name for name, value in call.items()
-                    if name not in _OURS_PARAMS[ours] and not _is_default(value, defaults.get(name)))
+                    if (name not in _OURS_PARAMS[ours] and not _is_default(value, defaults.get(name)))
+                    or (name in _ONLY_AT_DEFAULT and not _is_default(value, _ONLY_AT_DEFAULT[name])))
     if foreign:
         _declined(entry, f"argument(s) {', '.join(foreign)} that kda_compile does not take")
         return original(*args, **kwargs)
-    if ours is fused_recurrent_kda and "initial_state" in call:
+    if ours in (fused_recurrent_kda, fused_recurrent_gated_delta_rule) and "initial_state" in call:
         # FLA's recurrent kernel reads any state dtype in fp32 and returns an fp32 final state (its chunk
         # entry asserts fp32); our op takes fp32 states only: the upcast is exact.
         call["initial_state"] = _as_state(call["initial_state"])
@@ -216,6 +226,24 @@ def _fla_recurrent_substitute(entry: str, original: Callable) -> Callable:
         return _serve_fla_call(entry, fused_recurrent_kda, twin, positional, defaults, args, kwargs)
 
     return fla_fused_recurrent_kda
+
+
+def _fla_gdn_chunk_substitute(entry: str, original: Callable) -> Callable:
+    twin, (positional, defaults) = _copy_of(original), _fla_signature(original)
+
+    def fla_chunk_gated_delta_rule(*args, **kwargs):
+        return _serve_fla_call(entry, chunk_gated_delta_rule, twin, positional, defaults, args, kwargs)
+
+    return fla_chunk_gated_delta_rule
+
+
+def _fla_gdn_recurrent_substitute(entry: str, original: Callable) -> Callable:
+    twin, (positional, defaults) = _copy_of(original), _fla_signature(original)
+
+    def fla_fused_recurrent_gated_delta_rule(*args, **kwargs):
+        return _serve_fla_call(entry, fused_recurrent_gated_delta_rule, twin, positional, defaults, args, kwargs)
+
+    return fla_fused_recurrent_gated_delta_rule
 
 
 def _as_state(initial_state):
@@ -270,9 +298,10 @@ def _hf_gdn_chunk_substitute(entry: str, original: Callable) -> Callable:
         if not _substituting(entry):
             return twin(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, **kwargs)
-        return chunk_kda(query, key, value, _per_channel(g, key), beta, initial_state=_as_state(initial_state),
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
+        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=_as_state(initial_state),
+                                      output_final_state=output_final_state,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                      chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
 
     return hf_chunk_gated_delta_rule
 
@@ -285,9 +314,9 @@ def _hf_gdn_recurrent_substitute(entry: str, original: Callable) -> Callable:
         if not _substituting(entry):
             return twin(query, key, value, g, beta, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                         **kwargs)
-        return fused_recurrent_kda(query, key, value, _per_channel(g, key), beta,
-                                   initial_state=_as_state(initial_state), output_final_state=output_final_state,
-                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        return fused_recurrent_gated_delta_rule(query, key, value, g, beta=beta, initial_state=_as_state(initial_state),
+                                                output_final_state=output_final_state,
+                                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
     return hf_recurrent_gated_delta_rule
 
@@ -314,8 +343,10 @@ SUBSTITUTE_FRAMES = {
     "fla_fused_recurrent_kda": "fla fused_recurrent_kda",
     "hf_chunk_kimi_delta_attention": "transformers chunk_kimi_delta_attention",
     "hf_recurrent_kimi_delta_attention": "transformers recurrent_kimi_delta_attention",
-    "hf_chunk_gated_delta_rule": "transformers torch_chunk_gated_delta_rule (GDN gate broadcast)",
-    "hf_recurrent_gated_delta_rule": "transformers torch_recurrent_gated_delta_rule (GDN gate broadcast)",
+    "fla_chunk_gated_delta_rule": "fla chunk_gated_delta_rule",
+    "fla_fused_recurrent_gated_delta_rule": "fla fused_recurrent_gated_delta_rule",
+    "hf_chunk_gated_delta_rule": "transformers torch_chunk_gated_delta_rule",
+    "hf_recurrent_gated_delta_rule": "transformers torch_recurrent_gated_delta_rule",
     "hf_kda_wrapper": "transformers use_kernel_func_from_hub_with_fallback wrapper",
 }
 
@@ -328,7 +359,7 @@ class HfFamily:
     chunk: str
     recurrent: str
     substitutes: tuple[Callable, Callable]  # factories for (chunk, recurrent)
-    gated_per_head: bool  # GDN: FLA's kernels for it are not KDA's, so a FLA-bound wrapper is left alone
+    gated_per_head: bool  # GDN: a FLA-bound wrapper binds FLA's gated-delta-rule functions (not chunk_kda)
 
 
 _GDN_MODELS = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "qwen4_exp")
@@ -384,8 +415,11 @@ def _register(entry: str, found_at: str, original: Any, make: Callable[[], Calla
 
 
 def _register_fla() -> None:
-    makers = {"chunk_kda": _fla_chunk_substitute, "fused_recurrent_kda": _fla_recurrent_substitute}
-    for module_name in FLA_MODULES:
+    kda_makers = {"chunk_kda": _fla_chunk_substitute, "fused_recurrent_kda": _fla_recurrent_substitute}
+    gdn_makers = {"chunk_gated_delta_rule": _fla_gdn_chunk_substitute, "chunk_gdn": _fla_gdn_chunk_substitute,
+                  "fused_recurrent_gated_delta_rule": _fla_gdn_recurrent_substitute,
+                  "fused_recurrent_gdn": _fla_gdn_recurrent_substitute}
+    for module_name, makers in [*((m, kda_makers) for m in FLA_MODULES), *((m, gdn_makers) for m in FLA_GDN_MODULES)]:
         module = sys.modules.get(module_name)
         for name, make in makers.items():
             fn = getattr(module, name, None) if module is not None else None
@@ -469,12 +503,13 @@ def _register_hf_function(family: HfFamily, name: str, make: Callable, parameter
         return
     if implementation is torch_function:
         serve = serve_torch
-    elif family.gated_per_head:
-        logger.debug("%s is bound to %s (FLA's GDN kernels): left to FLA", where, implementation)
-        return
     else:
-        fla_name = "chunk_kda" if name == family.chunk else "fused_recurrent_kda"
-        fla_make = _fla_chunk_substitute if name == family.chunk else _fla_recurrent_substitute
+        if family.gated_per_head:  # FLA's GDN functions, which the GDN ops replace
+            fla_name = "chunk_gated_delta_rule" if name == family.chunk else "fused_recurrent_gated_delta_rule"
+            fla_make = _fla_gdn_chunk_substitute if name == family.chunk else _fla_gdn_recurrent_substitute
+        else:
+            fla_name = "chunk_kda" if name == family.chunk else "fused_recurrent_kda"
+            fla_make = _fla_chunk_substitute if name == family.chunk else _fla_recurrent_substitute
         serve = _register(f"fla {fla_name}", f"{where} (bound by the wrapper)", implementation,
                           lambda: fla_make(f"fla {fla_name}", implementation))
     if serve is not None:
@@ -491,10 +526,14 @@ def _register_hf() -> None:
 
 
 def register_loaded_entry_points() -> None:
-    """Register the substitutes of every known entry point whose module is imported."""
+    """Register the substitutes of every known entry point whose module is imported, then the probing
+    substitutes of look-alike functions of transformers modeling modules (delta_rule_probe.py)."""
+    from kda_compile.passes import delta_rule_probe  # imports this module: imported on first use
+
     with _lock:
         _register_fla()
         _register_hf()
+        delta_rule_probe.register_probed_entry_points()
 
 
 def registered() -> tuple[Registered, ...]:
@@ -535,7 +574,7 @@ class _WatchKdaModules(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for a watched module it asks the finders after it and wraps the loader."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in WATCHED_MODULES:
+        if fullname not in WATCHED_MODULES and not _PROBED_MODULES.match(fullname):
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -549,7 +588,8 @@ class _WatchKdaModules(importlib.abc.MetaPathFinder):
         return None
 
 
-WATCHED_MODULES = frozenset(FLA_MODULES + tuple(f.module for f in HF_FAMILIES))
+WATCHED_MODULES = frozenset(FLA_MODULES + FLA_GDN_MODULES + tuple(f.module for f in HF_FAMILIES))
+_PROBED_MODULES = re.compile(r"transformers\.models\.\w+\.modeling_\w+$")  # delta_rule_probe scans these
 _watcher = _WatchKdaModules()
 
 

@@ -355,7 +355,13 @@ def _check_no_mutation(region: ExpandKV, consumer: Consumer) -> None:
 def mla_arguments(consumer: Consumer) -> tuple[dict, dict]:
     """``mla_attention`` keywords from the attention's, and the details the report shows."""
     kw = consumer.kwargs
-    for name in ("softcap", "sinks", "sliding_window"):
+    if kw.get("sinks") is not None:
+        # A sink adds exp(sink[h]) to each softmax denominator: o_sink = o * sigmoid(lse - sink[h]). The op
+        # could take it as a `sinks` [H] argument, or return its log-sum-exp for the pass to rescale by.
+        raise NotMLA(f"the attention has sinks={describe_node(kw['sinks'])}: mla_attention takes no sinks "
+                     f"argument and returns no log-sum-exp (either would serve: sinks [H], or lse [B, H, Sq] "
+                     f"to rescale o by sigmoid(lse - sinks))")
+    for name in ("softcap", "sliding_window"):
         if kw.get(name) is not None:
             raise NotMLA(f"the attention has {name}={describe_node(kw[name])}, which mla_attention does not take")
     if kw.get("dropout_p", 0.0) != 0.0:

@@ -30,10 +30,24 @@ def test_bad_prefill_shapes_name_the_item(text, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
-@pytest.mark.parametrize("name", ["kda", "mla"])
+@pytest.mark.parametrize("name", ["kda", "mla", "dsa"])
 def test_gpu_benchmarks_say_they_need_cuda(name, tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main([name, "--csv", str(tmp_path / "out.csv")])
+
+
+def test_dsa_benchmark_smoke_on_cpu(tmp_path):
+    """One tiny shape through the whole DSA benchmark (our ops on the CPU path, the dense baseline)."""
+    path = tmp_path / "dsa.csv"
+    assert main(["dsa", "--smoke", "--modes", "fwd,fwd+bwd", "--csv", str(path)]) == 0
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    seen = {(r["op"], r["provider"], r["mode"], r["metric"]) for r in rows}
+    for op in ("dsa_indexer", "dsa_sparse_attention"):
+        for provider in ("ours", "dense torch"):
+            assert (op, provider, "fwd", "time") in seen and (op, provider, "fwd", "tflops") in seen
+    assert ("dsa_sparse_attention", "ours", "fwd+bwd", "time") in seen
+    assert all(float(r["p50"]) > 0 for r in rows if r["metric"] == "time")
 
 
 def test_profile_option_is_parsed(monkeypatch, tmp_path):
@@ -380,3 +394,37 @@ def test_repository_benchmark_readme_is_up_to_date():
     csvs = {path.stem: read_rows(path) for path in sorted(REPO_BENCHMARKS.glob("*.csv"))}
     assert (REPO_BENCHMARKS / "README.md").read_text() == readme_text(csvs)
     assert all((REPO_BENCHMARKS / f"{name}.png").is_file() for name in csvs)
+
+
+# ------------------------------------------------------------------------------------------------
+# The GDN benchmark: a CPU smoke run (tiny shape, reference and our providers) through the CLI.
+# ------------------------------------------------------------------------------------------------
+def test_gdn_benchmark_smoke_run_on_cpu(tmp_path):
+    from kda_compile.bench.common import CSV_COLUMNS
+
+    out = tmp_path / "gdn.csv"
+    assert main(["gdn", "--device", "cpu", "--providers", "reference,ours", "--shapes", "1x20,varlen:0+9+4",
+                 "--decode-batches", "2", "--heads", "1/2", "--head-dim", "8", "--csv", str(out)]) == 0
+    with out.open() as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    cells = {(r["provider"], r["mode"], r["shape"], r["metric"]) for r in rows}
+    for mode, shape in (("fwd", "1x20"), ("fwd+bwd", "varlen:0+9+4"), ("decode", "2x1")):
+        assert {("reference", mode, shape, "wall_time"), ("ours", mode, shape, "wall_time"),
+                ("ours", mode, shape, "rel_error_vs_ours")} <= cells
+    errors = [float(r["p50"]) for r in rows if r["metric"] == "rel_error_vs_ours"]
+    assert len(errors) == 5 and max(errors) < 1e-5  # on CPU "ours" is the reference: same math
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "1x0"], ["--shapes", "varlen:0+0"], ["--heads", "3/4"],
+                                  ["--providers", "ours,ours"], ["--modes", "bwd"]])
+def test_bad_gdn_options_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(["gdn", *argv])
+    assert "argument --" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_gdn_benchmark_says_it_needs_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        main(["gdn", "--csv", str(tmp_path / "out.csv")])

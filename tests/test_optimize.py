@@ -61,8 +61,10 @@ def test_every_registered_rewrite_has_a_config_switch():
     for name in REWRITES:
         assert isinstance(getattr(Config(), name), bool)
         assert Config(**{name: False}).rewrite_enabled(name) is False
-    with pytest.raises(ValueError, match="rewrite name must be a boolean Config field"):
+    with pytest.raises(ValueError, match="rewrite name must be a rewrite's Config field"):
         Config().rewrite_enabled("compiler")
+    with pytest.raises(ValueError, match="rewrite name must be a rewrite's Config field"):
+        Config().rewrite_enabled("capture_data_dependent_ops")  # a boolean field, but no rewrite
 
 
 # ---------------------------------------------------------------------------------------------

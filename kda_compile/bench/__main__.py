@@ -22,6 +22,8 @@ BENCHMARKS = {
     "attention": "kda_compile.bench.attention",
     "e2e": "kda_compile.bench.e2e",
     "mla": "kda_compile.bench.mla",
+    "dsa": "kda_compile.bench.dsa",
+    "gdn": "kda_compile.bench.gdn",
 }
 REPORT_DIR = pathlib.Path("benchmarks")
 

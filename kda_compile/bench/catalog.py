@@ -47,6 +47,20 @@ def _kda_prefill(gate: str) -> str:
     )
 
 CATALOG: dict[str, Benchmark] = {
+    "gdn": Benchmark(
+        title="GDN (gated delta rule): prefill, training and decode",
+        measures="`chunk_gated_delta_rule` (`fwd`: forward in inference mode; `fwd+bwd`: forward and backward) and "
+        "`fused_recurrent_gated_delta_rule` (`decode`: one token) at Qwen3-Next's widths: 16 q/k heads, 32 value "
+        "heads, K = V = 128, bf16, the q / k L2 norm, the GDN gate and the beta sigmoid computed inside the op, an "
+        "fp32 initial state and the final state returned. Providers: `ours` (`kda_compile.ops` with its automatic "
+        "backend choice), `ours (KDA kernels)` (the route through our KDA Triton kernels with the gate broadcast "
+        "over K: what runs without FLA) and `FLA` (flash-linear-attention's public functions). `wall_time`: one "
+        "call as its caller waits for it; `kernel_time`: the summed GPU time of its kernels. Design: "
+        "[docs/gdn.md](../docs/gdn.md).",
+        command="python -m kda_compile.bench gdn",
+        views=(View("wall_time", ours=("ours", "ours (KDA kernels)"), baselines=("FLA",)),
+               View("kernel_time", ours=("ours", "ours (KDA kernels)"), baselines=("FLA",))),
+    ),
     "kda_prefill_lower_bound": Benchmark(
         title="KDA prefill, lower-bound gate",
         measures=_kda_prefill("Gate: `lower_bound=-5` with `safe_gate=True` (FlashKDA's setting); for it the op's "
@@ -117,6 +131,20 @@ CATALOG: dict[str, Benchmark] = {
                     providers=("kda_compile", "kda_compile_triton_kernel")),
                View("fraction_of_copy_bandwidth",
                     providers=("kda_compile_triton_kernel_only", "kda_compile_wgmma_kernel_only"))),
+    ),
+    "dsa": Benchmark(
+        title="DeepSeek Sparse Attention",
+        measures="One DSA layer's two ops, bf16: `dsa_indexer` (the lightning indexer's scores and the top-k 2048 "
+        "selection) and `dsa_sparse_attention` (the absorbed MQA form, d_qk 576 = latent 512 + rope 64, d_v 512, "
+        "over the selected keys). Widths `deepseek_v32` (128 heads, indexer 64 x 128) and `glm5` (64 heads, "
+        "indexer 32 x 128); shapes `prefill:1xSxS` (one causal sequence) and `decode:Bx1xT` (one query against T "
+        "cached keys). `ours`: `kda_compile.ops.dsa_indexer_topk` / `dsa_sparse_attention`; `dense torch`: the "
+        "indexer as Hugging Face computes it (the [B, S, H_I, T] fp32 logits) and SDPA over every key with a dense "
+        "mask of the selection (NaN where it would not fit in memory). `time`: GPU time (do_bench); `tflops`: "
+        "FlashMLA's convention 2 * s_q * topk * heads * (d_qk + d_v) for the attention, the QK FLOPs of the visible "
+        "pairs for the indexer. Design: [docs/dsa.md](../docs/dsa.md).",
+        command="python -m kda_compile.bench dsa",
+        views=(View("time", ours=("ours",), baselines=("dense torch",)), View("tflops", providers=("ours",))),
     ),
     "attention": Benchmark(
         title="Softmax attention",

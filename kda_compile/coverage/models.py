@@ -49,6 +49,7 @@ SIZES = {  # config attribute -> tiny value (only set where the default config h
     **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "index_n_heads",
                      "mamba_n_heads", "n_mamba_heads", "mamba_n_groups", "n_groups"), 2),
     **dict.fromkeys(("index_topk",), 8),
+    **dict.fromkeys(("index_kpool",), 4),  # index_topk must be a multiple of it (glm5_next)
     **dict.fromkeys(("vocab_size",), VOCAB),
     **dict.fromkeys(("sliding_window", "attention_window"), 8),
     **dict.fromkeys(("first_k_dense_replace",), 1),
@@ -99,8 +100,8 @@ def shrink(d: dict[str, Any]) -> dict[str, Any]:
     for key, value in d.items():
         if isinstance(value, dict) and ("config" in key or key.endswith("_cfg")):
             out[key] = shrink(value)
-        elif key in SIZES and isinstance(value, int) and not isinstance(value, bool):
-            out[key] = SIZES[key]
+        elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value != 0:
+            out[key] = SIZES[key]  # a zero size switches a part off (glm5_next's NoPE: qk_rope_head_dim=0)
         elif (key.endswith("_period") or key.endswith("_freq")) and isinstance(value, int) and value > 1:
             out[key] = 2
         elif key.endswith("_offset") and isinstance(value, int) and value > 0:
@@ -132,16 +133,38 @@ def shrink(d: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Sizes a default config leaves unset (None) but the model needs, by the config key they belong to.
+QSA_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+               "indexer_compress_ratio": 4}  # qwen4_exp: an indexed layer needs all of them
+
+
+def _fill_unset(d: dict[str, Any]) -> dict[str, Any]:
+    out = {key: (_fill_unset(value) if isinstance(value, dict) and "config" in key else value)
+           for key, value in d.items()}
+    if out.get("model_type", "").startswith("qwen4_exp") and "indexer_budget" in out:
+        out.update({key: value for key, value in QSA_INDEXER.items() if out.get(key) is None})
+    return out
+
+
+def _fix_built(cfg: Any) -> Any:
+    # transformers 5.23's DbrxAttentionConfig has no rope_theta, which DbrxAttention reads.
+    attn = getattr(cfg, "attn_config", None)
+    if getattr(cfg, "model_type", "") == "dbrx" and attn is not None and not hasattr(attn, "rope_theta"):
+        attn.rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if getattr(cfg, "model_type", "") == "dbrx" and attn is not None and attn.clip_qkv is None:
+        attn.clip_qkv = 8.0  # the default None reaches clamp(min=None, max=None), which raises; DBRX uses 8
+    return cfg
+
+
 def tiny_config(model_type: str) -> Any:
     """The tiny config of ``model_type`` (eager attention, fp32)."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    d = shrink(default.to_dict())
+    d = _fill_unset(shrink(default.to_dict()))
     for key in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(key, None)
-    cfg = type(default).from_dict(d)
-    return cfg
+    return _fix_built(type(default).from_dict(d))
 
 
 def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:

@@ -1,8 +1,10 @@
 """One family through the ``kda_compile`` backend: a :class:`Row` of the coverage table.
 
 :func:`run_family` builds the tiny model (models.py), runs eager logits, then
-``torch.compile(model, backend=KdaCompileBackend(config), fullgraph=False)`` on the same input ids,
-and reads the backend's rewrite reports, Dynamo's graph-break counter and the relative logits error.
+``kda_compile.optimize(model, config, fullgraph=False)`` on the same input ids (so Dynamo runs
+with the scoped config optimize() sets: data-dependent MoE routing captured), and reads the
+rewrite reports, Dynamo's graph-break counter, the breaks the report names (model line and
+reason) and the relative logits error.
 :func:`run_isolated` does the same in a subprocess with a time limit, so that a hang or a crash
 becomes a row ("timeout", "crashed") instead of stopping the sweep.
 
@@ -130,8 +132,9 @@ def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row
     """Build ``family`` tiny, compile it with the kda_compile backend and fill its :class:`Row`."""
     from torch._dynamo.utils import counters
 
-    from kda_compile.backend import KdaCompileBackend
     from kda_compile.coverage.models import build_model, vocab_size
+    from kda_compile.optimize import optimize
+    from kda_compile.report import report
 
     row = Row(family)
     start = time.perf_counter()
@@ -153,9 +156,9 @@ def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row
             return row
         torch._dynamo.reset()
         counters.clear()
-        backend = KdaCompileBackend(config)
-        try:
-            compiled = torch.compile(model, backend=backend, fullgraph=False)
+        compiled = None
+        try:  # as users run it: optimize() (its scoped Dynamo config and graph-break record included)
+            compiled = optimize(model, config, fullgraph=False)
             with torch.no_grad():
                 got = _logits(compiled(input_ids=ids)).float()
         except Exception as exc:  # noqa: BLE001
@@ -166,11 +169,15 @@ def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row
             row.logits_error = float((got.double() - expected.double()).norm()) / denom
         breaks = counters.get("graph_break", {})
         row.graph_breaks = int(sum(breaks.values()))
-        row.graph_break_reasons = sorted(str(r).splitlines()[0][:200] for r in breaks)
-        row.graphs = len(backend.reports)
+        compiled_report = report(compiled) if compiled is not None else None
+        named = compiled_report.graph_breaks if compiled_report is not None else ()
+        row.graph_break_reasons = sorted(f"{b.location}: {b.reason}"[:200] for b in named) or sorted(
+            str(r).splitlines()[0][:200] for r in breaks)
+        reports = compiled_report.graphs if compiled_report is not None else ()
+        row.graphs = len(reports)
         ops: collections.Counter[str] = collections.Counter()
         left: collections.Counter[str] = collections.Counter()
-        for graph in backend.reports:
+        for graph in reports:
             for entries in graph.sites().values():
                 ops[entries[-1].op] += 1
             for entry in graph.left_alone:

@@ -86,8 +86,8 @@ def document(rows: Sequence[Row], *, command: str, not_run: Sequence[str] = (), 
         "",
         "Every causal LM of the installed transformers, built tiny with random weights (hidden size 64, "
         "4 heads, 2 layers or one per layer kind of a hybrid, fp32, eager attention; nothing downloaded), "
-        "run eagerly and through `torch.compile(model, backend=KdaCompileBackend(Config(compiler=\"eager\")), "
-        "fullgraph=False)` on the same input ids (batch 2, 12 tokens): what kda_compile's rewrites did "
+        "run eagerly and through `kda_compile.optimize(model, Config(compiler=\"eager\"), fullgraph=False)` "
+        "on the same input ids (batch 2, 12 tokens): what kda_compile's rewrites did "
         "to each family, where Dynamo broke the graph, and how far the logits moved. Each family runs in "
         "its own process with a time limit. Tiny random models exercise the code paths, not the numerics "
         "of real checkpoints; a family that fails here may fail for its tiny config only.",

@@ -44,9 +44,20 @@ sliding window, softcap, sinks, transposed inputs); ``attention_cases`` / ``Atte
         expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         assert_rel_close(attention(**args), expected, 1e-5, name="out")
 
+Gated delta rule (``kda_compile.ops.chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``):
+``gdn_inputs`` draws a call (T = 1, odd T, grouped value heads, packed sequences with empty ones, every
+flag), ``make_gdn_args`` builds one from a shape and a seed.
+
 Multi-head latent attention (``kda_compile.ops.mla_attention``): ``mla_inputs`` draws a call as Hugging
 Face's DeepSeek / Kimi attention makes it (decode, a chunk against a cache or prefill; masks including
 left padding; HF's strided layouts); building blocks ``mla_cases`` / ``MLACase`` and ``make_mla_args``.
+
+DeepSeek Sparse Attention (``kda_compile.ops.dsa_indexer_topk`` / ``dsa_sparse_attention``):
+``dsa_indexer_inputs`` draws an indexer call (prefill, chunk, decode, packed ``cu_seqlens``, padded keys,
+``topk`` above T, quantised inputs with exact ties), ``dsa_attention_inputs`` a sparse attention call
+(absorbed ``v=None`` or GQA heads, -1 holes, empty rows); building blocks ``dsa_indexer_cases`` /
+``DSAIndexerCase`` / ``make_dsa_indexer_args`` and ``dsa_attention_cases`` / ``DSAAttentionCase`` /
+``make_dsa_attention_args``.
 
 Needs ``hypothesis``: ``pip install "kda-compile[testing]"``.
 """
@@ -67,6 +78,20 @@ from kda_compile.testing.attention_strategies import (
     attention_cases,
     attention_inputs,
     make_attention_args,
+)
+from kda_compile.testing.gdn_strategies import GDN_GATE_FORMS, GDNArgs, gdn_inputs, make_gdn_args
+from kda_compile.testing.dsa_strategies import (
+    DSA_QUERY_KINDS,
+    DSAAttentionArgs,
+    DSAAttentionCase,
+    DSAIndexerArgs,
+    DSAIndexerCase,
+    dsa_attention_cases,
+    dsa_attention_inputs,
+    dsa_indexer_cases,
+    dsa_indexer_inputs,
+    make_dsa_attention_args,
+    make_dsa_indexer_args,
 )
 from kda_compile.testing.mla_strategies import (
     MLA_MASK_KINDS,
@@ -96,6 +121,21 @@ __all__ = [
     "attention_cases",
     "attention_inputs",
     "make_attention_args",
+    "GDN_GATE_FORMS",
+    "GDNArgs",
+    "gdn_inputs",
+    "make_gdn_args",
+    "DSA_QUERY_KINDS",
+    "DSAAttentionArgs",
+    "DSAAttentionCase",
+    "DSAIndexerArgs",
+    "DSAIndexerCase",
+    "dsa_attention_cases",
+    "dsa_attention_inputs",
+    "dsa_indexer_cases",
+    "dsa_indexer_inputs",
+    "make_dsa_attention_args",
+    "make_dsa_indexer_args",
     "MLA_MASK_KINDS",
     "MLA_MASK_SHAPES",
     "MLAArgs",

@@ -8,8 +8,8 @@ import torch
 
 from kda_compile.ops._common import record_fallback
 from kda_compile.ops.kda import custom_ops
-from kda_compile.ops.kda.validation import (check_free_values, check_input_values, reject_unsupported_kwargs,
-                                            validate_kda_arguments)
+from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
+                                            reject_unsupported_kwargs, validate_kda_arguments)
 
 # FLA options accepted only at their default value.
 _CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "cp_context": None, "use_graph": False,
@@ -79,7 +79,9 @@ def chunk_kda(
             and on the reference math it is ignored, the former with a logged reason.
         cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (optional): CPU, int32/int64, as many offsets as
             ``cu_seqlens``; its values are checked (eager calls), and compared with ``cu_seqlens`` where that
-            needs no device synchronisation (both on the host) or ``check_inputs`` asks for it.
+            needs no device synchronisation (both on the host) or ``check_inputs`` asks for it. Eager inference
+            plans the packed chunks from it on the host (as FLA does): fewer launches and no synchronisation, so
+            it must hold the same values as ``cu_seqlens``.
         check_inputs: run the full value checks for this call (eager only; under torch.compile set
             ``KDA_COMPILE_CHECK_INPUTS=1``, which the op reads when it runs): see "Input checks" below.
     Returns:
@@ -152,8 +154,10 @@ def fused_recurrent_kda(
 def dispatcher_needed() -> bool:
     """Whether a call must go through the custom op rather than straight to its kernel: while
     Dynamo traces (the op must appear in the graph), under a dispatch mode (fake tensors, tracing,
-    profilers that count ops) or a functorch transform. Otherwise eager decode skips the
-    dispatcher's Python path (tens of microseconds, more than the decode kernel itself)."""
+    profilers that count ops) or a functorch transform. Otherwise eager inference (decode, and prefill
+    without gradients) skips the dispatcher's Python path: tens of microseconds, more than a decode
+    kernel, and with the prefill op's empty residual outputs about 0.3 ms, more than a 2k-token prefill's
+    kernels (H100)."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._are_functorch_transforms_active())
 
@@ -172,16 +176,11 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
             allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
             state_v_first=state_v_first, scale=scale, chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu,
         )
-        if check_inputs is not False and check_inputs is not True:
-            raise TypeError(f"check_inputs must be a bool, got {type(check_inputs).__name__}")
-        if check_inputs and compiling:
-            raise ValueError("check_inputs must be False under torch.compile (its checks read tensor values, "
-                             "which tracing cannot), got True; set KDA_COMPILE_CHECK_INPUTS=1 instead: the "
-                             "compiled op then checks every call when it runs")
+        check_inputs_flag(check_inputs, compiling)
     except (ValueError, TypeError) as error:
         if not compiling:
             raise
-        return _deferred_error(error, q, v, cu_seqlens, output_final_state, state_v_first)
+        return deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first)
     if not compiling:  # value checks that need no device synchronisation (host tensors); eager only
         check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         if check_inputs:
@@ -202,6 +201,9 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     if recurrent and not needs_grad:
         op = custom_ops.fused_recurrent_kda_fwd if dispatcher_needed() else custom_ops.fused_recurrent_kda_impl
         o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
+    elif not needs_grad and not dispatcher_needed():  # eager inference: straight to the backend
+        o, final = custom_ops.chunk_kda_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
+                                                  bool(safe_gate), int(chunk_size), cu_seqlens_cpu)
     else:
         keep = disable_recompute and needs_grad
         if keep and cu_seqlens is not None:
@@ -216,10 +218,10 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     return o, (final.transpose(-1, -2) if state_v_first else final)
 
 
-def _deferred_error(error, q, v, cu_seqlens, output_final_state, state_v_first):
-    """While Dynamo traces: ``custom_ops.argument_error`` in place of the KDA op, which raises ``error`` (same
-    type and message) when the compiled function runs; its placeholder outputs have the shapes the call's
-    outputs would have had where they are known."""
+def deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first):
+    """While Dynamo traces: ``custom_ops.argument_error`` in place of a delta-rule op (KDA's or GDN's), which
+    raises ``error`` (same type and message) when the compiled function runs; its placeholder outputs have the
+    shapes the call's outputs would have had where they are known."""
     tensor = lambda x, ndim: isinstance(x, torch.Tensor) and x.dim() == ndim  # noqa: E731
     like = q if isinstance(q, torch.Tensor) else torch.empty(0)
     o_shape, state_shape = [0], [0]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_compile.ops._common import autograd_inside_op, record_fallback
+from kda_compile.ops._common import grads_by_autograd, record_fallback
 from kda_compile.ops.kda.reference import kda_reference
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -69,7 +69,8 @@ class ReferenceBackend:
     def residual_meta(self, q, k, v, opts, save):
         return []  # the backward recomputes the forward: nothing to keep
 
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
+                      cu_seqlens_cpu=None):
         o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
         return o, (final.float() if output_final_state else None), []
 
@@ -79,25 +80,9 @@ class ReferenceBackend:
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
         inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "h0": h0}
-        with autograd_inside_op():
-            leaves = {n: t.detach().requires_grad_() for n, t in inputs.items() if t is not None}
-            o, final = self._forward(
-                leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], leaves.get("A_log"),
-                leaves.get("dt_bias"), leaves.get("h0"), cu_seqlens, opts,
-            )
-            outputs, grads = [o], [do]
-            if dht is not None:
-                outputs.append(final)
-                grads.append(dht.to(final.dtype))
-            got = torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)
-        by_name = dict(zip(leaves, got))
-        result = []
-        for name, t in inputs.items():
-            grad = by_name.get(name)
-            if t is not None and grad is None:
-                grad = torch.zeros_like(t)
-            result.append(grad)
-        return tuple(result)
+        return grads_by_autograd(lambda x: self._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("A_log"),
+                                                         x.get("dt_bias"), x.get("h0"), cu_seqlens, opts),
+                                 inputs, do, dht)
 
     @staticmethod
     def _forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts):

@@ -21,6 +21,10 @@ Triton does not give: each warp owns one 16-token block of the chunk in the regi
 
 One CTA of 4 warps owns one 64-token chunk of one value head (grid ``(chunk slots, HV)``), 73 KiB: 3 CTAs per SM.
 
+Extreme gates cannot reach this kernel: the lower-bound gate maps any raw projection (+-inf included) into
+``[lower_bound, 0]``. Its decay exponents are still formed as the Triton kernel's are, each summed over its own
+span (block sums across blocks, never a difference of prefix sums; docstring of ``triton_chunk_prepare.py``).
+
 Outputs, all in the Triton kernel's layouts: ``w, qg, kd`` ``[TT, HV, 128]``, ``u`` ``[TT, HV, 128]``,
 ``A_qk`` ``[TT, HV, 64]`` (bf16), ``decay`` ``[slots, HV, 128]`` fp32, and with ``SAVE_AKK`` the inverse
 ``T`` ``[TT, HV, 64]`` (bf16) for FLA's backward.
@@ -372,20 +376,29 @@ extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare_mma(
             const float2 b = *reinterpret_cast<const float2*>(sums + (par * 4 + s) * 16 + 2 * tig + 8);
             S[s][0] = a.x; S[s][1] = a.y; S[s][2] = b.x; S[s][3] = b.y;
         }
-        float P[4], Glast[4], m[4][4];
+        // Every exponent is a sum over its own span, never a difference of prefix sums (as the Triton kernel's
+        // _block_gates): p_r - a_s = S_s / 2 + the blocks strictly between s and r (r > s), -S_r / 2 (r = s).
+        float P[4], Glast[4], later[4], m[4][4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            float run = 0.f, p_own = 0.f, anchor[4];
+            float before = 0.f, after = 0.f, total = 0.f;  // blocks s < wp (so far: s < b < wp), s > wp, all
 #pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                anchor[s] = run + 0.5f * S[s][j];
-                if (s == wp) p_own = run;
-                run += S[s][j];
+            for (int s = 3; s >= 0; --s) {  // (wp is warp-uniform: no divergence; stripes s > wp are not taken)
+                const float Ss = S[s][j];
+                if (s < wp) {
+                    m[s][j] = ex2(fmaf(0.5f, Ss, before));
+                    before += Ss;
+                } else if (s == wp) {
+                    m[s][j] = ex2(-0.5f * Ss);
+                } else {
+                    m[s][j] = 0.f;
+                    after += Ss;
+                }
+                total += Ss;
             }
-            P[j] = p_own;
-            Glast[j] = run;
-#pragma unroll
-            for (int s = 0; s < 4; ++s) m[s][j] = ex2(p_own - anchor[s]);
+            P[j] = before;
+            later[j] = after;
+            Glast[j] = total;
         }
         if (wp == 0 && gid == 0) {
             float* dst = DECAY + ((long long)slot * HV + hv) * KD + c0;
@@ -407,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare_mma(
                 qe[j] = qf * e;
                 ke[j] = kf[hh][j] * e;
                 qg[j] = qe[j] * eP;
-                kd[j] = kf[hh][j] * ex2(Glast[j] - P[j] - L[hh][j]);
+                kd[j] = kf[hh][j] * ex2((S_own[j] - L[hh][j]) + later[j]);  // the gate after the row
                 xv[j] = ke[j] * eP * beta_r[hh];
             }
 #pragma unroll

@@ -58,7 +58,7 @@ def _num_states(q: Tensor, cu_seqlens: Optional[Tensor]):
     return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
 
 
-def _final_state_shape(q, v, cu_seqlens):
+def final_state_shape(q, v, cu_seqlens):
     return (_num_states(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
 
 
@@ -77,14 +77,14 @@ def _check_keep_intermediates(keep_intermediates: bool, cu_seqlens: Optional[Ten
                          f"{cu_seqlens.shape[0] - 1} sequences")
 
 
-def _run_time_checks(q: Tensor, g: Tensor, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool) -> None:
+def run_time_checks(q: Tensor, g: Tensor, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool) -> None:
     """The full value checks when ``KDA_COMPILE_CHECK_INPUTS`` asks for them. Here, in the op's kernel, they
     see real tensors in eager calls and in compiled graphs alike (a host synchronisation: off by default)."""
     if check_inputs_enabled():
         check_input_values(q, g, cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel)
 
 
-def _pad_residuals(q: Tensor, residuals: list) -> list:
+def pad_residuals(q: Tensor, residuals: list) -> list:
     return list(residuals) + [q.new_empty(0) for _ in range(MAX_RESIDUALS - len(residuals))]
 
 
@@ -103,12 +103,41 @@ def chunk_kda_fwd(
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
     _check_keep_intermediates(keep_intermediates, cu_seqlens)
-    _run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    o, final, residuals = _chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts,
+                                         output_final_state, save_for_backward)
+    return (o, final, *(r.contiguous() for r in pad_residuals(q, residuals)))
+
+
+def _chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state, save,
+                   cu_seqlens_cpu=None):
+    """``(o, final state (empty when not asked for), residuals)`` from the backend serving the call."""
+    run_time_checks(q, g, cu_seqlens, opts.use_gate_in_kernel)
     backend = _backend("chunk_kda", q, v, opts)
+    host = {} if cu_seqlens_cpu is None or cu_seqlens is None else {"cu_seqlens_cpu": cu_seqlens_cpu}
     o, final, residuals = backend.chunk_forward(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state, save_for_backward)
+        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state, save, **host)
     final = final.contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
-    return (o.contiguous(), final, *(r.contiguous() for r in _pad_residuals(q, residuals)))
+    return o.contiguous(), final, residuals
+
+
+def chunk_kda_inference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool,
+    chunk_size: int, cu_seqlens_cpu: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """``chunk_kda_fwd`` without saving for the backward, called directly by eager inference (see
+    ``dispatcher_needed`` in api.py): the same backend and kernels, without the custom-op dispatcher's Python
+    path and the thirteen empty residual outputs the op's schema needs (on an H100 those cost about 0.3 ms of
+    host time per call, more than the kernels of a 2k-token prefill). ``cu_seqlens_cpu`` (the caller's host copy
+    of ``cu_seqlens``, same values) lets the backend plan packed sequences on the host: no device-side planning
+    kernels, no synchronisation."""
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, safe_gate, chunk_size)
+    o, final, _ = _chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts,
+                                 output_final_state, False, cu_seqlens_cpu)
+    return o, final
 
 
 @chunk_kda_fwd.register_fake
@@ -120,10 +149,10 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     _check_keep_intermediates(keep_intermediates, cu_seqlens)
     backend = _backend("chunk_kda", q, v, opts)
     o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final_shape = _final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
     final = q.new_empty(final_shape, dtype=torch.float32)
     residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts, save_for_backward)]
-    return (o, final, *_pad_residuals(q, residuals))
+    return (o, final, *pad_residuals(q, residuals))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,7 +252,7 @@ def fused_recurrent_kda_impl(
     custom-op dispatcher's Python path costs more than that."""
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, False, 64)
-    _run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
     backend = _backend("fused_recurrent_kda", q, v, opts)
     o, final = backend.recurrent_forward(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts, output_final_state)
@@ -239,7 +268,7 @@ fused_recurrent_kda_fwd = torch.library.custom_op("kda_compile::fused_recurrent_
 def _fused_recurrent_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
                                   output_final_state, *flags):
     o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final_shape = _final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
     return o, q.new_empty(final_shape, dtype=torch.float32)
 
 

@@ -35,12 +35,11 @@ from functools import cache
 
 import torch
 
-from kda_compile.ops._common import record_fallback
+from kda_compile.ops._common import load_fla_internals, record_fallback
 from kda_compile.ops.kda.backends import KDAOptions, register_backend
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
-SUPPORTED_FLA = "0.6."
 NORMALISED_QK = 3  # residuals[3:7] = normalised q, its rstd, normalised k, its rstd (in-kernel L2 norm only)
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: FLA's gate cumsum is in log2 units
@@ -50,29 +49,17 @@ SCAN_CHUNK, SCAN_MAX_HEAD_DIM = 64, 256  # what our scan kernel takes (triton_ch
 @cache
 def _load_fla():
     """Import FLA's internals once. Returns (namespace, None) or (None, reason)."""
-    try:
-        fla = importlib.import_module("fla")
-    except Exception as exc:  # ImportError, or a broken install raising anything else
-        return None, f"fla-core is not importable ({type(exc).__name__}: {exc}); install kda-compile[fla]"
-    version = getattr(fla, "__version__", "unknown")
-    if not version.startswith(SUPPORTED_FLA):
-        return None, f"fla-core {version} found; the internals used here are those of fla-core {SUPPORTED_FLA}x"
-    try:
-        ns = {
-            "chunk_kda_fwd": importlib.import_module("fla.ops.kda.chunk_fwd").chunk_kda_fwd,
-            "chunk_kda_bwd": importlib.import_module("fla.ops.kda.chunk_bwd").chunk_kda_bwd,
-            "chunk_kda_fwd_intra": importlib.import_module("fla.ops.kda.chunk_intra").chunk_kda_fwd_intra,
-            "kda_gate_chunk_cumsum": importlib.import_module("fla.ops.kda.gate").kda_gate_chunk_cumsum,
-            "chunk_local_cumsum": importlib.import_module("fla.ops.utils").chunk_local_cumsum,
-            "fused_recurrent_kda_fwd": importlib.import_module("fla.ops.kda.fused_recurrent").fused_recurrent_kda_fwd,
-            "beta_sigmoid_fwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_fwd,
-            "beta_sigmoid_bwd": importlib.import_module("fla.ops.common.gate").fused_beta_sigmoid_bwd,
-            "prepare_chunk_indices": importlib.import_module("fla.ops.utils.index").prepare_chunk_indices,
-        }
-    except Exception as exc:
-        return None, f"fla-core {version} is missing an internal function ({type(exc).__name__}: {exc})"
-    logger.info("KDA on CUDA uses fla-core %s kernels", version)
-    return ns, None
+    return load_fla_internals({
+        "chunk_kda_fwd": "fla.ops.kda.chunk_fwd:chunk_kda_fwd",
+        "chunk_kda_bwd": "fla.ops.kda.chunk_bwd:chunk_kda_bwd",
+        "chunk_kda_fwd_intra": "fla.ops.kda.chunk_intra:chunk_kda_fwd_intra",
+        "kda_gate_chunk_cumsum": "fla.ops.kda.gate:kda_gate_chunk_cumsum",
+        "chunk_local_cumsum": "fla.ops.utils:chunk_local_cumsum",
+        "fused_recurrent_kda_fwd": "fla.ops.kda.fused_recurrent:fused_recurrent_kda_fwd",
+        "beta_sigmoid_fwd": "fla.ops.common.gate:fused_beta_sigmoid_fwd",
+        "beta_sigmoid_bwd": "fla.ops.common.gate:fused_beta_sigmoid_bwd",
+        "prepare_chunk_indices": "fla.ops.utils.index:prepare_chunk_indices",
+    })
 
 
 @cache
@@ -144,10 +131,16 @@ class FLABackend:
             return beta
         return fla["beta_sigmoid_fwd"](beta, scale=2.0 if opts.allow_neg_eigval else 1.0)
 
-    def _chunk_indices(self, fla, cu_seqlens, opts):
-        return None if cu_seqlens is None else fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
+    def _chunk_indices(self, fla, cu_seqlens, opts, cu_seqlens_cpu=None):
+        """FLA's chunk indices; from the host copy of the offsets when the caller has one (no device sync)."""
+        if cu_seqlens is None:
+            return None
+        if cu_seqlens_cpu is not None:
+            return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+        return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
 
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
+                      cu_seqlens_cpu=None):
         fla = _load_fla()[0]
         q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
         qn, kn, normalised = q, k, []
@@ -156,7 +149,7 @@ class FLABackend:
             normalised = [qn, q_rstd, kn, k_rstd]
         beta_act = self._beta(fla, beta, opts)
         keep = save and opts.keep_intermediates
-        chunk_indices = self._chunk_indices(fla, cu_seqlens, opts)
+        chunk_indices = self._chunk_indices(fla, cu_seqlens, opts, cu_seqlens_cpu)
         reason = our_scan_unsupported_reason(q.shape[-1], v.shape[-1], opts)
         if reason is None:
             o, final, g_cumsum, Aqk, Akk, w, u, qg, kg, v_new, h = self._forward_with_our_scan(

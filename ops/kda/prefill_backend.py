@@ -132,15 +132,17 @@ class TritonChunkBackend:
         path, _ = training_path(q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
         return {} if path == REFERENCE_BACKWARD else _FLA.input_stand_ins(q, k, v, opts, save)
 
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
-        """``(o, final state or None, residuals)``; inputs as the op got them (any strides)."""
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
+                      cu_seqlens_cpu=None):
+        """``(o, final state or None, residuals)``; inputs as the op got them (any strides). ``cu_seqlens_cpu``:
+        the host copy of ``cu_seqlens`` when the caller has one (eager inference): plans the chunks on the host."""
         path = None
         if save:
             path, reason = training_path(q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
             if path == FLA_FORWARD:
                 record_fallback("chunk_kda", "fla", reason)
                 return _FLA.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
-                                          output_final_state, save)
+                                          output_final_state, save, cu_seqlens_cpu=cu_seqlens_cpu)
             if path == REFERENCE_BACKWARD:
                 record_fallback("chunk_kda_backward", REFERENCE.name, reason)
         normalised = []
@@ -157,6 +159,8 @@ class TritonChunkBackend:
             use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
             lower_bound=opts.lower_bound, save_residuals=path == OWN_RESIDUALS,
         )
+        if cu_seqlens_cpu is not None:
+            kwargs["cu_seqlens_cpu"] = cu_seqlens_cpu
         # What selects the kernels' compile-time constants (all but the sequence length).
         variant = (q.device, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
                    cu_seqlens is not None and cu_seqlens.dtype, h0 is not None and h0.dtype, output_final_state,
@@ -178,7 +182,7 @@ class TritonChunkBackend:
             q.device, q.dtype, q.shape[-1], v.shape[-1], opts) is None else REFERENCE
         record_fallback("chunk_kda", fallback.name, reason)
         o, final, residuals = fallback.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
-                                                     output_final_state, save)
+                                                     output_final_state, save, cu_seqlens_cpu=cu_seqlens_cpu)
         return o, final, residuals or []
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):

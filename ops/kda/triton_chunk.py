@@ -283,6 +283,10 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
         STORE_STATES=h is not None, **common, **fixed)
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """``[N + 1]`` int32: the first chunk slot of each sequence (its chunks are numbered densely)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
@@ -297,7 +301,7 @@ def chunk_kda_prefill(
     cu_seqlens: torch.Tensor | None, *, scale: float, output_final_state: bool,
     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, lower_bound: float | None = None,
-    save_residuals: bool = False, segments: int | None = None,
+    save_residuals: bool = False, segments: int | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
 ):
     """KDA prefill forward (FLA's ``chunk_kda`` semantics) with our Triton kernels.
 
@@ -311,6 +315,9 @@ def chunk_kda_prefill(
             ``cu_seqlens`` (``[N + 1]`` offsets of sequences packed along T, B = 1, empty ones allowed).
         save_residuals: also return FLA 0.6's backward residuals for chunk size 64.
         segments: force the number of scan segments (default: ``choose_segments`` on CUDA, 1 elsewhere).
+        cu_seqlens_cpu: the host copy of ``cu_seqlens`` (same values), when the caller has one: the chunk plan is
+            made on the host and copied over (one copy instead of the planning kernels; the exact chunk count),
+            except while a CUDA graph is being captured (a host copy cannot be captured).
     Returns:
         ``(o, final_state, residuals)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state``
         ``[N, HV, K, V]`` fp32 or None; ``residuals`` None or ``[g_cumsum, Aqk, Akk]`` as FLA's forward
@@ -335,7 +342,13 @@ def chunk_kda_prefill(
                  q.new_empty(B, T, HV, CHUNK, dtype=k.dtype)]
         return q.new_empty(B, T, HV, V), final, (empty if save_residuals else None)
     varlen = cu_seqlens is not None
-    if varlen:
+    tokens_past_last = varlen  # tokens after cu_seqlens[-1] belong to no sequence: o must be zeroed there
+    if varlen and cu_seqlens_cpu is not None and not _capturing(q.device):
+        planned = _chunk_offsets(cu_seqlens_cpu)
+        chunk_offsets = planned.to(cu_seqlens.device, non_blocking=True)
+        slots = max(int(planned[-1]), 1)  # a program with no chunk exits at once
+        tokens_past_last = int(cu_seqlens_cpu[-1]) < T
+    elif varlen:
         chunk_offsets = _chunk_offsets(cu_seqlens)
         slots = triton.cdiv(T, CHUNK) + N  # an upper bound on the total chunk count: no host sync
     else:
@@ -383,7 +396,7 @@ def chunk_kda_prefill(
     # ---- the recurrence ---------------------------------------------------------------------------
     # Tokens past cu_seqlens[-1] belong to no sequence and read 0 (as in the reference); which tokens
     # those are is on the device, so varlen output starts zeroed.
-    o = q.new_zeros(B, T, HV, V) if varlen else q.new_empty(B, T, HV, V)
+    o = q.new_zeros(B, T, HV, V) if tokens_past_last else q.new_empty(B, T, HV, V)
     final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
     launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, T=T, N=N, segments=segments,
                 o=o, final=final)

@@ -49,8 +49,19 @@ Numerics (g <= 0, so G decreases along the chunk):
   reloads its inputs). Launches that cannot need it (``exact_diagonal_needed``: the lower-bound gate
   with ``lower_bound >= -MAX_BOUNDED_DECAY``) compile without it (``EXACT_DIAGONAL``): its code alone cost
   6-8% of the kernel's time on an H100 (register allocation around it; docs/kda-kernels.md section 2.3).
-- Gates are floored at ``GATE_FLOOR`` (log2 units): any span containing such a step decays by less
-  than 2^-150, which is 0 in fp32 either way; the floor keeps ``-inf`` gates from producing NaN.
+- Every decay exponent is summed over its own span, never taken as a difference of cumulative sums
+  from the chunk start (after a huge gate both sums carry it, and their difference keeps ``ulp(9600) =
+  2^-10`` of a short span after it: 1e-4 relative). Inside a 16-row block a row's cumsum ``L`` runs from
+  the block's start; across blocks the exponents are direct sums of block sums (``_block_gates``: ``P``,
+  the stripes' ``p_r - a_s``, ``G_last``, the gate after a block). The key factor and ``kd`` take the gate
+  from a row to its block's anchor / end as ``anchor - L``: within fp32 rounding of sums of at most
+  ``DIAG_RANGE_LIMIT``; a slice with a wider block sums the gate after each row directly instead
+  (``_tail_sums``), and the exact diagonal sums every span ``(j, i]`` directly. So gates of -inf or -1e30
+  reset the state as exactly as fp32 can say (the outputs after a reset are bitwise independent of what
+  came before), at no cost where no block exceeds the limit (launches that cannot, compile neither).
+- Gates are floored at ``GATE_FLOOR`` (log2 units): the saturating value of ``-inf``. Any span containing
+  such a step sums to <= -150 and decays by 2^-150, which is 0 in fp32; the floor keeps ``-inf`` from
+  producing ``inf - inf``, and every sum finite (>= 64 * -150).
 - The triangular inverse: forward substitution on the four 16 x 16 diagonal blocks at once (fp32),
   then ``T = (I + N)^-1 D^-1`` with ``N = D^-1 L_off`` strictly block-lower, so the block series
   ``I - N + N^2 - N^3`` is exact algebra; applied stripe by stripe in Horner form (``SOLVE_PRECISION``).
@@ -198,31 +209,52 @@ def _block_gates(L3, NB: tl.constexpr, BC: tl.constexpr):
     Each 16-row block lives in one warp, so what combines blocks needs the other warps' block sums:
     they are exchanged once (``S_all[r, :, s] = S[s]`` in every warp r, one layout conversion; each
     thread holds the block axis) and the rest is computed in every warp from its copy, instead of one
-    cross-warp reduction per quantity. Returns, ``[NB, BKC]`` each: ``P`` (gate before the own block),
-    ``G_last`` (the chunk's total, same in every row), ``anchors`` (the own block's: mid-range when its
-    range is within ``DIAG_RANGE_LIMIT``, else its end); ``slow`` ``[NB]`` (1 when some block of the
-    slice needs the exact diagonal); and ``m0 .. m3``, stripe s's query factors ``2^(p_r - a_s)``
-    ``[NB, BKC]`` (0 for blocks r < s, and for r = s in channels that take the exact diagonal)."""
+    cross-warp reduction per quantity. Every exponent is a direct sum of the block sums of its own span,
+    never a difference of prefix sums: after a huge gate (a floored ``-inf``) in an earlier block both
+    prefixes carry it and their difference would keep only ``ulp(9600) = 2^-10`` of a small span.
+    Returns, ``[NB, BKC]`` each: ``P`` (gate before the own block), ``to_end`` (gate from the own block's
+    start to the chunk's end), ``later`` (gate after the own block), ``G_last`` (the chunk's total), ``alpha``
+    and ``after`` (the own block's gate before and after its anchor: half the block's sum each when its range
+    is within ``DIAG_RANGE_LIMIT``, else all of it before, the anchor at its end); ``slow`` ``[NB]`` (1 when
+    some block of the slice needs the exact diagonal); and ``m0 .. m3``, stripe s's query factors
+    ``2^(p_r - a_s)`` ``[NB, BKC]`` (0 for blocks r < s, and for r = s in channels that take the exact
+    diagonal)."""
     S = _block_sums(L3, BC)
     S_all = tl.trans(S)[None, :, :] + tl.zeros([NB, S.shape[1], NB], dtype=tl.float32)
-    own = tl.arange(0, NB)[None, None, :] == tl.arange(0, NB)[:, None, None]
-    P_all = tl.cumsum(S_all, 2) - S_all  # gate before block s (fp32 sums of the same terms in every warp)
+    r = tl.arange(0, NB)[:, None, None]  # the own block (warp)
+    b = tl.arange(0, NB)[None, None, :]  # the other block, or stripe s
     fast_all = -S_all <= DIAG_RANGE_LIMIT
-    # mid-range of fast blocks, the end of slow ones
-    anchors_all = P_all + S_all - tl.where(fast_all, 0.5 * S_all, 0.0)
-    P = tl.sum(tl.where(own, P_all, 0.0), 2)
+    after_all = tl.where(fast_all, 0.5 * S_all, 0.0)  # anchors: mid-range of fast blocks, the end of slow ones
+    P = tl.sum(tl.where(b < r, S_all, 0.0), 2)
+    to_end = tl.sum(tl.where(b >= r, S_all, 0.0), 2)
+    later = tl.sum(tl.where(b > r, S_all, 0.0), 2)
     G_last = tl.sum(S_all, 2)
+    alpha = tl.sum(tl.where(b == r, tl.where(fast_all, 0.5 * S_all, S_all), 0.0), 2)
+    after = tl.sum(tl.where(b == r, after_all, 0.0), 2)
     slow = tl.max(tl.max(tl.where(fast_all, 0, 1), 2), 1)
-    anchors = tl.sum(tl.where(own, anchors_all, 0.0), 2)
-    # the query factors of the four stripes s: 2^(p_r - a_s) for blocks r > s, and r = s in fast channels
-    r = tl.arange(0, NB)[:, None, None]
-    b = tl.arange(0, NB)[None, None, :]
-    keep = (r > b) | ((r == b) & fast_all)
-    middle = tl.exp2(tl.where(keep, P[:, :, None] - anchors_all, float("-inf")))
+    # p_r - a_s: for r > s the gate after s's anchor plus the blocks strictly between (summed directly);
+    # for r = s in fast channels minus the gate before the anchor, -S_s / 2
+    between = tl.zeros([NB, S.shape[1], NB], dtype=tl.float32)
+    for m in tl.static_range(1, NB - 1):
+        S_m = tl.sum(tl.where(b == m, S_all, 0.0), 2)[:, :, None]
+        between += tl.where((b < m) & (m < r), S_m, 0.0)
+    exponent = tl.where(r > b, after_all + between,
+                        tl.where((r == b) & fast_all, after_all - S_all, float("-inf")))
+    middle = tl.exp2(exponent)
     even, odd = tl.split(tl.reshape(middle, [NB, S.shape[1], 2, 2]))  # [..., s // 2, s % 2]
     m0, m2 = tl.split(even)
     m1, m3 = tl.split(odd)
-    return P, G_last, anchors, slow, m0, m1, m2, m3
+    return P, to_end, later, G_last, alpha, after, slow, m0, m1, m2, m3
+
+
+@triton.jit
+def _tail_sums(g, BC: tl.constexpr):
+    """The gate after each row inside its block, ``sum of g over rows (i, BC)`` ``[NB, BC, BKC]``: a reverse
+    cumulative sum of the following rows' own gates. The block's sum minus ``L`` is the same number as a
+    difference, which a huge gate at or before row i swamps (both sums carry it); this one never sees it."""
+    rows = tl.arange(0, BC)[None, :, None]
+    following = tl.gather(g, tl.minimum(rows + 1, BC - 1) + tl.zeros(g.shape, dtype=tl.int32), 1)
+    return tl.cumsum(tl.where(rows < BC - 1, following, 0.0), 1, reverse=True)
 
 
 @triton.jit
@@ -256,31 +288,45 @@ def _stripe(aqk, akk, qe, ke, key, middle, PRECISION: tl.constexpr, DOT_BF16: tl
 
 
 @triton.jit
-def _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV: tl.constexpr,
-                 K: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
-                 HAS_DT_BIAS: tl.constexpr):
-    """The block-local cumulative log2 gate ``L`` ``[NB, BC, BKC]`` (G = p_own + L) of one K slice
-    (``m`` ``[NB, BC, BKC]``: inside the sequence and K)."""
+def _gates(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV: tl.constexpr, K: tl.constexpr,
+           NB: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr):
+    """The floored log2 gates ``[NB, BC, BKC]`` of one K slice (``m`` ``[NB, BC, BKC]``: inside the sequence
+    and K; 0 outside)."""
     g = _load_tile(G_in, rows, ok, cols, col_ok, HV * K, NB, BC)
-    g = tl.where(m, _log2_gate(g, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K, GATE, HAS_A_LOG, HAS_DT_BIAS),
-                 0.0)
-    return tl.cumsum(g, 1)
+    return tl.where(m, _log2_gate(g, A_log, Dt_bias, hv, cols, col_ok, lower_bound, K, GATE, HAS_A_LOG, HAS_DT_BIAS),
+                    0.0)
 
 
 @triton.jit
-def _exact_diagonal(q3, k3, L3, slow, NB: tl.constexpr, BC: tl.constexpr):
+def _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV: tl.constexpr,
+                 K: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr, HAS_A_LOG: tl.constexpr,
+                 HAS_DT_BIAS: tl.constexpr):
+    """The floored log2 gates ``g`` of one K slice and their block-local cumsum ``L`` (G = p_own + L), both
+    ``[NB, BC, BKC]`` (``_gates``)."""
+    g = _gates(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE, HAS_A_LOG,
+               HAS_DT_BIAS)
+    return g, tl.cumsum(g, 1)
+
+
+@triton.jit
+def _exact_diagonal(q3, k3, g, slow, NB: tl.constexpr, BC: tl.constexpr):
     """The diagonal 16 x 16 blocks ``[NB, BC, BC]`` of ``A_qk`` and ``A_kk`` summed over the channels
-    where ``slow`` ``[NB, 1, BKC]``, element by element: ``2^(G_i - G_j)`` only where i >= j (masked to
-    -inf before exp2), never a product of large and tiny factors."""
+    where ``slow`` ``[NB, 1, BKC]``, element by element: ``2^(sum of g over (j, i])`` only where i >= j (masked
+    to -inf before exp2), never a product of large and tiny factors. The span sums are direct: for j from the
+    block's end down, ``span[i] = sum of g over (j, i]`` grows by row j + 1's gate, so no sum carries a gate
+    outside its span (a floored ``-inf`` before row j + 1 cannot swamp it; a difference ``L_i - L_j`` would)."""
     rows = tl.arange(0, BC)[None, :, None]
     cols = tl.arange(0, BC)[None, None, :]
     d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for j in range(0, BC):
+    span = tl.zeros(g.shape, dtype=tl.float32)
+    for jj in range(0, BC):
+        j = BC - 1 - jj
+        g_next = tl.gather(g, tl.zeros(g.shape, dtype=tl.int32) + tl.minimum(j + 1, BC - 1), 1)
+        span = tl.where(rows > j, span + g_next, 0.0)
         row_j = tl.zeros(k3.shape, dtype=tl.int32) + j  # row j of each block, broadcast by a gather
         k_j = tl.gather(k3, row_j, 1)  # (a shuffle inside the warp that holds the block)
-        L_j = tl.gather(L3, row_j, 1)
-        decay = tl.exp2(tl.where((rows >= j) & slow, L3 - L_j, float("-inf")))
+        decay = tl.exp2(tl.where((rows >= j) & slow, span, float("-inf")))
         kd = decay * k_j
         d_qk = tl.where(cols == j, tl.sum(q3 * kd, 2)[:, :, None], d_qk)
         d_kk = tl.where(cols == j, tl.sum(k3 * kd, 2)[:, :, None], d_kk)
@@ -454,9 +500,9 @@ def kda_prepare_kernel(
         cols = k0 + tl.arange(0, BKC)
         col_ok = cols < K
         m = ok3 & col_ok[None, None, :]
-        L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE,
-                          HAS_A_LOG, HAS_DT_BIAS)
-        P, G_last, anchors, slow, m0, m1, m2, m3 = _block_gates(L3, NB, BC)
+        L3 = tl.cumsum(_gates(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE,
+                              HAS_A_LOG, HAS_DT_BIAS), 1)
+        P, to_end, later, G_last, alpha, after, slow, m0, m1, m2, m3 = _block_gates(L3, NB, BC)
         slow_slices += slow
 
         q3 = _load_tile(Q, rows, ok, cols, col_ok, H * K, NB, BC)
@@ -468,18 +514,31 @@ def kda_prepare_kernel(
         qe = q3 * q_scale3 * e  # (left to right: the [NB, BC, 1] factors never broadcast on their own)
         k3 = k3 * k_scale3
         ke = k3 * e
-        G3 = L3 + P[:, None, :]
+        # The gates from each row to its block's anchor and to the chunk's end, as differences with the row's
+        # block-local cumsum: exact to fp32 rounding where every block's range is within DIAG_RANGE_LIMIT. A slice
+        # with a wider block (huge gates, where the difference would lose the digits of a short span after them)
+        # sums the gate after each row inside its block directly, from reloaded gates (keeping them live through
+        # the loop spilled). Launches that cannot have such blocks compile neither the check nor the sums.
+        key_exp = alpha[:, None, :] - L3
+        kd_exp = to_end[:, None, :] - L3
+        if EXACT_DIAGONAL:
+            if tl.max(slow, 0) > 0:
+                tail = _tail_sums(_gates(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB,
+                                         BC, GATE, HAS_A_LOG, HAS_DT_BIAS), BC)
+                key_exp = tail - after[:, None, :]
+                kd_exp = tail + later[:, None, :]
         # What the recurrence reads, every factor <= 1 (one that underflows stands for a decay that
-        # underflows too): qg = q 2^G, kd = k 2^(G_last - G), decay = 2^G_last; and x = beta 2^G k.
+        # underflows too): qg = q 2^G, kd = k 2^(G_last - G), decay = 2^G_last; and x = beta 2^G k. Each
+        # exponent is a sum over its own span, or a difference within one block (above).
         start_decay = tl.exp2(P)[:, None, :]
         _store_tile(QG, qe * start_decay, rows, ok, cols, col_ok, HV * K)
-        _store_tile(KD, k3 * tl.exp2(G_last[:, None, :] - G3), rows, ok, cols, col_ok, HV * K)
+        _store_tile(KD, k3 * tl.exp2(kd_exp), rows, ok, cols, col_ok, HV * K)
         _store_tile(W, ke * beta3 * start_decay, rows, ok, cols, col_ok, HV * K)
         first = tl.arange(0, NB)[:, None] == 0  # (every warp holds G_last; one writes it)
         tl.store(DECAY + cols[None, :] + 0 * tl.arange(0, NB)[:, None], tl.exp2(G_last), mask=first & col_ok[None, :])
         if SAVE_G:
-            _store_tile(G_OUT, G3, rows, ok, cols, col_ok, HV * K)
-        keys = k3 * tl.exp2(anchors[:, None, :] - G3)  # k 2^(a_own - G)
+            _store_tile(G_OUT, L3 + P[:, None, :], rows, ok, cols, col_ok, HV * K)
+        keys = k3 * tl.exp2(key_exp)  # k 2^(a_own - G)
 
         key0, key1, key2, key3 = _blocks(keys, NB, BC, BKC)
         aqk0, akk0 = _stripe(aqk0, akk0, qe, ke, key0, m0, A_PRECISION, DOT_BF16, NB, BC, BKC)
@@ -494,13 +553,13 @@ def kda_prepare_kernel(
             cols = k0 + tl.arange(0, BKC)
             col_ok = cols < K
             m = ok3 & col_ok[None, None, :]
-            L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC, GATE,
-                              HAS_A_LOG, HAS_DT_BIAS)
+            g, L3 = _gate_cumsum(G_in, A_log, Dt_bias, rows, ok, m, hv, cols, col_ok, lower_bound, HV, K, NB, BC,
+                                 GATE, HAS_A_LOG, HAS_DT_BIAS)
             slow = -_block_sums(L3, BC) > DIAG_RANGE_LIMIT
             if tl.max(tl.max(slow.to(tl.int32), 1), 0) > 0:
                 q3 = _load_tile(Q, rows, ok, cols, col_ok, H * K, NB, BC) * q_scale3
                 k3 = _load_tile(Kt, rows, ok, cols, col_ok, H * K, NB, BC) * k_scale3
-                d_qk, d_kk = _exact_diagonal(q3, k3, L3, slow[:, None, :], NB, BC)
+                d_qk, d_kk = _exact_diagonal(q3, k3, g, slow[:, None, :], NB, BC)
                 d_qk = tl.reshape(d_qk, [BT, BC])  # row 16 b + i of block b's diagonal
                 d_kk = tl.reshape(d_kk, [BT, BC])
                 aqk0 += tl.where(block_of_row == 0, d_qk, 0.0)

@@ -38,6 +38,16 @@ def check_inputs_enabled() -> bool:
     raise arg_error(CHECK_INPUTS_ENV, repr(value), "one of 1, true, yes, on, 0, false, no, off or unset")
 
 
+def check_inputs_flag(check_inputs, compiling: bool) -> None:
+    """The public functions' ``check_inputs``: a bool, and False while torch.compile traces."""
+    if check_inputs is not False and check_inputs is not True:
+        raise TypeError(f"check_inputs must be a bool, got {type(check_inputs).__name__}")
+    if check_inputs and compiling:
+        raise ValueError("check_inputs must be False under torch.compile (its checks read tensor values, "
+                         "which tracing cannot), got True; set KDA_COMPILE_CHECK_INPUTS=1 instead: the "
+                         "compiled op then checks every call when it runs")
+
+
 def _positive_dims(name: str, t: torch.Tensor, dims: tuple[str, ...], sizes) -> None:
     """Every named size of ``t`` at least 1 (``dims``: their names, e.g. ("H", "K"))."""
     for dim, size in zip(dims, sizes):
@@ -51,8 +61,11 @@ _DIM_NAMES = {"H": "q/k heads", "K": "key head dim", "V": "value head dim", "HV"
 def validate_kda_arguments(
     q, k, v, g, beta, *, initial_state, cu_seqlens, A_log, dt_bias, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, scale, chunk_size,
-    cu_seqlens_cpu=None,
+    cu_seqlens_cpu=None, per_head_gate: bool = False,
 ) -> None:
+    """Shapes, dtypes, devices and Python scalars of one delta-rule call; errors name the argument.
+    ``per_head_gate``: the gated delta rule's layout (``kda_compile.ops.gdn``): ``g`` ``[B, T, HV]`` (one decay
+    per value head) and ``dt_bias`` ``[HV]``, instead of KDA's per-key-channel ``[B, T, HV, K]`` / ``[HV * K]``."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     B, T, H, K = q.shape
     _positive_dims("q", q, ("H", "K"), (H, K))
@@ -75,9 +88,15 @@ def validate_kda_arguments(
                         "a multiple of the q/k heads (HV % H == 0, grouped value attention)")
     if K > MAX_HEAD_DIM:
         raise arg_error("q", f"key head dim K={K}", f"K <= {MAX_HEAD_DIM}")
-    check_tensor("g", g, ndim=4, dtypes=FLOAT_DTYPES)
-    if g.shape != (B, T, HV, K):
-        raise arg_error("g", describe(g), f"of shape [B, T, HV, K] = {plain([B, T, HV, K])}")
+    if per_head_gate:
+        check_tensor("g", g, dtypes=FLOAT_DTYPES)  # any rank: the message explains a KDA-style gate
+        if g.shape != (B, T, HV):
+            raise arg_error("g", describe(g), f"of shape [B, T, HV] = {plain([B, T, HV])} (one log decay per value "
+                            "head; a per-channel gate [B, T, HV, K] is KDA: kda_compile.ops.chunk_kda)")
+    else:
+        check_tensor("g", g, ndim=4, dtypes=FLOAT_DTYPES)
+        if g.shape != (B, T, HV, K):
+            raise arg_error("g", describe(g), f"of shape [B, T, HV, K] = {plain([B, T, HV, K])}")
     check_tensor("beta", beta, ndim=3, dtypes=FLOAT_DTYPES)
     if beta.shape != (B, T, HV):
         raise arg_error("beta", describe(beta), f"of shape [B, T, HV] = {plain([B, T, HV])}")
@@ -120,12 +139,14 @@ def validate_kda_arguments(
     if use_gate_in_kernel:
         if A_log is None and lower_bound is None:
             raise arg_error("A_log", None, "a [HV] tensor when use_gate_in_kernel=True and lower_bound is None")
-        for name, t, numel, what in (("A_log", A_log, HV, "HV"), ("dt_bias", dt_bias, HV * K, "HV*K")):
+        bias = (HV, "HV") if per_head_gate else (HV * K, "HV*K")
+        for name, t, numel, what in (("A_log", A_log, HV, "HV"), ("dt_bias", dt_bias, *bias)):
             if t is None:
                 continue
             check_tensor(name, t, dtypes=FLOAT_DTYPES)
             if t.numel() != numel:
-                raise arg_error(name, describe(t), f"a tensor of {what}={numel} elements")
+                per_head = " (one per value head)" if per_head_gate else ""
+                raise arg_error(name, describe(t), f"a tensor of {what}={numel} elements{per_head}")
             if t.device != q.device:
                 raise arg_error(name, f"a tensor on {t.device}", f"on q's device {q.device}")
     else:

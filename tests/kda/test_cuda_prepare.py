@@ -195,3 +195,40 @@ def test_the_bounded_gate_chooses_the_cuda_kernel_and_others_do_not():
     half = x["q"].half()
     assert cuda_prepare.choose_prepare_kernel(half, half, x["v"].half(), x["g"], x["beta"], None, True, LB) == "triton"
     assert math.isclose(cuda_prepare.MAX_BOUNDED_DECAY, 5.147, rel_tol=1e-3)
+
+
+EXTREME_RAW = [("projection +-inf", dict(f_value=float("inf"))), ("projection -1e30", dict(f_value=-1e30)),
+               ("bias +-1e4, A_log 6", dict(bias_value=1e4, a_log=6.0))]
+
+
+@cuda
+@pytest.mark.parametrize("case", EXTREME_RAW, ids=[c[0] for c in EXTREME_RAW])
+def test_extreme_raw_gates_and_biases(case):
+    """The lower-bound gate maps any raw projection into [lower_bound, 0], so the kernel's design holds for
+    extreme ones too: projections of +-inf / -1e30 and biases of +-1e4 (with exp(A_log) = 403) pin steps at no
+    decay or the bound. Both prepare kernels stay finite, agree, and the forward follows the fp64 recurrence."""
+    _, spec = case
+    x = _inputs(1, 200, 2, 2)
+    f = x["g"].float()
+    if "f_value" in spec:
+        f[:, 10:40, :, :32] = spec["f_value"]
+        f[:, 100:130, :, 64:] = -spec["f_value"]
+        f[:, 150] = spec["f_value"]
+    x["g"] = f.to(x["g"].dtype)
+    if "bias_value" in spec:
+        signs = torch.where(torch.arange(2 * K, device="cuda") % 3 == 0, 1.0, -1.0)
+        x["dt_bias"] = spec["bias_value"] * signs
+        x["A_log"] = torch.full_like(x["A_log"], spec["a_log"])
+    clear_fallback_events()
+    got, want = _run("cuda", x), _run("triton", x)
+    assert not fallback_events(), "the CUDA prepare kernel did not run"
+    for name in ("w", "u", "qg", "kd", "a_qk", "o", "final"):
+        assert torch.isfinite(got[name]).all(), name
+        assert rel_error(got[name].double(), want[name].double()) < 8e-3, name
+    ref_o, ref_final = kda_reference(
+        *(x[n].double() for n in ("q", "k", "v", "g", "beta")), scale=K ** -0.5, A_log=x["A_log"].double(),
+        dt_bias=x["dt_bias"].double(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+    tol = tolerances_for(torch.bfloat16, "cuda")
+    assert rel_error(got["o"].double(), ref_o.double()) < tol["o"]
+    assert rel_error(got["final"].double(), ref_final.double()) < tol["final_state"]

@@ -128,3 +128,33 @@ def build_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0, **
         setattr(cfg, key, value)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=dtype)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek Sparse Attention (token-level indexer + top-k), tests/passes/test_dsa_attention.py.
+# Two layers, MLA 16 + 8 / 16 with a 32 latent, indexer 8 heads x 16, top-k 6 (< the test prompts,
+# so the selection matters). initializer_range 0.1 spreads the indexer scores: with 0.02 they
+# bunch within float rounding and the k-th place becomes a near tie.
+# ----------------------------------------------------------------------------------------------
+_DSA = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            index_topk=6, index_head_dim=16, index_n_heads=8, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, moe_intermediate_size=32, initializer_range=0.1)
+DSA_FAMILIES = {  # name -> (config class, model class, what the family adds)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(first_k_dense_replace=2)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",  # layer 1 reuses layer 0's selection
+                    dict(first_k_dense_replace=2, indexer_types=["full", "shared"])),
+}
+
+
+def build_dsa_model(name: str, attn: str = "eager", **config_updates) -> torch.nn.Module:
+    """A tiny two-layer DSA model of the family ``name`` (``DSA_FAMILIES``), fp32, eval mode. The pad
+    token's embedding is random, not zero: a zero query scores every key 0 and ties the top-k."""
+    config_class, model_class, extra = DSA_FAMILIES[name]
+    cfg = _config(config_class, **_common(num_hidden_layers=2, num_key_value_heads=4, **_DSA, **extra))
+    for key, value in config_updates.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)._from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_()
+    return model.eval()

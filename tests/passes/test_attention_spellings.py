@@ -1,4 +1,4 @@
-"""Neutral spellings of eager softmax attention (GitHub issue 30, item 1): a ``.type(dtype)`` cast of
+"""Neutral spellings of eager softmax attention: a ``.type(dtype)`` cast of
 the probabilities (gpt2), an fp32 cast of the scores, an in-place ``/=`` / ``*=`` scale (falcon), key
 and value with one head broadcast by the matmuls (falcon multi-query), and
 ``torch.where(keep, scores, finfo.min)`` (gpt_neo)."""

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from kda_compile.config import Config
-from kda_compile.ops import chunk_kda, fused_recurrent_kda
+from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 from kda_compile.passes import PassManager
 
 from .graph_capture import GraphCapture
@@ -341,3 +341,68 @@ def test_left_alone_with_the_reason(fn, reason):
     assert not rewritten and len(left) == 1 and reason in left[0].reason, [c.reason for c in left]
     assert capture.after[-1].code == capture.before[-1].code
     assert kda_calls(capture)[2] == 1  # the traced op node is kept as it was
+
+
+# ---------------------------------------------------------------------------------------------
+# The gated delta rule (GDN): Qwen3-Next's layer tail, the gate one decay per value head
+# ---------------------------------------------------------------------------------------------
+class GDNTail(nn.Module):
+    """Shaped like transformers' Qwen3NextGatedDeltaNet after its conv: q/k heads 2, value heads 4,
+    ``beta = b.sigmoid()`` (``2 * sigmoid`` with ``neg_eigval``, as olmo_hybrid) and
+    ``g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)``, then the GDN op (what the substituted
+    ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` trace to)."""
+
+    def __init__(self, decode=False, neg_eigval=False, heads=2, value_heads=4, hidden=D, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.decode, self.neg_eigval = decode, neg_eigval
+        self.q_proj, self.k_proj = nn.Linear(hidden, heads * K), nn.Linear(hidden, heads * K)
+        self.v_proj = nn.Linear(hidden, value_heads * V)
+        self.a_proj, self.b_proj = nn.Linear(hidden, value_heads), nn.Linear(hidden, value_heads)
+        self.A_log = nn.Parameter(torch.rand(value_heads) * 2)
+        self.dt_bias = nn.Parameter(torch.randn(value_heads))
+
+    def forward(self, x, h0):
+        bsz, t = x.shape[:2]
+        q, k = self.q_proj(x).view(bsz, t, -1, K), self.k_proj(x).view(bsz, t, -1, K)
+        v = self.v_proj(x).view(bsz, t, -1, V)
+        beta = self.b_proj(x).sigmoid()
+        if self.neg_eigval:
+            beta = beta * 2.0
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        fn = fused_recurrent_gated_delta_rule if self.decode else chunk_gated_delta_rule
+        return fn(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.mark.parametrize("decode, neg_eigval", [(False, False), (True, True)], ids=["chunk", "decode-neg-eigval"])
+def test_gdn_layer_tail_folds_gate_and_beta(decode, neg_eigval):
+    layer = GDNTail(decode=decode, neg_eigval=neg_eigval)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, 1 if decode else 9, D, generator=gen).requires_grad_(not decode)
+    h0 = torch.randn(B, 4, K, V, generator=gen).requires_grad_(not decode)
+    with torch.set_grad_enabled(not decode):
+        capture = compile_and_compare(layer, (x, h0), list(layer.parameters()), backward=not decode)
+    fn = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+    assert capture.after[-1].count(fn) == 1, capture.after[-1].code
+    assert capture.before[-1].count(*PROLOGUE_TARGETS) > 0
+    assert capture.after[-1].count(*PROLOGUE_TARGETS) == 0, capture.after[-1].code
+    assert folded_flags(capture) == dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                         use_qk_l2norm_in_kernel=True, allow_neg_eigval=neg_eigval)
+    (rewritten,), left = ours(capture.reports[-1])
+    assert rewritten.op == f"kda_compile.ops.{fn.__name__}" and not left
+    assert rewritten.details == {"gate": "softplus + dt_bias", "beta": "2 * sigmoid" if neg_eigval else "sigmoid"}
+
+
+def test_gdn_lower_bound_gate_is_left_alone_with_the_reason():
+    def tail(q, k, v, a, b):
+        g = -5.0 * torch.sigmoid(a)  # KDA's lower-bound form: the GDN op has no such in-kernel gate
+        return chunk_gated_delta_rule(q, k, v, g, torch.sigmoid(b), output_final_state=True)
+
+    gen = torch.Generator().manual_seed(1)
+    q, k = (F.normalize(torch.randn(B, 6, 2, K, generator=gen), dim=-1) for _ in range(2))
+    args = (q, k, torch.randn(B, 6, 4, V, generator=gen), torch.randn(B, 6, 4, generator=gen),
+            torch.randn(B, 6, 4, generator=gen))
+    capture = compile_and_compare(tail, args, backward=False)
+    (rewritten,), left = ours(capture.reports[-1])
+    assert rewritten.details["beta"] == "sigmoid"
+    assert "the lower-bound gate is KDA's" in rewritten.details["not folded"]

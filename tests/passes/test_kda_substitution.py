@@ -2,7 +2,7 @@
 report (passes/kda_sites.py).
 
 Checked: Hugging Face's torch references (through HF's wrapper and called directly; Kimi-Linear's
-KDA and Qwen3-Next's gated delta rule, its per-head gate broadcast) trace to our op with one graph
+KDA to the KDA ops, Qwen3-Next's gated delta rule to the GDN ops) trace to our op with one graph
 and no unrolled loop, and match the references run eagerly (fp32 relative error
 < 1e-5, both compute in fp32; bf16 < 1e-2 against the fp32 reference, outputs stay bf16, states
 fp32); a fake flash-linear-attention package (written here, entry points wrapped in
@@ -17,7 +17,9 @@ Where flash-linear-attention is installed, HF's wrappers bound FLA's functions a
 Triton kernels need CUDA tensors: eager references here are always HF's torch references
 (``wrapper.__wrapped__``, tests/hf_kda_binding.py); the ``wrapper`` cases then test the FLA-bound
 wrapper under compile (our op against the torch reference) and expect the report entry of the
-actual binding; a GDN wrapper bound to FLA is checked to be left to FLA.
+actual binding; a GDN wrapper bound to FLA is checked to be substituted too. The fake FLA also has
+``fla.ops.gated_delta_rule`` (``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` and their
+``*_gdn`` aliases), substituted by the GDN ops.
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ from .graph_capture import GraphCapture
 hf = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
 FP32_TOL, BF16_TOL = 1e-5, 1e-2
-KDA_OPS = ("kda_compile::chunk_kda_fwd", "kda_compile::fused_recurrent_kda_fwd")
+KDA_OPS = ("kda_compile::chunk_kda_fwd", "kda_compile::fused_recurrent_kda_fwd", "kda_compile::chunk_gdn_fwd",
+           "kda_compile::fused_recurrent_gdn_fwd")
 QUICK = Config(compiler="aot_eager")
 
 
@@ -193,12 +196,12 @@ def test_eager_calls_run_the_original_code(through):
 qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
 
-@pytest.mark.parametrize("name,op,T", [("torch_chunk_gated_delta_rule", "chunk_kda_fwd", 70),
-                                       ("torch_recurrent_gated_delta_rule", "fused_recurrent_kda_fwd", 1)])
+@pytest.mark.parametrize("name,op,T", [("torch_chunk_gated_delta_rule", "chunk_gdn_fwd", 70),
+                                       ("torch_recurrent_gated_delta_rule", "fused_recurrent_gdn_fwd", 1)])
 @pytest.mark.parametrize("value_heads", [2, 4])
 def test_hf_gated_delta_rule_becomes_our_op(name, op, T, value_heads):
-    """HF's torch reference, through HF's wrapper when the wrapper bound it; a wrapper bound to
-    FLA's GDN kernels is left to FLA (test_hf_gdn_wrapper_bound_to_fla_is_left_to_fla)."""
+    """HF's torch reference, through HF's wrapper (whatever it bound: the torch reference, or FLA's GDN
+    function, test_hf_gdn_wrapper_bound_to_fla_is_substituted), becomes the GDN op with the gate as it is."""
     fn = torch_entry(getattr(qwen3_next, name))
     if value_heads != 2 and "repeat_interleave" not in inspect.getsource(torch_reference(fn)):
         pytest.skip(f"transformers {transformers_version()}'s {name} has no grouped value heads")
@@ -215,18 +218,19 @@ def test_hf_gated_delta_rule_becomes_our_op(name, op, T, value_heads):
     assert kda_ops(cap) == [op]
     assert rel_error(o, o_ref) < FP32_TOL and rel_error(state, state_ref) < FP32_TOL
     (site,) = [r for r in cap.reports[-1].rewritten if r.rewrite == "kda_substitution"]
-    assert "GDN gate broadcast" in site.details["entry"] and site.details["heads"] == f"2/{value_heads}"
+    assert "gated_delta_rule" in site.details["entry"] and site.details["heads"] == f"2/{value_heads}"
 
 
 @pytest.mark.parametrize("name", ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"])
-def test_hf_gdn_wrapper_bound_to_fla_is_left_to_fla(name):
-    """FLA's GDN kernels exploit the per-head gate: a GDN wrapper bound to them is not substituted
-    (its torch reference still is)."""
+def test_hf_gdn_wrapper_bound_to_fla_is_substituted(name):
+    """A GDN wrapper bound to FLA's GDN function is substituted (the GDN ops choose FLA's GDN kernels
+    themselves on CUDA), and so are the torch reference and FLA's function."""
     wrapper = getattr(qwen3_next, name)
     if torch_bound(wrapper):
-        pytest.skip(f"HF's {name} is bound to {binding(wrapper)}: no FLA GDN kernel to leave alone")
+        pytest.skip(f"HF's {name} is bound to {binding(wrapper)}: no FLA GDN function bound here")
     originals = [r.original for r in kda_substitution.registered()]
-    assert not any(o is wrapper for o in originals) and any(o is wrapper.__wrapped__ for o in originals)
+    bound = kda_substitution.hf_bound_implementation(wrapper)
+    assert all(any(o is fn for o in originals) for fn in (wrapper, wrapper.__wrapped__, bound))
 
 
 def transformers_version() -> str:
@@ -253,7 +257,7 @@ def test_tiny_qwen3_next_prefill():
                                      "causal_conv1d_fn", "causal_conv1d_update"):
         out, cap = compile_call(model.eval(), ids)
         ref = model(ids)
-    assert kda_ops(cap) == ["chunk_kda_fwd"]
+    assert kda_ops(cap) == ["chunk_gdn_fwd"]
     assert rel_error(out.logits, ref.logits) < FP32_TOL
 
 
@@ -338,9 +342,41 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     calls.append("fused_recurrent_kda")
     return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
 '''
+FAKE_FLA_GDN = '''
+import torch
+
+from fla.ops.kda.chunk import _naive
+
+calls = []
+
+
+@torch.compiler.disable
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                           state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_indices=None,
+                           cp_context=None, **kwargs):
+    calls.append("chunk_gated_delta_rule")
+    g = g[..., None].expand(*g.shape, k.shape[-1])  # the per-head decay on every key channel
+    return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+
+@torch.compiler.disable
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    calls.append("fused_recurrent_gated_delta_rule")
+    g = g[..., None].expand(*g.shape, k.shape[-1])
+    return _naive(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel)
+
+
+chunk_gdn = chunk_gated_delta_rule
+fused_recurrent_gdn = fused_recurrent_gated_delta_rule
+'''
 FAKE_FLA = {
     "fla/__init__.py": "__version__ = '0.0.fake'\n",
-    "fla/ops/__init__.py": "from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa\n",
+    "fla/ops/__init__.py": "from fla.ops.kda import chunk_kda, fused_recurrent_kda  # noqa\n"
+                           "from fla.ops.gated_delta_rule import chunk_gated_delta_rule, chunk_gdn  # noqa\n",
+    "fla/ops/gated_delta_rule/__init__.py": "from .chunk import *  # noqa\nfrom .chunk import calls  # noqa\n",
+    "fla/ops/gated_delta_rule/chunk.py": FAKE_FLA_GDN,
     "fla/ops/kda/__init__.py": "from .chunk import calls, chunk_kda, fused_recurrent_kda  # noqa\n",
     "fla/ops/kda/chunk.py": FAKE_FLA_KDA,
     "fla/ops/kda/fused_recurrent.py": "from .chunk import fused_recurrent_kda  # noqa\n",
@@ -389,6 +425,35 @@ def test_fla_imported_after_kda_compile_is_substituted(fake_fla):
         o_ref, state_ref = call(q, k, v, g, beta, h0)
         assert len(fake_fla.calls) == 1  # eager runs it
         assert rel_error(o, o_ref) < FP32_TOL and rel_error(state, state_ref) < FP32_TOL
+
+
+def test_fla_gated_delta_rule_becomes_the_gdn_ops(fake_fla):
+    import fla.ops
+    import fla.ops.gated_delta_rule as fla_gdn
+
+    (chunk,) = [r for r in kda_substitution.registered() if r.original is fla_gdn.chunk_gated_delta_rule]
+    assert {"fla.ops.gated_delta_rule.chunk_gdn", "fla.ops.chunk_gated_delta_rule"} <= set(chunk.found_at)
+    assert fla.ops.chunk_gdn is fla_gdn.chunk_gated_delta_rule
+    (q, k, v, g, beta), h0 = inputs(T=21, H=4)
+    q, k, g = q[:, :, :2], k[:, :, :2], g[..., 0]  # grouped value heads, one decay per value head
+    for fn, op in ((fla_gdn.chunk_gdn, "chunk_gdn_fwd"), (fla_gdn.fused_recurrent_gdn, "fused_recurrent_gdn_fwd")):
+        call = lambda *a, fn=fn: fn(*a[:4], beta=a[4], initial_state=a[5], output_final_state=True,  # noqa: E731
+                                    use_qk_l2norm_in_kernel=True)
+        fla_gdn.calls.clear()
+        (o, state), cap = compile_call(call, q, k, v, g, beta, h0)
+        assert fla_gdn.calls == [] and kda_ops(cap) == [op]
+        site = cap.reports[-1].rewritten[0]
+        assert site.details["entry"] == f"fla {fn.__name__}" and site.details["heads"] == "2/4"
+        o_ref, state_ref = call(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta, h0)
+        assert rel_error(o, o_ref) < FP32_TOL and rel_error(state, state_ref) < FP32_TOL
+    # gk: kda_compile's GDN does not take it; such a call is left to FLA (a logged graph break)
+    torch._dynamo.reset()
+    cap = GraphCapture()
+    fla_gdn.calls.clear()
+    torch.compile(lambda *a: fla_gdn.fused_recurrent_gdn(*a[:4], gk=a[3][..., None], beta=a[4])[0] * 2,
+                  backend=cap)(q.repeat_interleave(2, 2), k.repeat_interleave(2, 2), v, g, beta)
+    assert fla_gdn.calls == ["fused_recurrent_gated_delta_rule"]
+    assert not any(kda_ops(cap, i) for i in range(cap.graphs))
 
 
 def test_fla_positional_arguments_are_bound_by_fla_order(fake_fla):

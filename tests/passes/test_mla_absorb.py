@@ -42,6 +42,7 @@ class TinyMLA(torch.nn.Module):
         self.kv_a_proj_with_mqa = torch.nn.Linear(hidden, rank + rope, bias=False)
         self.kv_b_proj = torch.nn.Linear(rank, heads * (nope + value), bias=kv_b_bias)
         self.o_proj = torch.nn.Linear(heads * value, hidden, bias=False)
+        self.sinks = torch.nn.Parameter(torch.randn(heads)) if variant == "sinks" else None  # hy_v4, gpt_oss
 
     def expand_kv(self, latent, k_rot):
         b, _, t, _ = latent.shape
@@ -74,18 +75,25 @@ class TinyMLA(torch.nn.Module):
         elif self.variant == "values_used":
             extra = value_states.mean()
         out, weights = eager_attention(q, key_states, value_states, mask, self.scaling,
-                                       self.dropout if self.training else 0.0)
+                                       self.dropout if self.training else 0.0, self.sinks)
         if self.variant == "weights_used":
             extra = weights.sum()
         return self.o_proj(out.reshape(b, s, -1)) + extra
 
 
-def eager_attention(query, key, value, mask, scaling, dropout):
-    """transformers' eager_attention_forward (num_key_value_groups 1)."""
+def eager_attention(query, key, value, mask, scaling, dropout, sinks=None):
+    """transformers' eager_attention_forward (num_key_value_groups 1); with ``sinks`` as gpt_oss /
+    hy_v4 write it (a per-head logit joins each softmax row, then its column is dropped)."""
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if mask is not None:
         weights = weights + mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+        combined = torch.cat([weights, column], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(query.dtype)
+    else:
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=dropout > 0)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
@@ -263,3 +271,14 @@ def test_inductor_runs_the_rewritten_graph():
         assert rel_error(out, module(*args)) < FP32_TOL
     (report,) = backend.reports
     assert [r.rewrite for r in report.rewritten] == ["softmax_attention", "mla_absorb"], report.summary()
+
+
+def test_sinks_are_left_alone_with_what_the_op_would_need():
+    module = TinyMLA(variant="sinks").eval()
+    args = inputs(module)
+    with torch.no_grad():
+        out, cap = compile_and_run(module, args)
+        assert rel_error(out, module(*args)) < FP32_TOL
+    (entry,) = cap.entries(kind="left_alone")
+    assert "mla_attention takes no sinks argument" in entry.reason and "sigmoid(lse - sinks)" in entry.reason
+    assert not cap.calls(mla_attention)

@@ -1,0 +1,229 @@
+"""GDN: kda_compile's gated-delta-rule ops against flash-linear-attention's, side by side.
+
+``python -m kda_compile.bench gdn``: ``chunk_gated_delta_rule`` forward in inference mode (``fwd``) and forward +
+backward (``fwd+bwd``), and ``fused_recurrent_gated_delta_rule`` for one decode token (``decode``), at
+Qwen3-Next's widths: 16 q/k heads, 32 value heads, K = V = 128, bf16 q / k / v, the q / k L2 norm, the GDN gate
+(``-exp(A_log) * softplus(a + dt_bias)``) and the beta sigmoid computed inside the op, an fp32 initial state and
+the final state returned. Shapes: ``BxT`` (B sequences of T tokens), ``varlen:NxT`` (N sequences of T tokens
+packed with ``cu_seqlens``) and ``varlen:a+b+...`` (packed sequences of those lengths, empty ones allowed).
+
+Providers, all with the same math:
+
+- ``ours``: ``kda_compile.ops`` with its automatic backend choice (FLA's GDN kernels when fla-core 0.6 is
+  installed, docs/gdn.md);
+- ``ours (KDA kernels)``: the same op restricted to the route through the KDA kernels, and there to our own
+  Triton kernels (``only_backends("kda_kernels")`` here and KDA's ``only_backends("triton_chunk")`` /
+  ``("triton_decode")``): what runs without FLA;
+- ``FLA``: flash-linear-attention's public functions (skipped, with the reason logged, when not importable);
+- ``reference``: our torch reference (``only_backends()``), for CPU smoke runs (``--device cpu``).
+
+Per provider, shape and mode: ``wall_time`` (one call as its caller waits for it, host time included; on CPU,
+``time.perf_counter``), on CUDA ``kernel_time`` (summed GPU time of its kernels per call, torch.profiler), and
+``rel_error_vs_ours`` of the output. Long-format CSV, the schema of every benchmark (``common.CSV_COLUMNS``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kda_compile.bench.common import QUANTILES, format_table, kernel_times, rel_error, row, wall_time_quantiles
+
+logger = logging.getLogger("kda_compile.bench.gdn")
+
+MODES = ("fwd", "fwd+bwd", "decode")
+PROVIDERS = ("ours", "ours (KDA kernels)", "FLA", "reference")
+DEFAULT_PROVIDERS = ("ours", "ours (KDA kernels)", "FLA")
+DEFAULT_SHAPES = "1x4096,1x16384,1x65536,8x2048,varlen:16x1024,varlen:3000+1+0+517+2048+2626"
+DECODE_BATCHES = (1, 64, 256)
+
+
+@dataclass(frozen=True)
+class GDNShape:
+    batch: int
+    lengths: tuple[int, ...] | None = None  # packed sequence lengths (batch is then 1)
+    seq_len: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.lengths is None:
+            return f"{self.batch}x{self.seq_len}"
+        return f"varlen:{'+'.join(map(str, self.lengths))}"
+
+
+def parse_shapes(text: str) -> list[GDNShape]:
+    shapes = []
+    for item in (part.strip().lower() for part in text.split(",")):
+        try:
+            if item.startswith("varlen:"):
+                body = item[len("varlen:"):]
+                if "x" in body:
+                    n, t = (int(x) for x in body.split("x"))
+                    lengths = (t,) * n
+                else:
+                    lengths = tuple(int(x) for x in body.split("+"))
+                if not lengths or min(lengths) < 0 or sum(lengths) < 1:
+                    raise ValueError
+                shapes.append(GDNShape(1, lengths, sum(lengths)))
+            else:
+                b, t = (int(x) for x in item.split("x"))
+                if b < 1 or t < 1:
+                    raise ValueError
+                shapes.append(GDNShape(b, None, t))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"shapes must be BxT, varlen:NxT or varlen:a+b+... items (at least one token), got {item!r}") from None
+    return shapes
+
+
+def _heads(text: str) -> tuple[int, int]:
+    try:
+        h, hv = (int(x) for x in text.split("/"))
+        if h < 1 or hv % h:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"heads must be H/HV with HV a multiple of H, got {text!r}") from None
+    return h, hv
+
+
+def _choices(allowed):
+    def parse(text: str) -> list[str]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in items if x not in allowed]
+        if not items or bad or len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"must be distinct items of {', '.join(allowed)}, got {text!r}")
+        return items
+    return parse
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="subset of fwd,fwd+bwd,decode")
+    parser.add_argument("--providers", type=_choices(PROVIDERS), default=list(DEFAULT_PROVIDERS),
+                        help=f"subset of {', '.join(PROVIDERS)} (default: the first three)")
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
+                        help=f"prefill shapes (default: {DEFAULT_SHAPES})")
+    parser.add_argument("--decode-batches", type=lambda t: [int(x) for x in t.split(",")], default=list(DECODE_BATCHES))
+    parser.add_argument("--heads", type=_heads, default=(16, 32), help="H/HV, q/k and value heads (default 16/32)")
+    parser.add_argument("--head-dim", type=int, default=128, help="K = V (default 128)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke run (use --providers reference and tiny --shapes)")
+
+
+def make_inputs(shape: GDNShape, heads: tuple[int, int], dim: int, device: str, dtype=torch.bfloat16, seed=0):
+    """One call's keyword arguments as HF's GDN layers make them (raw gate and beta logits, in-kernel options)."""
+    H, HV = heads
+    gen = torch.Generator().manual_seed(seed)
+    B, T = shape.batch, shape.seq_len
+    N = B if shape.lengths is None else len(shape.lengths)
+    rand = lambda *s: torch.randn(*s, generator=gen).to(device)  # noqa: E731
+    args = dict(q=rand(B, T, H, dim).to(dtype), k=rand(B, T, H, dim).to(dtype), v=rand(B, T, HV, dim).to(dtype),
+                g=rand(B, T, HV), beta=rand(B, T, HV).to(dtype), A_log=torch.rand(HV, generator=gen).to(device),
+                dt_bias=rand(HV), initial_state=rand(N, HV, dim, dim) * 0.1, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    if shape.lengths is not None:
+        offsets = torch.tensor([0, *torch.tensor(shape.lengths).cumsum(0).tolist()], dtype=torch.int32)
+        args.update(cu_seqlens=offsets.to(device))
+    return args
+
+
+def _provider(name: str, decode: bool):
+    """``(function, context manager factory)`` for a provider, or ``(None, reason)``."""
+    from kda_compile.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from kda_compile.ops.gdn import backends as gdn_backends
+    from kda_compile.ops.kda import backends as kda_backends
+
+    ours = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+    if name == "ours":
+        return ours, contextlib.nullcontext
+    if name == "reference":
+        return ours, gdn_backends.only_backends
+    if name == "ours (KDA kernels)":
+        kda_kernel = "triton_decode" if decode else "triton_chunk"
+
+        @contextlib.contextmanager
+        def kda_kernels():
+            with gdn_backends.only_backends("kda_kernels"), kda_backends.only_backends(kda_kernel):
+                yield
+        return ours, kda_kernels
+    try:
+        fla = importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception as exc:  # not installed, or broken
+        return None, f"fla.ops.gated_delta_rule is not importable ({type(exc).__name__}: {exc})"
+    return (fla.fused_recurrent_gated_delta_rule if decode else fla.chunk_gated_delta_rule), contextlib.nullcontext
+
+
+def _wall(fn, device: str):
+    if device == "cuda":
+        return wall_time_quantiles(fn)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    q = torch.quantile(torch.tensor(times, dtype=torch.float64), torch.tensor(QUANTILES, dtype=torch.float64))
+    return tuple(q.tolist())
+
+
+def _call(fn, args, mode: str):
+    """One timed unit of work: the forward without grad, or forward + backward of a scalar loss."""
+    if mode != "fwd+bwd":
+        with torch.no_grad():
+            return fn(**args)
+    leaves = [args[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")]
+    o, state = fn(**args)
+    torch.autograd.grad(o.float().sum() + state.sum(), leaves)
+    return o, state
+
+
+def bench_shape(shape_name, args, mode, providers, device, rows, lines):
+    op = "fused_recurrent_gated_delta_rule" if mode == "decode" else "chunk_gated_delta_rule"
+    if mode == "fwd+bwd":
+        args = {n: (t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+                for n, t in args.items()}
+    reference_out = None
+    for name in providers:
+        fn, context = _provider(name, mode == "decode")
+        if fn is None:
+            logger.warning("%s skipped: %s", name, context)
+            continue
+        with context():
+            out, _ = _call(fn, args, mode)
+            wall = _wall(lambda: _call(fn, args, mode), device)
+            kernel = None
+            if device == "cuda":
+                kernel = sum(ms for _, _, ms in kernel_times(lambda: _call(fn, args, mode)))
+        rows.append(row(op, name, mode, shape_name, "wall_time", "ms", wall))
+        if kernel is not None:
+            rows.append(row(op, name, mode, shape_name, "kernel_time", "ms", (kernel,) * 3))
+        error = "-"
+        if reference_out is None:
+            reference_out = out.detach()
+        else:
+            error = rel_error(out.detach(), reference_out)
+            rows.append(row(op, name, mode, shape_name, "rel_error_vs_ours", "", (error,) * 3))
+        lines.append([mode, shape_name, name, wall[1], kernel if kernel is not None else "-", error])
+
+
+def run(args) -> list[dict]:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("the GDN benchmark needs a CUDA device (or --device cpu for a smoke run)")
+    torch.manual_seed(0)
+    rows, lines = [], []
+    for mode in args.modes:
+        if mode == "decode":
+            cases = [(f"{b}x1", GDNShape(b, None, 1)) for b in args.decode_batches]
+        else:
+            cases = [(s.name, s) for s in args.shapes]
+        for name, shape in cases:
+            inputs = make_inputs(shape, args.heads, args.head_dim, args.device)
+            bench_shape(name, inputs, mode, args.providers, args.device, rows, lines)
+    H, HV = args.heads
+    print(f"\nGDN, bf16, H/HV = {H}/{HV}, K = V = {args.head_dim}, in-kernel l2norm / gate / beta, fp32 state in and "
+          "out; median wall ms (kernel ms: summed GPU time per call)")
+    print(format_table(["mode", "shape", "provider", "wall ms", "kernel ms", "rel error vs first"], lines))
+    return rows

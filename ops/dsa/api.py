@@ -1,0 +1,173 @@
+"""Public entry points of DeepSeek Sparse Attention: ``dsa_indexer_topk`` and ``dsa_sparse_attention``.
+
+Plain Python (argument checks, then one custom-op call each), so Dynamo traces them without a graph
+break; ``register_autograd`` on the attention op supplies its backward.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from kda_compile.ops._common import arg_error, check_tensor, describe
+from kda_compile.ops.dsa import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.dsa_*)
+
+_INDEXER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def dsa_indexer_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    topk: int,
+    *,
+    scale: float = 1.0,
+    is_causal: bool = True,
+    key_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """DeepSeek-V3.2's lightning indexer and its top-k selection, without the [S, H_I, T] scores.
+
+    ``score[b, i, s] = sum_h weights[b, i, h] * relu(scale * (q[b, i, h] . k[b, s]))`` in float32; each
+    query keeps the ``topk`` best visible keys (docs/dsa.md).
+
+    Args:
+        q: [B, S, H_I, D] indexer queries, RoPE already applied; float16, bfloat16 or float32.
+        k: [B, T, D] indexer keys (one head shared by all query heads); one of the same dtypes.
+        weights: [B, S, H_I] per-head weights, any softmax / head scale already folded in; floating.
+        topk: how many keys each query keeps, >= 1; may exceed the number of visible keys.
+        scale: multiplies the dot product inside the ReLU.
+        is_causal: query i sees keys ``s <= i + (T - S)`` (bottom-right aligned, as with a KV cache).
+        key_mask: None or bool [B, T], True = the key may be selected (padding).
+        cu_seqlens: None or int32 / int64 [N + 1] offsets of packed sequences (B == 1, S == T): a query
+            sees only the keys of its own sequence (causal within it when ``is_causal``).
+
+    Returns:
+        int32 [B, S, topk] key indices into T, by score descending, equal scores by lower key index
+        (deterministic); -1 pads rows with fewer than ``topk`` visible keys. No gradient.
+    """
+    check_tensor("q", q, ndim=4, dtypes=_INDEXER_DTYPES)
+    check_tensor("k", k, ndim=3, dtypes=_INDEXER_DTYPES)
+    check_tensor("weights", weights, ndim=3)
+    if not weights.is_floating_point():
+        raise arg_error("weights", describe(weights), "a floating-point tensor", kind=TypeError)
+    b, s_len, heads, dim = q.shape
+    t_len = k.shape[1]
+    for name, t in (("k", k), ("weights", weights)):
+        if t.device != q.device:
+            raise arg_error(name, describe(t), f"on q's device {q.device}")
+    if k.shape[0] != b or k.shape[2] != dim:
+        raise arg_error("k", describe(k), f"[B, T, D] with B = {b} and D = {dim} (q's)")
+    if weights.shape[0] != b or weights.shape[1] != s_len or weights.shape[2] != heads:
+        raise arg_error("weights", describe(weights), f"[B, S, H_I] = [{b}, {s_len}, {heads}] (q's)")
+    if heads == 0 or dim == 0:
+        raise arg_error("q", describe(q), "a tensor with H_I >= 1 heads of width D >= 1")
+    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)):
+        raise arg_error("topk", repr(topk), "an int >= 1", kind=TypeError)
+    if topk < 1:
+        raise arg_error("topk", topk, "an int >= 1")
+    scale = _finite_float("scale", scale, "a finite float")
+    _check_bool("is_causal", is_causal)
+    if key_mask is not None:
+        check_tensor("key_mask", key_mask, ndim=2, dtypes=(torch.bool,))
+        if key_mask.shape[0] != b or key_mask.shape[1] != t_len or key_mask.device != q.device:
+            raise arg_error("key_mask", describe(key_mask), f"bool [B, T] = [{b}, {t_len}] on {q.device}")
+    if cu_seqlens is not None:
+        check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=(torch.int32, torch.int64))
+        if cu_seqlens.shape[0] < 2 or cu_seqlens.device != q.device:
+            raise arg_error("cu_seqlens", describe(cu_seqlens), f"[N + 1] offsets (N >= 1) on {q.device}")
+        if b != 1 or s_len != t_len:
+            raise arg_error("cu_seqlens", describe(cu_seqlens),
+                            f"used only with packed inputs (B == 1 and S == T), but B = {b}, S = {s_len}, "
+                            f"T = {t_len}")
+    return torch.ops.kda_compile.dsa_indexer_topk(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+
+
+def dsa_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    indices: torch.Tensor,
+    scale: float | None = None,
+    *,
+    d_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over its own selected keys (DSA's sparse MLA, any head layout).
+
+    ``s[b, i, h, j] = scale * q[b, i, h] . k[b, indices[b, i, j], h // G]`` (G = Hq / Hkv),
+    ``o[b, i, h] = softmax_j(s) @ v[b, indices[b, i, j], h // G]`` over the valid (>= 0) indices.
+
+    Args:
+        q: [B, S, Hq, Dqk]; float16, bfloat16, float32 or float64.
+        k: [B, T, Hkv, Dqk] with Hq % Hkv == 0, q's dtype. The absorbed MQA form of MLA: Hkv == 1 and
+            Dqk = latent + rope (576 in DeepSeek-V3.2).
+        v: [B, T, Hkv, Dv], or None for the absorbed form, where the value is ``k[..., :d_v]`` (the
+            latent part of the same rows, read once for both products).
+        indices: int32 [B, S, topk] key indices into T (from ``dsa_indexer_topk``), shared by all heads;
+            -1 = no key. Valid indices of one row are assumed unique.
+        scale: multiplies the scores; default ``Dqk ** -0.5``.
+        d_v: the value width; required when ``v`` is None (1 <= d_v <= Dqk), else v's last dim.
+
+    Returns:
+        (o, lse): o [B, S, Hq, Dv] in q's dtype; lse [B, S, Hq] float32, the natural-log log-sum-exp of
+        the scaled scores over the selected keys. A query without a valid index gives o = 0 and
+        lse = -inf. Differentiable w.r.t. q, k and v (and through lse); not w.r.t. indices.
+    """
+    check_tensor("q", q, ndim=4, dtypes=_ATTENTION_DTYPES)
+    check_tensor("k", k, ndim=4, dtypes=_ATTENTION_DTYPES)
+    check_tensor("v", v, ndim=4, dtypes=_ATTENTION_DTYPES, allow_none=True)
+    check_tensor("indices", indices, ndim=3, dtypes=(torch.int32,))
+    b, s_len, hq, dqk = q.shape
+    t_len, hkv = k.shape[1], k.shape[2]
+    for name, t in (("k", k), ("v", v), ("indices", indices)):
+        if t is not None and t.device != q.device:
+            raise arg_error(name, describe(t), f"on q's device {q.device}")
+    for name, t in (("k", k), ("v", v)):
+        if t is not None and t.dtype != q.dtype:
+            raise arg_error(name, describe(t), f"of q's dtype {q.dtype}", kind=TypeError)
+    if k.shape[0] != b or k.shape[3] != dqk or hkv == 0 or hq % hkv != 0:
+        raise arg_error("k", describe(k), f"[B, T, Hkv, Dqk] with B = {b}, Dqk = {dqk} and Hkv dividing Hq = {hq}")
+    if dqk == 0 or hq == 0:
+        raise arg_error("q", describe(q), "a tensor with Hq >= 1 heads of width Dqk >= 1")
+    if indices.shape[0] != b or indices.shape[1] != s_len or indices.shape[2] < 1:
+        raise arg_error("indices", describe(indices), f"int32 [B, S, topk] = [{b}, {s_len}, topk >= 1]")
+    if v is None:
+        if d_v is None:
+            raise arg_error("d_v", None, "an int when v is None (the absorbed form: v = k[..., :d_v])",
+                            kind=TypeError)
+        d_v = _int("d_v", d_v)
+        if not 1 <= d_v <= dqk:
+            raise arg_error("d_v", d_v, f"1 <= d_v <= Dqk = {dqk}")
+    else:
+        if v.shape[0] != b or v.shape[1] != t_len or v.shape[2] != hkv or v.shape[3] == 0:
+            raise arg_error("v", describe(v), f"[B, T, Hkv, Dv] with [B, T, Hkv] = [{b}, {t_len}, {hkv}] (k's)")
+        if d_v is not None and _int("d_v", d_v) != v.shape[3]:
+            raise arg_error("d_v", d_v, f"None or v's last dim {v.shape[3]}")
+        d_v = v.shape[3]
+    scale = dqk ** -0.5 if scale is None else _finite_float("scale", scale, "None or a finite float")
+    return torch.ops.kda_compile.dsa_sparse_attention_fwd(q, k, v, indices, scale, d_v)
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise arg_error(name, repr(value), "a bool", kind=TypeError)
+
+
+def _int(name: str, value):
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise arg_error(name, repr(value), "an int", kind=TypeError)
+    return value
+
+
+def _finite_float(name: str, value, accepted: str):
+    """A finite Python float; a symbolic float (traced arithmetic) passes through unchecked."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise arg_error(name, repr(value), accepted, kind=TypeError)
+    value = float(value)
+    if not math.isfinite(value):
+        raise arg_error(name, value, accepted)
+    return value

@@ -1,0 +1,124 @@
+"""torch.library registration of the DSA ops (``torch.ops.kda_compile.dsa_*``).
+
+``dsa_indexer_topk(q, k, weights, key_mask?, cu_seqlens?, topk, scale, is_causal) -> indices``
+    int32 [B, S, topk], contiguous; no autograd (the selection is discrete).
+
+``dsa_sparse_attention_fwd(q, k, v?, indices, scale, d_v) -> (o, lse)``
+    o [B, S, Hq, d_v] contiguous in q's dtype, lse [B, S, Hq] float32 contiguous. ``v`` None is the
+    absorbed MQA form (the value is ``k[..., :d_v]``).
+
+``dsa_sparse_attention_bwd(grad_o, grad_lse?, q, k, v?, indices, o, lse, scale, d_v) -> (dq, dk, dv)``
+    (o, lse: the forward's outputs, which the kernels reuse rather than recompute) contiguous, each in
+    its input's shape and dtype; dv empty when v is None (its gradient is added into dk's first d_v
+    columns). No double backward.
+
+The default kernels (any device; what runs on CPU) are the blockwise torch references; CUDA runs the
+Triton kernels (``kernels.py`` chooses, and logs any fallback).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_compile.ops._common import empty_like_absent
+from kda_compile.ops.dsa import kernels
+from kda_compile.ops.dsa.reference import (
+    indexer_topk_reference,
+    sparse_attention_backward_reference,
+    sparse_attention_reference,
+)
+
+
+def _fresh(t: Tensor, inputs) -> Tensor:
+    """``t``, cloned if it shares storage with any of ``inputs`` (op outputs may not alias inputs)."""
+    ptr = t.untyped_storage().data_ptr()
+    if any(x is not None and x.numel() and x.untyped_storage().data_ptr() == ptr for x in inputs):
+        return t.clone()
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# Indexer + top-k
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("kda_compile::dsa_indexer_topk", mutates_args=())
+def dsa_indexer_topk_op(q: Tensor, k: Tensor, weights: Tensor, key_mask: Optional[Tensor],
+                        cu_seqlens: Optional[Tensor], topk: int, scale: float, is_causal: bool) -> Tensor:
+    return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+
+
+@dsa_indexer_topk_op.register_kernel("cuda")
+def _dsa_indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
+    return kernels.indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+
+
+@dsa_indexer_topk_op.register_fake
+def _dsa_indexer_topk_fake(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
+    b, s = q.shape[0], q.shape[1]
+    return q.new_empty((b, s, topk), dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sparse attention
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("kda_compile::dsa_sparse_attention_fwd", mutates_args=())
+def dsa_sparse_attention_fwd(q: Tensor, k: Tensor, v: Optional[Tensor], indices: Tensor, scale: float,
+                             d_v: int) -> tuple[Tensor, Tensor]:
+    o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
+    return o.to(q.dtype).contiguous(), lse.contiguous()
+
+
+@dsa_sparse_attention_fwd.register_kernel("cuda")
+def _dsa_sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
+    return kernels.sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v)
+
+
+@dsa_sparse_attention_fwd.register_fake
+def _dsa_sparse_attention_fwd_fake(q, k, v, indices, scale, d_v):
+    b, s, hq, _ = q.shape
+    return q.new_empty((b, s, hq, d_v)), q.new_empty((b, s, hq), dtype=torch.float32)
+
+
+@torch.library.custom_op("kda_compile::dsa_sparse_attention_bwd", mutates_args=())
+def dsa_sparse_attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
+                             v: Optional[Tensor], indices: Tensor, o: Tensor, lse: Tensor, scale: float,
+                             d_v: int) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = sparse_attention_backward_reference(grad_o, grad_lse, q, k, v, indices, scale, d_v)
+    return _pack_grads(q, k, v, dq, dk, dv, (grad_o, grad_lse, q, k, v, indices))
+
+
+@dsa_sparse_attention_bwd.register_kernel("cuda")
+def _dsa_sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v):
+    dq, dk, dv = kernels.sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v)
+    return _pack_grads(q, k, v, dq, dk, dv, (grad_o, grad_lse, q, k, v, indices))
+
+
+def _pack_grads(q, k, v, dq, dk, dv, inputs):
+    dq = _fresh(dq.to(q.dtype).contiguous(), inputs)
+    dk = _fresh(dk.to(k.dtype).contiguous(), inputs)
+    dv = empty_like_absent(q) if v is None else _fresh(dv.to(v.dtype).contiguous(), inputs)
+    return dq, dk, dv
+
+
+@dsa_sparse_attention_bwd.register_fake
+def _dsa_sparse_attention_bwd_fake(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v):
+    dv = empty_like_absent(q) if v is None else v.new_empty(v.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), dv
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, indices, scale, d_v = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, indices, o, lse)
+    ctx.params = (scale, d_v)
+
+
+def _backward(ctx, grad_o, grad_lse):
+    q, k, v, indices, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.kda_compile.dsa_sparse_attention_bwd(grad_o, grad_lse, q, k, v, indices, o, lse,
+                                                                *ctx.params)
+    return dq, dk, (dv if v is not None else None), None, None, None
+
+
+dsa_sparse_attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,89 @@
+"""Which implementation runs a DSA op on CUDA: the Triton kernels, or (logged) the torch reference.
+
+Kernels know nothing of torch.compile; this module only checks that a call fits them (dtype, head
+widths the tiles handle, Triton importable) and records every fallback with its reason.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops.dsa.reference import (
+    check_cu_seqlens_values,
+    indexer_topk_reference,
+    sparse_attention_backward_reference,
+    sparse_attention_reference,
+)
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_INDEXER_DIM = 256  # one key tile holds the whole indexer head dim
+MAX_QK_TILE = 640  # padded query/key width the attention tiles are sized for (576 = 512 + 64 in DeepSeek-V3.2)
+MAX_VALUE_DIM = 512
+
+
+@functools.lru_cache(maxsize=None)
+def _unusable(module: str) -> str | None:
+    return module_unusable(module)
+
+
+def _why_not_indexer(q, k) -> str | None:
+    why = _unusable("kda_compile.ops.dsa.triton_indexer")
+    if why:
+        return why
+    if q.dtype not in _TRITON_DTYPES or k.dtype not in _TRITON_DTYPES:
+        return f"{q.dtype} inputs have no Triton kernel"
+    if q.shape[-1] > MAX_INDEXER_DIM:
+        return f"indexer head dim {q.shape[-1]} > {MAX_INDEXER_DIM}"
+    return None
+
+
+def _why_not_attention(q, k, v, d_v) -> str | None:
+    why = _unusable("kda_compile.ops.dsa.triton_sparse")
+    if why:
+        return why
+    dtypes = {t.dtype for t in (q, k, v) if t is not None}
+    if not dtypes <= set(_TRITON_DTYPES):
+        return f"{sorted(map(str, dtypes))} inputs have no Triton kernel"
+    from kda_compile.ops.dsa.triton_sparse import head_widths
+
+    _, block_main, d_tail, block_tail = head_widths(q.shape[-1])
+    padded = block_main + (block_tail if d_tail else 0)
+    if padded > MAX_QK_TILE or d_v > MAX_VALUE_DIM:
+        return (f"head widths d_qk {q.shape[-1]} (tiles {padded} wide) / d_v {d_v} exceed the kernels' "
+                f"{MAX_QK_TILE} / {MAX_VALUE_DIM}")
+    return None
+
+
+def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
+    why = _why_not_indexer(q, k)
+    if why:
+        record_fallback("dsa_indexer_topk", "torch reference", why)
+        return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+    from kda_compile.ops.dsa.triton_indexer import indexer_topk_triton
+
+    if cu_seqlens is not None:
+        check_cu_seqlens_values(cu_seqlens, k.shape[1])
+    return indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+
+
+def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
+    why = _why_not_attention(q, k, v, d_v)
+    if why:
+        record_fallback("dsa_sparse_attention", "torch reference", why)
+        o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
+        return o.to(q.dtype).contiguous(), lse.contiguous()
+    from kda_compile.ops.dsa.triton_sparse import sparse_attention_fwd_triton
+
+    return sparse_attention_fwd_triton(q, k, v, indices, scale, d_v)
+
+
+def sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v):
+    why = _why_not_attention(q, k, v, d_v) or _unusable("kda_compile.ops.dsa.triton_sparse_bwd")
+    if why:
+        record_fallback("dsa_sparse_attention_backward", "torch blockwise reference", why)
+        return sparse_attention_backward_reference(grad_o, grad_lse, q, k, v, indices, scale, d_v)
+    from kda_compile.ops.dsa.triton_sparse_bwd import sparse_attention_bwd_triton
+
+    return sparse_attention_bwd_triton(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v)

@@ -1,0 +1,138 @@
+"""Implementations behind the GDN ops, and how one is chosen per call.
+
+Same contract as KDA's (``kda_compile.ops.kda.backends``): the custom ops in ``custom_ops.py`` ask
+``select_backend`` for the highest-priority registered backend that can serve the call. A backend has
+
+- ``name`` and ``serves`` (a subset of ``{"chunk_gdn", "fused_recurrent_gdn"}``);
+- ``unsupported_reason(device, dtype, K, V, opts) -> str | None`` (None: it can serve the call);
+- ``residual_meta(q, k, v, opts, save)``: shapes / dtypes of what its forward keeps for its backward
+  (at most ``MAX_RESIDUALS``; the fake implementation allocates them, so they must be exact);
+- ``chunk_forward``, ``chunk_backward`` (for ``chunk_gdn``) and ``recurrent_forward`` (for decode).
+
+Backends, best first (docs/gdn.md, section 3):
+
+1. ``fla`` (priority 10, ``fla_backend.py``): fla-core 0.6's gated-delta-rule kernels on CUDA. They use
+   the per-head gate as a scalar: the intra-chunk work has no per-channel exponentials, which makes them
+   cheaper than any KDA kernel fed a broadcast gate.
+2. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
+   / ``fused_recurrent_kda_fwd``) with the gate broadcast over the K channels, on CUDA: our Triton prefill
+   and decode kernels when FLA is missing. Exact, but pays KDA's per-channel cost.
+3. ``reference`` (priority 0): the chunked torch math of ``reference.py``, any device.
+
+A call served on CUDA by anything but the first candidate records a fallback with the reasons
+(``record_fallback``; the rewrite report shows it). ``only_backends`` restricts the choice (tests,
+benchmarks); naming a backend there also lets it serve devices it would normally leave to a cheaper
+one (the KDA route on CPU, for tests of its plumbing).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+
+import torch
+
+from kda_compile.ops._common import grads_by_autograd, record_fallback
+from kda_compile.ops.gdn.reference import gdn_reference
+from kda_compile.ops.kda.backends import MAX_RESIDUALS  # noqa: F401  (the KDA route hands the KDA op's slots through)
+
+
+@dataclass(frozen=True)
+class GDNOptions:
+    """The non-tensor arguments of a GDN call, after validation and defaulting."""
+
+    scale: float
+    use_qk_l2norm_in_kernel: bool = False
+    use_gate_in_kernel: bool = False
+    use_beta_sigmoid_in_kernel: bool = False
+    allow_neg_eigval: bool = False
+    chunk_size: int = 64
+
+
+class ReferenceBackend:
+    """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward."""
+
+    name = "reference"
+    serves = frozenset({"chunk_gdn", "fused_recurrent_gdn"})
+
+    def unsupported_reason(self, device, dtype, K, V, opts) -> str | None:
+        return None
+
+    def residual_meta(self, q, k, v, opts, save):
+        return []  # the backward recomputes the forward
+
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
+        return o, (final.float() if output_final_state else None), []
+
+    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
+        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
+        return o, (final.float() if output_final_state else None)
+
+    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
+        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "h0": h0}
+        return grads_by_autograd(lambda x: self._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("A_log"),
+                                                         x.get("dt_bias"), x.get("h0"), cu_seqlens, opts),
+                                 inputs, do, dht)
+
+    @staticmethod
+    def _forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts):
+        return gdn_reference(
+            q, k, v, g, beta, scale=opts.scale, initial_state=h0, cu_seqlens=cu_seqlens, A_log=A_log,
+            dt_bias=dt_bias, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=opts.allow_neg_eigval, chunk_size=opts.chunk_size)
+
+
+REFERENCE = ReferenceBackend()
+_registry: list[tuple[int, object]] = [(0, REFERENCE)]
+# Process-wide (autograd runs a CUDA backward on its own thread, which must choose as the forward did).
+_restriction = types.SimpleNamespace(names=None)
+
+
+def register_backend(backend, priority: int) -> None:
+    """Add a backend; the highest-priority backend that supports a call serves it."""
+    _registry.append((priority, backend))
+    _registry.sort(key=lambda item: -item[0])
+
+
+def registered_backends() -> list[str]:
+    return [backend.name for _, backend in _registry]
+
+
+def explicitly_requested(name: str) -> bool:
+    """Whether an ``only_backends`` block names ``name`` (lets a backend serve beyond its usual devices)."""
+    return _restriction.names is not None and name in _restriction.names
+
+
+@contextlib.contextmanager
+def only_backends(*names: str):
+    """Within the block, only the named GDN backends (and the reference) may serve calls, in every thread:
+    e.g. ``only_backends("kda_kernels")`` measures GDN through the KDA kernels while FLA is installed.
+    Meant for tests and benchmarks, not for concurrent use."""
+    known = registered_backends()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"names must be registered GDN backends ({', '.join(known)}), got {unknown}")
+    previous = _restriction.names
+    _restriction.names = frozenset(names) | {REFERENCE.name}
+    try:
+        yield
+    finally:
+        _restriction.names = previous
+
+
+def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: GDNOptions):
+    """The backend that serves this call; on CUDA, a call the first candidate cannot serve is logged."""
+    allowed = _restriction.names
+    reasons = []
+    for _, backend in _registry:
+        if (allowed is not None and backend.name not in allowed) or op not in backend.serves:
+            continue
+        reason = backend.unsupported_reason(device, dtype, K, V, opts)
+        if reason is None:
+            if reasons and device.type == "cuda":
+                record_fallback(op, backend.name, "; ".join(reasons))
+            return backend
+        reasons.append(f"{backend.name}: {reason}")
+    raise AssertionError("the reference backend supports every call")  # unreachable

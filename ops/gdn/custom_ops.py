@@ -1,0 +1,166 @@
+"""``torch.ops.kda_compile`` GDN ops: forward and backward as separate custom ops, fake implementations
+with the real outputs' strides, autograd through ``register_autograd``.
+
+- ``chunk_gdn_fwd(...) -> (o, final_state, res0, ..., res12)``: ``o`` ``[B, T, HV, V]`` in q's dtype;
+  ``final_state`` ``[N, HV, K, V]`` float32 (empty when not requested); ``res*``: what the serving backend
+  keeps for its backward (empty when ``save_for_backward`` is false or the slot is unused).
+- ``chunk_gdn_bwd(...) -> (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)``: an empty tensor stands for an
+  absent input. When the forward did not save residuals, the reference recomputes (logged).
+- ``fused_recurrent_gdn_fwd(...) -> (o, final_state)``: decode; no autograd (the public function takes
+  the chunk op when gradients are needed).
+
+Every output is a fresh contiguous tensor and every fake returns ``new_empty(shape)``: fake and real
+strides agree for non-contiguous inputs too.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kda_compile.ops._common import record_fallback
+from kda_compile.ops.gdn import fla_backend  # noqa: F401  (registers FLA's GDN kernels)
+from kda_compile.ops.gdn import kda_backend  # noqa: F401  (registers the route through the KDA kernels)
+from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, select_backend
+from kda_compile.ops.kda.custom_ops import final_state_shape, pad_residuals, run_time_checks
+
+
+def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+             chunk_size=64) -> GDNOptions:
+    return GDNOptions(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                      use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                      allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size)
+
+
+def _backend(op: str, q: Tensor, v: Tensor, opts: GDNOptions):
+    if q.shape[0] == 0 or q.shape[1] == 0:  # no tokens: the reference returns the states as they are
+        return REFERENCE
+    return select_backend(op, q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
+
+
+@torch.library.custom_op("kda_compile::chunk_gdn_fwd", mutates_args=())
+def chunk_gdn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, chunk_size: int, save_for_backward: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+           Tensor, Tensor]:
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, chunk_size)
+    run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    backend = _backend("chunk_gdn", q, v, opts)
+    o, final, residuals = backend.chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts,
+                                                output_final_state, save_for_backward)
+    final = final.float().contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return (o.to(q.dtype).contiguous(), final, *(r.contiguous() for r in pad_residuals(q, residuals)))
+
+
+@chunk_gdn_fwd.register_fake
+def _chunk_gdn_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                        chunk_size, save_for_backward):
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, chunk_size)
+    backend = _backend("chunk_gdn", q, v, opts)
+    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
+    final = q.new_empty(final_state_shape(q, v, cu_seqlens) if output_final_state else (0,), dtype=torch.float32)
+    residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts,
+                                                                                         save_for_backward)]
+    return (o, final, *pad_residuals(q, residuals))
+
+
+@torch.library.custom_op("kda_compile::chunk_gdn_bwd", mutates_args=())
+def chunk_gdn_bwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    res0: Tensor, res1: Tensor, res2: Tensor, res3: Tensor, res4: Tensor, res5: Tensor, res6: Tensor,
+    res7: Tensor, res8: Tensor, res9: Tensor, res10: Tensor, res11: Tensor, res12: Tensor,
+    do: Tensor, dht: Optional[Tensor],
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, chunk_size: int, residuals_saved: bool = True,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, chunk_size)
+    backend = _backend("chunk_gdn", q, v, opts)
+    if residuals_saved:
+        saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
+        residuals = saved[:len(backend.residual_meta(q, k, v, opts, True))]
+    else:
+        if backend is not REFERENCE:
+            record_fallback("chunk_gdn_backward", REFERENCE.name,
+                            "the forward ran with save_for_backward=False (no residuals): gradients recomputed")
+        backend, residuals = REFERENCE, []
+    grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, residuals, do, dht,
+                                   opts)
+    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
+                 for grad, ref in zip(grads, like))
+
+
+@chunk_gdn_bwd.register_fake
+def _chunk_gdn_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
+    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    return tuple(t.new_empty(t.shape) if t is not None else q.new_empty(0) for t in like)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+     *flags, chunk_size, save_for_backward) = inputs
+    o, _, *residuals = output
+    ctx.mark_non_differentiable(*residuals)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals)
+    ctx.o_meta = (o.shape, o.dtype)
+    ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
+    ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
+
+
+def _backward(ctx, do, dht, *residual_grads):
+    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
+    if do is None:  # o unused: its gradient is zero (grads are not materialised)
+        shape, dtype = ctx.o_meta
+        do = v.new_zeros(shape, dtype=dtype)
+    if dht is not None and not ctx.output_final_state:
+        dht = None
+    grads = chunk_gdn_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(),
+                          dht, ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved)
+    needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
+    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (grad if ref is not None else None
+                                                    for grad, ref in zip(grads, needed))
+    # one gradient per input of chunk_gdn_fwd (non-tensors and cu_seqlens get None)
+    return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None)
+
+
+torch.library.register_autograd("kda_compile::chunk_gdn_fwd", _backward, setup_context=_setup_context)
+
+
+def fused_recurrent_gdn_impl(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
+) -> tuple[Tensor, Tensor]:
+    """The kernel of ``fused_recurrent_gdn_fwd``; eager decode calls it directly (see
+    ``kda_compile.ops.kda.api.dispatcher_needed``: the dispatcher's Python path costs more than a step)."""
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval)
+    run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    backend = _backend("fused_recurrent_gdn", q, v, opts)
+    o, final = backend.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts,
+                                         output_final_state)
+    final = final.float().contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return o.to(q.dtype).contiguous(), final
+
+
+fused_recurrent_gdn_fwd = torch.library.custom_op("kda_compile::fused_recurrent_gdn_fwd", mutates_args=())(
+    fused_recurrent_gdn_impl)
+
+
+@fused_recurrent_gdn_fwd.register_fake
+def _fused_recurrent_gdn_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
+                                  output_final_state, *flags):
+    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
+    final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
+    return o, q.new_empty(final_shape, dtype=torch.float32)

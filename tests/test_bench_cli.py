@@ -428,3 +428,58 @@ def test_bad_gdn_options_are_refused(argv, capsys):
 def test_gdn_benchmark_says_it_needs_cuda(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main(["gdn", "--csv", str(tmp_path / "out.csv")])
+
+
+# ---- the KDA benchmark's cold-start mode ----------------------------------------------------------------------
+def test_cold_start_runs_each_call_in_a_fresh_process_with_an_empty_triton_cache(monkeypatch):
+    import os
+    import subprocess
+
+    from kda_compile.bench import cold_start
+
+    seen = []
+
+    def fake_run(command, env, capture_output, text, timeout):
+        cache = env["TRITON_CACHE_DIR"]
+        seen.append((command[-3:], os.listdir(cache), env["TRITON_CACHE_AUTOTUNING"]))
+        return subprocess.CompletedProcess(command, 0, stdout="noise\nFIRST_CALL_S 2.500000\n", stderr="")
+
+    monkeypatch.setattr(cold_start.subprocess, "run", fake_run)
+    rows = []
+    lines = cold_start.bench_cold_start(["lower_bound", "softplus"], ["ours", "FLA"], "1x2048x32", rows,
+                                        lambda *a, **k: {"args": a, **k})
+    assert [s[0] for s in seen] == [[g, p, "1x2048x32"] for g in ("lower_bound", "softplus") for p in ("ours", "FLA")]
+    assert all(listing == [] and autotune_cache == "0" for _, listing, autotune_cache in seen)
+    assert lines[0] == ["lower_bound", "ours", "2.5", "ok"] and len(rows) == 4
+    assert rows[0]["args"][2] == "cold_start" and rows[0]["args"][4] == cold_start.METRIC
+
+
+def test_cold_start_reports_timeouts_and_failures(monkeypatch):
+    import math
+    import subprocess
+
+    from kda_compile.bench import cold_start
+
+    def timing_out(command, **kwargs):
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(cold_start.subprocess, "run", timing_out)
+    assert cold_start.first_call_seconds("softplus", "FLA", "1x2048x32", timeout=7.0) == (7.0, "timeout")
+
+    def failing(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, stdout="", stderr="Traceback\nRuntimeError: no CUDA\n")
+
+    monkeypatch.setattr(cold_start.subprocess, "run", failing)
+    seconds, status = cold_start.first_call_seconds("softplus", "ours", "1x2048x32")
+    assert math.isnan(seconds) and status == "failed: RuntimeError: no CUDA"
+
+
+def test_cold_start_mode_defaults_to_both_gates():
+    import argparse
+
+    from kda_compile.bench import kda
+
+    parser = argparse.ArgumentParser()
+    kda.add_arguments(parser)
+    args = parser.parse_args(["--modes", "cold_start"])
+    assert args.modes == ["cold_start"] and kda.resolve_gates(args) == ["lower_bound", "softplus"]

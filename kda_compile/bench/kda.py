@@ -51,7 +51,7 @@ PREFILL_SHAPES = [Shape(*s) for s in (  # (B, T, H): anchors.md (H100 table, the
     (8, 1024, 32), (1, 8192, 64), (8, 1024, 64), (1, 8192, 96), (8, 1024, 96), (16, 2048, 32),
     (1, 65536, 16),  # one long sequence with few heads: the case the segmented scan is for
 )]
-MODES = ("prefill", "fwd", "fwd+bwd", "decode")
+MODES = ("prefill", "fwd", "fwd+bwd", "decode", "cold_start")
 PREFILL_PROVIDERS = ("ours (own kernels)", "ours (FLA path)", "FLA")
 PREFILL_TARGET = 1.7  # the goal: inference forward at least 1.7x FLA on every benchmark shape
 PREFILL_ROUNDS = 3  # interleaved timing rounds per shape and mode (_interleaved_quantiles)
@@ -62,8 +62,9 @@ K = V = 128
 
 def add_arguments(parser) -> None:
     parser.add_argument("--modes", type=_modes, default=["prefill"],
-                        help="comma-separated subset of prefill,fwd,fwd+bwd,decode (default: prefill, the "
-                             "ours / FLA / FlashKDA comparison)")
+                        help="comma-separated subset of prefill,fwd,fwd+bwd,decode,cold_start (default: prefill, "
+                             "the ours / FLA / FlashKDA comparison; cold_start: the first call of each gate and "
+                             "provider in a fresh process with an empty Triton cache, on the first shape)")
     parser.add_argument("--gates", type=_gates, default=None,
                         help="comma-separated gate forms, lower_bound (-5, safe_gate: FlashKDA's) and softplus; "
                              "default: both for prefill, softplus for fwd / fwd+bwd / decode")
@@ -107,14 +108,14 @@ def _positive(text: str) -> int:
 
 
 def resolve_gates(args) -> list[str]:
-    """The gates to run: ``--gates``, else ``--gate``, else both for prefill and softplus otherwise."""
+    """The gates to run: ``--gates``, else ``--gate``, else both for prefill / cold start and softplus otherwise."""
     if args.gates is not None and args.gate is not None:
         raise SystemExit("give --gates or --gate, not both")
     if args.gates is not None:
         return args.gates
     if args.gate is not None:
         return [args.gate]
-    return list(GATES) if "prefill" in args.modes else ["softplus"]
+    return list(GATES) if {"prefill", "cold_start"} & set(args.modes) else ["softplus"]
 
 
 def prefill_shapes(text: str) -> list[Shape]:
@@ -399,7 +400,19 @@ def run(args) -> list[dict]:
                   f"fp32 state [N, H, V, K] in and out; median ms over {args.rounds} rounds (wall: one call with its "
                   "host time; kernels: summed GPU time per call)")
             print(format_table(kda_providers.COMPARISON_HEADERS, lines))
-    legacy = [m for m in modes if m != "prefill"]
+    if "cold_start" in modes:
+        from kda_compile.bench.cold_start import bench_cold_start
+
+        shape = (args.shapes or kda_providers.issue_shapes())[0]
+        lines = []
+        for gate in gates:
+            skipped = kda_providers.skip_reasons(gate)
+            providers = [p for p in kda_providers.PROVIDERS if p not in skipped]
+            lines += bench_cold_start([gate], providers, shape.label, rows, row)
+            checkpoint()
+        print(f"\nKDA prefill cold start: the first call in a fresh process, empty Triton cache, {shape.label}")
+        print(format_table(["gate", "provider", "first call (s)", "status"], lines))
+    legacy = [m for m in modes if m not in ("prefill", "cold_start")]
     if not legacy:
         return rows
     providers = _providers()

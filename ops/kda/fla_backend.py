@@ -135,7 +135,7 @@ class FLABackend:
         """FLA's chunk indices; from the host copy of the offsets when the caller has one (no device sync)."""
         if cu_seqlens is None:
             return None
-        if cu_seqlens_cpu is not None:
+        if cu_seqlens_cpu is not None and not torch.cuda.is_current_stream_capturing():  # a host copy cannot be captured
             return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
         return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
 

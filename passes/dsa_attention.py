@@ -24,8 +24,13 @@ and the selection turned into a mask, then attention over all keys::
     #   or: attention_mask = attention_mask & ~index_mask.unsqueeze(1)                # sdpa
     attn_output = eager_attention_forward(...) / F.scaled_dot_product_attention(...)  # [B, H, S, Dv]
 
-becomes attention over the selected keys only (the expanded MLA form HF computes, prefill and decode)::
+becomes attention over the selected keys only, absorbed where the keys and values are HF's ``expand_kv``
+of the latent cache (passes/dsa_absorb.py: ``kv_b_proj`` folded into the query and the output, MQA over the
+latent + rope rows, no ``kv_b_proj`` over the cache; prefill and decode)::
 
+    attn_output = dsa_sparse_attention(cat(q_nope @ W_UK, q_rope)^T, cat(latent, k_rot)^T, None,
+                                       topk_indices, scale, d_v=kv_lora_rank)[0]^T @ W_UV^T
+    #   else the expanded form HF computes (the report's ``form`` says why):
     attn_output = dsa_sparse_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                        topk_indices, scale)[0].transpose(1, 2)
 
@@ -44,7 +49,7 @@ name masked keys, so HF's scatter cannot take them, and HF's indices name keys t
 so our attention cannot take those. The attention is exactly HF's because the indexer and the
 attention read the same mask: HF attends to (top-k) AND (visible), our indices are the top-k of the
 visible keys. Without the [B, S, T] mask, the [B, S, H, T] scores and the [B, H, S, T] weights, no
-tensor with S x T elements is left in the graph (the MLA keys and values are still expanded over T).
+tensor with S x T elements is left in the graph.
 
 Left alone, and reported: a mask the graph does not prove causal (a custom 4-D mask, packed
 sequences, a sliding window: the indexer op has no window), scores or weights used elsewhere

@@ -3,6 +3,7 @@ Hugging Face runs over a top-k selection turned into a mask (the scatter of ``IN
 ``COUNTS``), read from the graph and replaced with ``dsa_sparse_attention`` over the indices."""
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,6 +16,8 @@ from kda_compile.passes.dsa_patterns import INVERT, MASKED_FILL, NotDSA
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
                                             known_shape_equal, tensor_of)
 from kda_compile.passes.matching import SDPA, SOFTMAX, Bindings, match_downward, match_upward, unrepeat_kv
+
+logger = logging.getLogger("kda_compile.passes.dsa_sparse")
 
 
 @dataclass
@@ -199,6 +202,9 @@ def replace_attention(graph: torch.fx.Graph, site: AttentionSite, indices: torch
     out = site.output
     if site.valid is not None:  # out-of-range indices (a static cache's empty slots) select no key
         indices = insert_call(graph, out, torch.where, (site.valid, indices, -1), meta_from=out)
+    absorbed = _replace_absorbed(graph, site, indices, dsa_sparse_attention)
+    if isinstance(absorbed, dict):
+        return absorbed
     q, k, v = (insert_call(graph, out, "transpose", (x, 1, 2), meta_from=out)
                for x in (site.query, site.key, site.value))
     call = insert_call(graph, out, dsa_sparse_attention, (q, k, v, indices), dict(scale=site.scale), meta_from=out)
@@ -215,6 +221,34 @@ def replace_attention(graph: torch.fx.Graph, site: AttentionSite, indices: torch
     scale = site.scale if site.scale is not None else float(qv.shape[-1]) ** -0.5
     details = dict(heads=f"{qv.shape[1]}/{kv.shape[1]}", d_qk=int(qv.shape[-1]), d_v=int(vv.shape[-1]),
                    scale=round(scale, 6), attention=site.kind)
+    if site.sinks is not None:
+        details["sinks"] = True
+    details["form"] = f"expanded: {absorbed}"
+    return details
+
+
+def _replace_absorbed(graph: torch.fx.Graph, site: AttentionSite, indices: torch.fx.Node,
+                      dsa_sparse_attention) -> dict | str:
+    """The attention over the latent cache (passes/dsa_absorb.py), with no kv_b_proj over the cache: the
+    report's details, or why the expanded form stays (nothing inserted then)."""
+    # Imported here: dsa_absorb imports mla_absorb, which registers rewrites that must come after this one
+    from kda_compile.passes.dsa_absorb import insert_absorbed, read_latent_kv
+
+    kv = read_latent_kv(site.query, site.key, site.value, site.replaced)
+    if isinstance(kv, str):
+        logger.debug("%s keeps the expanded form: %s", site.output.name, kv)
+        return kv
+    done = insert_absorbed(graph, site.output, site.query, kv, indices, site.scale, site.sinks,
+                           dsa_sparse_attention, _with_sinks)
+    if isinstance(done, str):
+        logger.debug("%s keeps the expanded form: %s", site.output.name, done)
+        return f"the absorbed form is refused: {done}"
+    new, details = done
+    site.output.replace_all_uses_with(new)
+    erased = erase_unused(graph, site.replaced + kv.region.nodes)
+    if kv.region["kv_b_proj"] not in erased:  # every user was checked: this would be a bug
+        raise RuntimeError(f"{describe_node(kv.region['kv_b_proj'])} survived the absorbed DSA rewrite")
+    details["attention"] = site.kind
     if site.sinks is not None:
         details["sinks"] = True
     return details

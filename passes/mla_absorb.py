@@ -275,6 +275,9 @@ def find_consumer(region: ExpandKV, eager: dict, mask_to_flags: bool) -> Consume
         kwargs = {k: bound[k] for k in ATTENTION.defaults}
         return Consumer("kda_compile.attention", bound["query"], user, (user,), frozenset({user}), kwargs)
     site = eager.get(keys)
+    if site is None and any(getattr(u.target, "__name__", None) == "dsa_sparse_attention" for u in user.users):
+        raise NotMLA("a DSA attention kept in the expanded form: its values feed kda_compile.dsa_sparse_attention "
+                     "(the dsa_attention report says why it is not absorbed)")
     if site is None:
         raise NotMLA(f"the values feed {describe_node(user)}, neither kda_compile.ops.attention nor an eager "
                      f"softmax attention")

@@ -35,7 +35,13 @@ other pure casts of the probabilities, a cast of fp16 / bf16 / fp32 scores to fp
 softmax (the op's softmax runs in fp32), in-place ``scores /= divisor`` / ``scores *= scale``
 (falcon), keys and values with one head that both matmuls broadcast (falcon multi-query), and
 ``torch.where(keep, scores, finfo.min)`` before the mask (gpt_neo; ``keep`` a bool tensor, True =
-attend, passed to the op as the bool mask, or combined with the additive mask).
+attend, passed to the op as the bool mask, or combined with the additive mask), a positive scale
+applied after the mask (codegen's ``(scores + mask) / scale_attn``: the op gets the product scale and
+the mask scaled alike), and a second additive float term (bloom's ALiBi, once
+``attention_spellings.py`` has unfolded its ``baddbmm`` / ``bmm`` over [B*H, ...] into 4-D matmuls),
+combined with the mask into the op's float ``attn_mask``, ``masked_fill(scores, drop, -inf)`` with
+``masked_fill(probabilities, drop, 0)`` after the softmax (cpmant: the bool mask ``~drop``), and sinks
+applied to the output as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa: the op's ``sinks``).
 
 Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``),
 a softmax not over the key dimension, anything else between the two matmuls, shapes that do not
@@ -62,7 +68,10 @@ import torch
 import torch.fx
 
 from kda_compile.ops.attention import attention
-from kda_compile.passes.attention_mask import is_scalar_tensor_literal, mask_keywords
+from kda_compile.passes.attention_mask import mask_keywords
+from kda_compile.passes.attention_spellings import (MASKED_FILL, SinkRescale, batched_reason, fill_value,
+                                                    is_batched_product, match_sink_rescale, multiplied_scores,
+                                                    same_computation, unfold_batched_attention)
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
                                             source_line, tensor_of)
@@ -105,11 +114,6 @@ IN_PLACE_DIV = family("itruediv", ("input", "other"), functions=(operator.itrued
 WHERE = family("where", ("condition", "input", "other"), functions=(torch.where,))
 
 
-def _fill_value(fill: Any) -> Any:
-    """The number ``torch.where(keep, scores, fill)`` writes: a float, or ``torch.tensor(float)``."""
-    return fill.args[0] if is_scalar_tensor_literal(fill) else fill
-
-
 def _upcasts(node: torch.fx.Node) -> bool:
     """A cast of half / bf16 / fp32 scores to fp32: neutral, since the op's softmax runs in fp32."""
     source = tensor_of(CAST.bind(node)["input"])
@@ -118,19 +122,30 @@ def _upcasts(node: torch.fx.Node) -> bool:
 
 
 def _is_fill(fill: Any) -> bool:
-    value = _fill_value(fill)
-    return isinstance(value, float) and not isinstance(value, bool)
+    """What ``torch.where(keep, scores, fill)`` writes: a float, or ``torch.tensor(float)``."""
+    return fill_value(fill) is not None and not (isinstance(fill, int) or (
+        isinstance(fill, torch.fx.Node) and isinstance(fill.args[0], int)))
 
 # From the softmax input up to the scores, each stage optional, in the order HF applies them.
-SCORE_STAGES = (
+ALL_SCORE_STAGES = (
     Stage("upcast", Call(CAST, input=LINKED, where=_upcasts), repeat=True),
     Stage("sink_shift", Call(SUB, input=LINKED, other=Call(GETITEM, index=0, input=Call(
         MAX, input=LINKED, dim=LAST_DIM, keepdim=True)))),
     Stage("sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Call(
         EXPAND, look_through=True, name="sink_column", input=Call(
             RESHAPE, look_through=True, name="sink_view", input=Capture("sinks", is_tensor_node)))))),
+    # codegen: (scores + mask) / scale, the scale after the mask (it then scales the mask too).
+    Stage("scale_after_mask", OneOf(Call(MUL, commutative=True, input=LINKED, other=Const("post_scale")),
+                                    Call(DIV, input=LINKED, other=Const("post_scale_divisor")))),
+    # cpmant: masked_fill(scores, drop, -inf), a bool mask (True = masked).
+    Stage("fill_mask", Call(MASKED_FILL, name="filled_scores", input=LINKED, mask=Capture("drop", is_tensor_node),
+                            value=Capture("fill", lambda v: fill_value(v) is not None))),
     Stage("mask", Call(ADD, name="masked_scores", commutative=True, input=LINKED,
                        other=Capture("mask", is_tensor_node))),
+    # bloom's ALiBi (see attention_spellings.py): a second additive float term, passed to the op as
+    # (part of) its float attn_mask.
+    Stage("bias", Call(ADD, name="biased_scores", commutative=True, input=LINKED,
+                       other=Capture("bias", is_tensor_node))),
     # gpt_neo: torch.where(causal_bool, scores, finfo.min), a bool mask (True = attend).
     Stage("where_mask", Call(WHERE, name="kept_scores", input=LINKED, condition=Capture("keep", is_tensor_node),
                              other=Capture("fill", _is_fill))),
@@ -141,18 +156,27 @@ SCORE_STAGES = (
                          Call(DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)),
                          Call(IN_PLACE_DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)))),
 )
+# Stages whose mask handling needs the graph edits of _replace (_scaled_mask, _with_bias, the ~drop
+# mask): matched by this rewrite only. mla_absorb.py and dsa_sparse.py build their calls from
+# SCORE_STAGES / PROBABILITY_STAGES and attention_arguments, so they see the sites without them.
+GRAPH_EDIT_STAGES = frozenset({"scale_after_mask", "fill_mask", "bias", "zero_masked"})
+SCORE_STAGES = tuple(s for s in ALL_SCORE_STAGES if s.name not in GRAPH_EDIT_STAGES)
 SCORES = Call(MATMUL, name="scores", input=Capture("query", is_tensor_node), other=Call(
     TRANSPOSE, look_through=True, where=_swaps_last_two, input=Capture("key_states", is_tensor_node)))
 
 # From the softmax output down to the value product, through single-user nodes.
 PURE_CAST = Call(CAST, input=LINKED, where=lambda n: cast_dtype(n) is not None)
-PROBABILITY_STAGES = (
+ALL_PROBABILITY_STAGES = (
+    # cpmant: masked_fill(probabilities, drop, 0) with the condition of the fill_mask stage.
+    Stage("zero_masked", Call(MASKED_FILL, input=LINKED, mask=Capture("zeroed", is_tensor_node),
+                              value=Capture("zero", lambda v: fill_value(v) == 0.0))),
     Stage("drop_sink_column", Call(GETITEM, input=LINKED, index=Const(where=_drops_last_column))),
     Stage("cast", PURE_CAST, repeat=True),
     Stage("dropout", Call(DROPOUT, input=LINKED, inplace=False, p=Const("dropout_p", where=_is_probability),
                           training=Const("training", where=lambda t: isinstance(t, bool)))),
     Stage("cast_after_dropout", PURE_CAST, repeat=True),
 )
+PROBABILITY_STAGES = tuple(s for s in ALL_PROBABILITY_STAGES if s.name not in GRAPH_EDIT_STAGES)
 OUTPUT = Call(MATMUL, name="output", input=LINKED, other=Capture("value_states", is_tensor_node))
 
 
@@ -164,20 +188,27 @@ class Site:
     scores: Bindings
     probabilities: Bindings
     stages: frozenset[str]  # the optional stages present (see SCORE_STAGES, PROBABILITY_STAGES)
+    rescale: SinkRescale | None = None  # granite_swa's sinks, applied to the output (attention_spellings.py)
 
     def __getitem__(self, name: str) -> Any:
+        if self.rescale is not None and name in ("sinks", "sink_view"):
+            return self.rescale.sinks if name == "sinks" else self.rescale.view
         return self.probabilities.get(name, self.scores.get(name))
 
     def has(self, name: str) -> bool:
+        if self.rescale is not None and name == "sinks":
+            return True
         return name in self.scores.values or name in self.probabilities.values
 
     @property
     def output(self) -> torch.fx.Node:
-        return self.probabilities["output"]
+        """The node the op's result replaces: the value product, or the sink-rescaled product."""
+        return self.rescale.nodes[-1] if self.rescale is not None else self.probabilities["output"]
 
     @property
     def replaced(self) -> tuple[torch.fx.Node, ...]:
-        return self.scores.nodes + (self.softmax,) + self.probabilities.nodes
+        extra = self.rescale.nodes if self.rescale is not None else ()
+        return self.scores.nodes + (self.softmax,) + self.probabilities.nodes + extra
 
 
 def check_site(site: Site) -> str | None:
@@ -196,27 +227,53 @@ def check_site(site: Site) -> str | None:
         return (f"the shapes do not pair up as attention: query {list(q.shape)}, keys {list(k.shape)}, "
                 f"values {list(v.shape)}")
     sinks = "sinks" in site.stages
+    if site.rescale is not None and sinks:
+        return "sinks both as an extra softmax column and as a rescale of the output"
     if sinks != ("drop_sink_column" in site.stages) or (sinks and not _per_head(site, h)):
         return "the extra softmax column is not a per-head sink logit dropped after the softmax"
     if site.has("softcap") and not concrete_number(site["softcap"]) > 0:
         return f"the softcap {concrete_number(site['softcap'])} is not positive"
-    if site.has("mask"):
-        added = tensor_of(site["masked_scores"])
-        if added is None or not known_shape_equal(added.shape, tensor_of(site["scores"]).shape):
-            return "the added mask broadcasts the scores to a larger shape"
-    if site.has("keep"):
-        keep, kept = tensor_of(site["keep"]), tensor_of(site["kept_scores"])
-        if keep is None or keep.dtype != torch.bool:
-            return "torch.where selects the scores by a condition that is not a bool tensor"
-        if kept is None or not known_shape_equal(kept.shape, tensor_of(site["scores"]).shape):
-            return "the torch.where mask broadcasts the scores to a larger shape"
-        fill = _fill_value(site["fill"])
-        if not (fill == -math.inf or fill <= float(torch.finfo(kept.dtype).min)):
-            return f"torch.where fills masked scores with {fill}, not -inf or the dtype minimum"
+    for term, added in (("mask", "masked_scores"), ("bias", "biased_scores")):
+        if site.has(term):
+            total = tensor_of(site[added])
+            if total is None or not known_shape_equal(total.shape, tensor_of(site["scores"]).shape):
+                return f"the added {term} broadcasts the scores to a larger shape"
+    bias = tensor_of(site["bias"]) if site.has("bias") else None
+    if bias is not None and not bias.dtype.is_floating_point:
+        return f"the additive bias has dtype {bias.dtype}, not a float dtype the op adds to the scores"
+    post = post_scale(site)
+    masked = any(site.has(n) for n in ("mask", "bias", "keep", "drop"))
+    if post is not None and masked and not post > 0:
+        return f"the scale after the mask ({post}) is not positive, so it does not keep masked keys masked"
+    if post is not None and site.has("softcap"):
+        return "the scale after the mask also scales the softcapped scores, which the op cannot express"
+    for cond, result, how in (("keep", "kept_scores", "torch.where"), ("drop", "filled_scores", "masked_fill")):
+        if not site.has(cond):
+            continue
+        flag, selected = tensor_of(site[cond]), tensor_of(site[result])
+        if flag is None or flag.dtype != torch.bool:
+            return f"{how} selects the scores by a condition that is not a bool tensor"
+        if selected is None or not known_shape_equal(selected.shape, tensor_of(site["scores"]).shape):
+            return f"the {how} mask broadcasts the scores to a larger shape"
+        fill = fill_value(site["fill"])
+        if fill is None or not (fill == -math.inf or fill <= float(torch.finfo(selected.dtype).min)):
+            return f"{how} fills masked scores with {fill}, not -inf or the dtype minimum"
+    if site.has("zeroed") and not (site.has("drop") and same_computation(site["zeroed"], site["drop"])):
+        return "masked_fill zeroes attention weights where the scores were not masked by the same condition"
     outside = _used_outside(site)
     if outside is not None:
         return outside
     return _mutated_between(site)
+
+
+def post_scale(site: Site) -> float | None:
+    """The factor ``(scores + mask) * factor`` applies after the mask, or None."""
+    if site.has("post_scale"):
+        return float(site["post_scale"])
+    if site.has("post_scale_divisor"):
+        divisor = float(site["post_scale_divisor"])
+        return 1.0 / divisor if divisor != 0 else float("nan")
+    return None
 
 
 def _per_head(site: Site, heads: Any) -> bool:
@@ -260,6 +317,9 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
         scale = float(concrete_number(site["scale"]))
     elif site.has("scale_divisor"):
         scale = 1.0 / float(concrete_number(site["scale_divisor"]))
+    post = post_scale(site)
+    if post is not None:
+        scale *= post
     dropout_p = float(site["dropout_p"]) if site.has("dropout_p") and site["training"] else 0.0
     kwargs: dict[str, Any] = dict(scale=scale, dropout_p=dropout_p)
     details: dict[str, Any] = dict(scale=round(scale, 6))
@@ -273,15 +333,38 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
         mask_kwargs, mask_details = mask_keywords(site["mask"], q.shape[2], k.shape[2], mask_to_flags, additive=True)
         kwargs.update(mask_kwargs)
         details.update(mask_details)
-    if site.has("keep"):
-        details["where_mask"] = "bool tensor"
+    if site.has("keep") or site.has("drop"):
+        details["where_mask" if site.has("keep") else "fill_mask"] = "bool tensor"
+    if site.has("bias"):
+        details["bias"] = f"additive {list(tensor_of(site['bias']).shape)}"
     return kwargs, details
 
 
-def _and_kept(graph: torch.fx.Graph, site: Site, mask: Any) -> torch.fx.Node:
-    """The mask the op gets when ``torch.where(keep, scores, min)`` precedes the additive mask: a
-    masked key gets zero weight either way (eager: min + mask; here: -inf)."""
-    keep, at = site["keep"], site.output
+def _scaled_mask(graph: torch.fx.Graph, site: Site, mask: Any) -> Any:
+    """The additive mask as the scores see it when a scale follows the mask (codegen); a bool mask
+    (or flags) is unchanged by a positive scale."""
+    post = post_scale(site)
+    if post is None or post == 1.0 or mask is None or tensor_of(mask).dtype == torch.bool:
+        return mask
+    return insert_call(graph, site.output, operator.mul, (mask, post), meta_from=site.output)
+
+
+def _with_bias(graph: torch.fx.Graph, site: Site, mask: Any) -> Any:
+    """``mask`` combined with the additive bias: the bias alone, the bias where a bool mask keeps a
+    key (-inf elsewhere), or their sum."""
+    bias, at = _scaled_mask(graph, site, site["bias"]), site.output
+    if mask is None:
+        return bias
+    if tensor_of(mask).dtype == torch.bool:
+        return insert_call(graph, at, torch.where, (mask, bias, -math.inf), meta_from=at)
+    return insert_call(graph, at, operator.add, (bias, mask), meta_from=at)
+
+
+def _and_kept(graph: torch.fx.Graph, site: Site, mask: Any, keep: torch.fx.Node) -> torch.fx.Node:
+    """The mask the op gets when ``torch.where(keep, scores, min)`` (or ``masked_fill(scores, ~keep,
+    -inf)``) precedes the additive mask: a masked key gets zero weight either way (eager: min + mask;
+    here: -inf)."""
+    at = site.output
     if mask is None:
         return keep
     if tensor_of(mask).dtype == torch.bool:
@@ -297,6 +380,7 @@ class SoftmaxAttentionRewrite(GraphRewrite):
 
     def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
         graph = gm.graph
+        unfold_batched_attention(graph)
         rewritten, erased = 0, set()
         for softmax in [n for n in graph.nodes if SOFTMAX.bind(n) is not None]:
             if softmax in erased:
@@ -317,17 +401,28 @@ class SoftmaxAttentionRewrite(GraphRewrite):
     def _match(softmax: torch.fx.Node) -> tuple[Site | None, str | None]:
         """The site anchored on ``softmax``; (None, reason) for a candidate that does not match;
         (None, None) for a softmax with no matmul on either side (not attention: e.g. a router)."""
-        up = match_upward(SOFTMAX.bind(softmax)["input"], SCORE_STAGES, SCORES)
-        down = match_downward(softmax, PROBABILITY_STAGES, OUTPUT)
+        up = match_upward(SOFTMAX.bind(softmax)["input"], ALL_SCORE_STAGES, SCORES)
+        down = match_downward(softmax, ALL_PROBABILITY_STAGES, OUTPUT)
         if up and down:
-            return Site(softmax, up.bindings, down.bindings, frozenset(up.stages + down.stages)), None
-        if not up and not down:
+            rescale = match_sink_rescale(SOFTMAX.bind(softmax)["input"], down.bindings["output"],
+                                         tensor_of(up.bindings["query"]).shape[1]
+                                         if is_tensor_node(up.bindings["query"]) else None)
+            return Site(softmax, up.bindings, down.bindings, frozenset(up.stages + down.stages), rescale), None
+        if not up and not down and not (is_batched_product(up.stopped_at) or is_batched_product(down.stopped_at)):
             return None, None
         failed, side = (up, "scores") if not up else (down, "attention weights")
         if failed.other_users:
             users = ", ".join(describe_node(u) for u in failed.other_users)
             return None, (f"the attention weights ({describe_node(failed.stopped_at)}) have users besides one value "
                           f"product: {users} (e.g. output_attentions=True)")
+        batched = batched_reason(up.stopped_at) or batched_reason(down.stopped_at)
+        if batched:
+            return None, f"batched attention left as written: {batched}"
+        product = None if up else multiplied_scores(SOFTMAX.bind(softmax)["input"])
+        if product is not None:
+            return None, (f"the scores are multiplied by a tensor ({describe_node(product[0])} by "
+                          f"{describe_node(product[1])}), not masked by an additive or bool mask the op takes "
+                          f"(e.g. scores * b - 1e4 * (1 - b) with a 0/1 causal buffer b: finite masked scores)")
         after = f" after {' -> '.join(failed.stages)}" if failed.stages else ""
         return None, (f"the {side} do not follow eager attention: found {describe_node(failed.stopped_at)}{after}, "
                       f"expected {failed.expected}")
@@ -340,13 +435,20 @@ class SoftmaxAttentionRewrite(GraphRewrite):
         q, k = tensor_of(site["query"]), tensor_of(key)
         details["heads"] = f"{q.shape[1]}/{k.shape[1]}"
         out = site.output
+        given = kwargs.get("attn_mask")
+        kwargs["attn_mask"] = _scaled_mask(graph, site, given)
         if site.has("keep"):
-            kwargs["attn_mask"] = _and_kept(graph, site, kwargs.get("attn_mask"))
+            kwargs["attn_mask"] = _and_kept(graph, site, kwargs["attn_mask"], site["keep"])
+        if site.has("drop"):
+            keep = insert_call(graph, out, torch.logical_not, (site["drop"],), meta_from=out)
+            kwargs["attn_mask"] = _and_kept(graph, site, kwargs["attn_mask"], keep)
+        if site.has("bias"):
+            kwargs["attn_mask"] = _with_bias(graph, site, kwargs["attn_mask"])
         try:
             new = insert_call(graph, out, attention, (site["query"], key, value), kwargs, meta_from=out)
         except (TypeError, ValueError):
-            if site.has("keep") and kwargs["attn_mask"] is not site["keep"]:
-                graph.erase_node(kwargs["attn_mask"])
+            if isinstance(kwargs["attn_mask"], torch.fx.Node):  # the mask nodes inserted above, if any
+                erase_unused(graph, [kwargs["attn_mask"]])
             raise
         want = tensor_of(out).dtype
         if tensor_of(new).dtype != want:

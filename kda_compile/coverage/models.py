@@ -45,7 +45,7 @@ SIZES = {  # config attribute -> tiny value (only set where the default config h
     **dict.fromkeys(("kv_lora_rank", "q_lora_rank"), 32),
     **dict.fromkeys(("qk_nope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_head_dim", "index_head_dim", "mamba_d_head", "mamba_head_dim"), 16),
-    **dict.fromkeys(("qk_rope_head_dim",), 8),
+    **dict.fromkeys(("qk_rope_head_dim", "rotary_dim"), 8),  # rotary_dim: codegen's default 64 exceeds the head dim
     **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "index_n_heads",
                      "mamba_n_heads", "n_mamba_heads", "mamba_n_groups", "n_groups"), 2),
     **dict.fromkeys(("index_topk",), 8),

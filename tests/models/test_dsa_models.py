@@ -12,18 +12,25 @@ Checked for each, through ``kda_compile.optimize(model.forward, fullgraph=True)`
 left-padded batch: ``generate()`` gives eager's tokens and each step's logits within 1e-4 of eager's (the
 prefill step, then a decode step reading HF's latent and indexer caches; mistral_large4: the prefill
 outputs, padding rows excluded), no graph break (fullgraph), every graph holds one ``dsa_indexer_topk`` per
-full indexer and one ``dsa_sparse_attention`` per indexed layer, and the rewrite left nothing alone. And once
+full indexer and one ``dsa_sparse_attention`` per indexed layer, in the absorbed form (no ``kv_b_proj`` over the
+latent cache; a decode step's graph holds no matmul over the cache length, its outputs within 1e-4 of eager's),
+and the rewrite left nothing alone. And once
 through ``torch.compile(backend="kda_compile")`` with Inductor. Static shapes, but for one decode graph
 with a symbolic cache length (Dynamo's automatic dynamic at the third token): under ``dynamic=True``
 Dynamo alone takes about 45 s per model on 2 CPU cores. CUDA: three families with Inductor on the GPU.
 """
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 
 import kda_compile
+import kda_compile.ops
 from kda_compile import Config, optimize
+from kda_compile.passes import PassManager
 from kda_compile.report import clear_reports
 from kda_compile.testing import rel_error
 
@@ -82,6 +89,13 @@ def assert_sites(graphs, name: str) -> None:
         assert ops.count("kda_compile.dsa_indexer_topk") == indexers, graph.summary()
         assert ops.count("kda_compile.dsa_sparse_attention") == layers, graph.summary()
         assert not [c for c in graph.left_alone if c.rewrite == "dsa_attention"], graph.summary()
+        forms = [r.details["form"] for r in graph.rewritten if r.op == "kda_compile.dsa_sparse_attention"]
+        assert forms == ["absorbed"] * layers, graph.summary()
+        # the absorbed form leaves mla_absorb no expand_kv to report at the DSA layers (dots3_note's sliding
+        # layer is plain MLA, reported by mla_absorb for its window)
+        dsa_layers = {r.site for r in graph.rewritten if r.op == "kda_compile.dsa_sparse_attention"}
+        assert not [c for c in graph.left_alone if c.rewrite == "mla_absorb" and c.site in dsa_layers], \
+            graph.summary()
 
 
 @pytest.fixture(autouse=True)
@@ -143,8 +157,56 @@ def test_glm5_next_attention_over_its_pooled_selection():
         (graph,) = kda_compile.report(fast).graphs
         sites = [r.details["indices"] for r in graph.rewritten if r.op == "kda_compile.dsa_sparse_attention"]
         assert sites == ["pooled indexer", "pooled indexer, shared: layers.0.self_attn.indexer"], graph.summary()
+        forms = [r.details["form"] for r in graph.rewritten if r.op == "kda_compile.dsa_sparse_attention"]
+        assert forms == ["absorbed"] * 2, graph.summary()  # no rope part (qk_rope_head_dim=0)
         reported = [c for c in graph.left_alone if c.rewrite == "dsa_attention"]
         assert [c.site for c in reported] == ["layers.0.self_attn.indexer"], graph.summary()
+
+
+_MATMULS = (torch.matmul, torch.nn.functional.linear, torch.bmm, torch.mm, torch.einsum, operator.matmul)
+
+
+def matmuls_over(gm: torch.fx.GraphModule, length: int) -> list[str]:
+    """Matmul-like nodes with an operand of ``length`` in a non-last dim (a matmul over the cache)."""
+    found = []
+    for node in gm.graph.nodes:
+        if not (node.target in _MATMULS or (node.op == "call_method" and node.target in ("matmul", "__matmul__"))):
+            continue
+        for arg in node.all_input_nodes:
+            value = arg.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and length in list(value.shape)[:-1]:
+                found.append(node.format_node())
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_decode_graph_reads_only_the_latent_cache(name):
+    """A decode step's graph has no matmul over the cache length T: kv_b_proj is absorbed into the query and
+    the output, the attention reads the latent cache at the selected rows (the traced graph had kv_b_proj over
+    the whole cache, so the check can fail). The decode step's outputs match eager's within 1e-4."""
+    model = build(name)
+    ids, mask = batch()
+    before, graphs = [], []
+
+    def keep(gm, example_inputs):
+        t = PROMPT + 1
+        before.append(matmuls_over(gm, t))
+        PassManager(QUICK).run(gm)
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    step_ids = torch.randint(3, VOCAB, (2, 1), generator=torch.Generator().manual_seed(1))
+    step_mask = torch.cat((mask, torch.ones(2, 1, dtype=mask.dtype)), dim=1)
+    fast = torch.compile(model, backend=keep, fullgraph=True, dynamic=False)
+    with torch.no_grad():  # eager prefills (test_prefill_and_decode_match_eager compiles those), one cache each
+        steps = [forward(step_ids, attention_mask=step_mask, use_cache=True,
+                         past_key_values=model(ids, attention_mask=mask, use_cache=True).past_key_values)
+                 for forward in (fast, model)]
+    assert rel_error(outputs(steps[0]), outputs(steps[1])) < TOL
+    assert len(graphs) == 1  # the decode step (T = PROMPT + 1)
+    assert before[0], "the traced decode graph has no matmul over the cache: the check below cannot fail"
+    assert matmuls_over(graphs[0], PROMPT + 1) == [], graphs[0].code
+    assert sum(n.target is kda_compile.ops.dsa_sparse_attention for n in graphs[0].graph.nodes) == FAMILIES[name][3][1]
 
 
 @pytest.mark.slow

@@ -6,7 +6,9 @@ indexer layer reading the previous layer's selection included), for eager and SD
 with S x T elements is left in the rewritten graph (every example value walked; the traced graph had
 them); a training step's gradients match; left padding reaches the indexer as its key mask; top-k >= T;
 an attention left alone (dropout in training) keeps its indexer as written; ``Config(dsa_attention=False)``;
-the block-sparse families reported; the rewrite runs before the attention and MLA rewrites.
+the block-sparse families reported; the rewrite runs before the attention and MLA rewrites. The absorbed
+form (passes/dsa_absorb.py): its math against the expanded attention in fp64, and the expanded form kept,
+with its reason, where the keys are not expand_kv's.
 """
 from __future__ import annotations
 
@@ -85,6 +87,7 @@ def test_prefill_becomes_the_dsa_ops_with_no_seq_by_seq_tensor(name, attn):
     attentions = cap.entries("kda_compile.dsa_sparse_attention")
     assert len(cap.calls(dsa_sparse_attention)) == len(attentions) == 2, report
     assert {e.details["attention"] for e in attentions} == {"eager attention" if attn == "eager" else "sdpa"}
+    assert [e.details["form"] for e in attentions] == ["absorbed"] * 2, report
     if name == "glm_moe_dsa":
         assert attentions[1].details["indices"] == "shared: model.layers.0.self_attn.indexer", report
     for entry in cap.entries("kda_compile.dsa_indexer_topk"):
@@ -174,3 +177,51 @@ def test_runs_before_the_rewrites_that_would_take_its_attention():
     order = list(REWRITES)
     assert order.index("dsa_attention") < min(order.index(n) for n in ("softmax_attention", "sdpa_attention",
                                                                          "mla_absorb"))
+
+
+@pytest.mark.parametrize("heads,nope,rope,value,rank,topk", [(4, 16, 8, 16, 32, 6), (3, 8, 4, 12, 20, 9)])
+def test_absorbed_form_equals_the_expanded_attention(heads, nope, rope, value, rank, topk):
+    """passes/dsa_absorb.py's math on fresh random inputs (fp64): W_UK folded into the query and W_UV after the
+    attention over the latent rows equals the attention over kv_b_proj's expanded keys and values (-1 padded
+    indices included), output and log-sum-exp."""
+    from kda_compile.passes.dsa_absorb import absorbed_attention
+
+    g = torch.Generator().manual_seed(heads * 100 + rank)
+    b, s, t = 2, 5, 11
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    q_nope, q_rope, latent, k_rope = rand(b, heads, s, nope), rand(b, heads, s, rope), rand(b, 1, t, rank), rand(
+        b, 1, t, rope)
+    weight = rand(heads * (nope + value), rank) / rank ** 0.5
+    indices = torch.stack([torch.randperm(t, generator=g)[:topk] for _ in range(b * s)]).view(b, s, topk).int()
+    indices[0, 0, topk // 2:] = -1
+    scale = (nope + rope) ** -0.5
+    o, lse, w_uv = absorbed_attention(dsa_sparse_attention, q_nope, q_rope, latent, k_rope, weight, indices,
+                                      heads=heads, nope=nope, scale=scale, dtype=torch.float64)
+    got = o.transpose(1, 2) @ w_uv.transpose(-1, -2)
+    kv = torch.nn.functional.linear(latent, weight).view(b, t, heads, nope + value).transpose(1, 2)
+    keys = torch.cat((kv[..., :nope], k_rope.expand(-1, heads, -1, -1)), dim=-1)
+    want, want_lse = dsa_sparse_attention(torch.cat((q_nope, q_rope), -1).transpose(1, 2), keys.transpose(1, 2),
+                                          kv[..., nope:].transpose(1, 2), indices, scale)
+    assert rel_error(got, want.transpose(1, 2)) < 1e-10
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert rel_error(lse[torch.isfinite(lse)], want_lse[torch.isfinite(want_lse)]) < 1e-10
+
+
+def test_keys_not_expand_kvs_keep_the_expanded_form():
+    """Keys changed after expand_kv (here ``* 1.0``) are not the latent cache's: the attention stays in the
+    expanded form (the report says why), still matches eager, and mla_absorb names the layer as a DSA
+    attention kept expanded. Unchanged, the same model is absorbed."""
+    model = build_dsa_model("deepseek_v32")
+    for layer in model.model.layers:
+        expand = layer.self_attn.expand_kv
+        layer.self_attn.expand_kv = lambda kv, k_rot, expand=expand: (lambda k, v: (k * 1.0, v))(*expand(kv, k_rot))
+    cap = KeepGraphs()
+    got, want = run(model, prompt(), cap)
+    assert rel_error(got, want) < TOL
+    forms = [e.details["form"] for e in cap.entries("kda_compile.dsa_sparse_attention")]
+    assert len(forms) == 2 and all(f.startswith("expanded: the attention's keys") for f in forms), forms
+    mla = [c.reason for c in cap.reports[0].left_alone if c.rewrite == "mla_absorb"]
+    assert len(mla) == 2 and all("DSA attention kept in the expanded form" in r for r in mla), mla

@@ -1,0 +1,346 @@
+"""Batched 3-D spellings of eager softmax attention, turned into the 4-D form softmax_attention.py matches.
+
+bloom (transformers 5.23, models/bloom/modeling_bloom.py) folds batch and heads into one dimension
+and adds its ALiBi bias inside ``baddbmm``::
+
+    q3 = query.reshape(B * H, Sq, D); k3t = key.reshape(B * H, Sk, D).transpose(-1, -2)
+    scores = alibi.baddbmm(batch1=q3, batch2=k3t, beta=1.0, alpha=inv_norm_factor)   # [B*H, Sq, Sk]
+    scores = scores.view(B, H, Sq, Sk) + attention_mask
+    probs = softmax(scores, dim=-1, dtype=torch.float32).to(dtype); probs = dropout(probs)
+    out3 = torch.bmm(probs.view(B * H, Sq, Sk), value.reshape(B * H, Sk, Dv))
+
+:func:`unfold_batched_attention` rewrites, in place and exactly (same values, other association
+only where ``baddbmm`` fused its multiply-add), the score product into
+``matmul(q4, k4.transpose(-1, -2)) * alpha + alibi.reshape(B, H, Sq or 1, Sk)`` and the value product
+into ``matmul(probs, v4).reshape(B * H, Sq, Dv)``, where ``q4`` / ``k4`` / ``v4`` are the 4-D tensors the
+3-D ones were reshaped from (or a reshape of them). The ALiBi term then reaches the matcher as an
+additive bias broadcastable to [B, H, Sq, Sk], which ``kda_compile.ops.attention`` takes as a float
+``attn_mask``. ``baddbmm`` with ``beta`` other than 1 or a non-constant ``alpha`` is left as written
+(the softmax is then reported as not matching).
+
+cpmant (models/cpmant/modeling_cpmant.py) masks with ``masked_fill`` on both sides of the softmax::
+
+    score = torch.masked_fill(score, drop, torch.scalar_tensor(float("-inf")))   # drop: True = masked
+    score = torch.masked_fill(softmax(score), drop, torch.scalar_tensor(0))
+
+:data:`MASKED_FILL` and :func:`fill_value` let softmax_attention.py read the first as the bool mask
+``~drop`` and the second as neutral (the op already gives a masked key zero weight, and a row with
+every key masked 0, where eager attention gave NaN then 0), provided both conditions compute the
+same tensor (:func:`same_computation`: Dynamo keeps the two ``mask.view(...) == False`` apart).
+
+Both unfoldings only read the shapes of the example values; they change nothing when a shape is not
+the folded [B*H, ...] of a 4-D tensor.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from kda_compile.passes.graph_tools import (insert_call, is_last_dim, known_equal, known_shape_equal, same_value,
+                                            tensor_of)
+from kda_compile.passes.matching import ADD, CAST, DIV, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE, cast_dtype, family
+
+logger = logging.getLogger("kda_compile.passes.attention_spellings")
+
+MASKED_FILL = family("masked_fill", ("input", "mask", "value"), functions=(torch.masked_fill,),
+                     methods=("masked_fill",))
+_SCALAR_LITERALS = (torch.tensor, torch.scalar_tensor)
+
+
+def fill_value(value: Any) -> float | None:
+    """The number a fill argument holds: a Python number, ``torch.tensor(x)`` or ``torch.scalar_tensor(x)``."""
+    if isinstance(value, torch.fx.Node):
+        if value.op == "call_function" and value.target in _SCALAR_LITERALS and len(value.args) == 1:
+            value = value.args[0]
+        else:
+            return None
+    return float(value) if _number(value) else None
+
+
+def same_computation(a: Any, b: Any, depth: int = 8) -> bool:
+    """True when ``a`` and ``b`` are the same value, or nodes computing it by the same pure calls on
+    the same inputs (placeholders and attributes must be the very same node)."""
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+            return len(a) == len(b) and all(same_computation(x, y, depth) for x, y in zip(a, b))
+        return same_value(a, b)
+    if a is b:
+        return True
+    if depth == 0 or a.op not in ("call_function", "call_method") or a.op != b.op or a.target != b.target:
+        return False
+    if a.is_impure() or b.is_impure() or set(a.kwargs) != set(b.kwargs):
+        return False
+    return (same_computation(a.args, b.args, depth - 1)
+            and all(same_computation(a.kwargs[k], b.kwargs[k], depth - 1) for k in a.kwargs))
+
+
+BMM = family("bmm", ("input", "other"), functions=(torch.bmm,), methods=("bmm",))
+BADDBMM = family("baddbmm", ("input", "batch1", "batch2"), functions=(torch.baddbmm,), methods=("baddbmm",),
+                 defaults={"beta": 1, "alpha": 1})
+
+
+def is_batched_product(node: Any) -> bool:
+    """A ``bmm`` / ``baddbmm`` (or a view of one): a softmax next to it is an attention candidate even
+    when :func:`unfold_batched_attention` could not unfold it."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    view = RESHAPE.bind(node)
+    near = [node] + ([view["input"]] + list(node.users) if view is not None else [])
+    return any(BMM.bind(n) is not None or BADDBMM.bind(n) is not None for n in near)
+
+
+def batched_reason(node: Any) -> str | None:
+    """Why the batched product at or next to ``node`` was not unfolded, or None if there is none."""
+    if not is_batched_product(node):
+        return None
+    view = RESHAPE.bind(node)
+    for n in [node] + ([view["input"]] + list(node.users) if view is not None else []):
+        fused = BADDBMM.bind(n)
+        if fused is not None and fused["beta"] != 1:
+            return f"baddbmm scales its bias by beta={fused['beta']}, not the additive bias (beta=1) the op takes"
+        if fused is not None and not _number(fused["alpha"]):
+            return f"baddbmm's alpha {fused['alpha']} is not a constant scale"
+    return ("the bmm / baddbmm is not a [B*H, ...] folding of 4-D query, keys and values viewed as "
+            "[B, H, Sq, Sk] scores")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _swapped_last_two(node: Any) -> torch.fx.Node | None:
+    """``x`` when ``node`` is ``x.transpose(-1, -2)`` of a 3-D ``x`` (any spelling of the two dims)."""
+    b = TRANSPOSE.bind(node)
+    x = tensor_of(b["input"]) if b is not None else None
+    if x is None or x.dim() != 3 or not all(isinstance(d, int) for d in (b["dim0"], b["dim1"])):
+        return None
+    return b["input"] if {b["dim0"] % 3, b["dim1"] % 3} == {1, 2} else None
+
+
+def _static(shape: Any) -> tuple[int, ...] | None:
+    """``shape`` as plain ints, or None when a size is symbolic (it then cannot be a graph constant)."""
+    return tuple(shape) if all(type(d) is int for d in shape) else None
+
+
+def _as_4d(node: torch.fx.Node, shape: tuple) -> torch.fx.Node | tuple | None:
+    """``node`` ([B*H, S, D]) as [B, H, S, D]: the tensor it was reshaped from when that has this shape
+    (bloom's ``query.reshape(B * H, -1, D)``), else the static shape to reshape it to, else None."""
+    b = RESHAPE.bind(node)
+    if b is not None and tensor_of(b["input"]) is not None and known_shape_equal(tensor_of(b["input"]).shape, shape):
+        return b["input"]
+    return _static(shape)
+
+
+def _graph_shape(args: Any, keep: int, static: Any) -> tuple | None:
+    """A shape to pass in the graph: the first ``keep`` sizes of a view's own arguments (graph
+    values, also under dynamic shapes) then -1; or ``static`` as ints; or None."""
+    args = tuple(args)
+    if len(args) > keep and all(a is not None for a in args[:keep]) and -1 not in args[:keep]:
+        return args[:keep] + (-1,)
+    return _static(static)
+
+
+def _reshaped(graph: torch.fx.Graph, at: torch.fx.Node, node: torch.fx.Node, target: Any) -> torch.fx.Node:
+    return target if isinstance(target, torch.fx.Node) else insert_call(graph, at, "reshape", (node, target),
+                                                                          meta_from=at)
+
+
+def _unfold_scores(graph: torch.fx.Graph, view: torch.fx.Node) -> bool:
+    """``baddbmm(bias, q3, k3t, alpha=a).view(B, H, Sq, Sk)`` or ``bmm(q3, k3t).view(...)`` ->
+    ``matmul(q4, k4^T) * a + bias4``. Every check comes before the first graph change."""
+    src = RESHAPE.bind(view)
+    mm = src["input"] if src is not None else None
+    if not isinstance(mm, torch.fx.Node) or len(mm.users) != 1:
+        return False
+    fused, plain = BADDBMM.bind(mm), BMM.bind(mm)
+    if fused is not None:
+        q3, k3t, bias = fused["batch1"], fused["batch2"], fused["input"]
+        if fused["beta"] != 1 or not _number(fused["alpha"]) or not isinstance(bias, torch.fx.Node):
+            return False
+        alpha = fused["alpha"]
+    elif plain is not None:
+        q3, k3t, bias, alpha = plain["input"], plain["other"], None, 1
+    else:
+        return False
+    k3, out = _swapped_last_two(k3t), tensor_of(view)
+    q = tensor_of(q3)
+    if k3 is None or out is None or out.dim() != 4 or q is None or q.dim() != 3:
+        return False
+    b, h, sq, sk = out.shape
+    k = tensor_of(k3)
+    if not (known_equal(q.shape[0], b * h) and known_equal(q.shape[1], sq) and known_equal(k.shape[1], sk)):
+        return False
+    q4, k4 = _as_4d(q3, (b, h, sq, q.shape[2])), _as_4d(k3, (b, h, sk, k.shape[2]))
+    bias_shape = None
+    if bias is not None:
+        t = tensor_of(bias)
+        if t is None or t.dim() != 3 or not known_equal(t.shape[0], b * h) or not known_equal(t.shape[2], sk):
+            return False
+        rows = 1 if type(t.shape[1]) is int and t.shape[1] == 1 else None
+        view_args = tuple(src["shape"])[:2] + ((rows,) if rows else tuple(src["shape"])[2:3])
+        bias_shape = _graph_shape(view_args + (None,), 3, (b, h, t.shape[1], sk))
+    if q4 is None or k4 is None or (bias is not None and bias_shape is None):
+        return False
+    q4, k4 = _reshaped(graph, view, q3, q4), _reshaped(graph, view, k3, k4)
+    kt = insert_call(graph, view, "transpose", (k4, -1, -2), meta_from=view)
+    new = insert_call(graph, view, torch.matmul, (q4, kt), meta_from=view)
+    if alpha != 1:
+        new = insert_call(graph, view, "__mul__", (new, alpha), meta_from=view)
+    if bias is not None:
+        bias4 = insert_call(graph, view, "reshape", (bias, bias_shape), meta_from=view)
+        new = insert_call(graph, view, "__add__", (new, bias4), meta_from=view)
+    view.replace_all_uses_with(new)
+    graph.erase_node(view)
+    graph.erase_node(mm)
+    return True
+
+
+def _unfold_values(graph: torch.fx.Graph, mm: torch.fx.Node) -> bool:
+    """``bmm(p4.view(B*H, Sq, Sk), v3)`` -> ``matmul(p4, v4).reshape(B*H, Sq, Dv)``."""
+    b = BMM.bind(mm)
+    view = RESHAPE.bind(b["input"]) if b is not None else None
+    if view is None or len(b["input"].users) != 1:
+        return False
+    p4, v3 = view["input"], b["other"]
+    p, v, out = tensor_of(p4), tensor_of(v3), tensor_of(mm)
+    if p is None or v is None or out is None or p.dim() != 4 or v.dim() != 3:
+        return False
+    bsz, h, sq, sk = p.shape
+    if not (known_equal(v.shape[0], bsz * h) and known_equal(v.shape[1], sk)):
+        return False
+    v4 = _as_4d(v3, (bsz, h, sk, v.shape[2]))
+    out_shape = _graph_shape(view["shape"], 2, out.shape)
+    if v4 is None or out_shape is None:
+        return False
+    out4 = insert_call(graph, mm, torch.matmul, (p4, _reshaped(graph, mm, v3, v4)), meta_from=mm)
+    new = insert_call(graph, mm, "reshape", (out4, out_shape), meta_from=mm)
+    folded = b["input"]
+    mm.replace_all_uses_with(new)
+    graph.erase_node(mm)
+    graph.erase_node(folded)
+    return True
+
+
+def unfold_batched_attention(graph: torch.fx.Graph) -> int:
+    """Rewrite the 3-D batched spellings (module docstring) into 4-D matmuls; the number rewritten."""
+    # Score products first: a score bmm would otherwise pass for a value product of the query.
+    count = sum(_unfold_scores(graph, n) for n in list(graph.nodes) if RESHAPE.bind(n) is not None)
+    count += sum(_unfold_values(graph, n) for n in list(graph.nodes) if BMM.bind(n) is not None)
+    if count:
+        logger.debug("unfolded %d batched attention products", count)
+    return count
+
+
+# ----------------------------------------------------------------------------------------------
+# Sinks as a rescaled output (granite_swa, transformers 5.23 models/granite_swa/modeling_granite_swa.py):
+#     lse = torch.logsumexp(scores, dim=-1)
+#     sink_scale = (lse - sinks.view(1, -1, 1)).to(torch.float32).sigmoid()
+#     out = softmax(scores) @ v * sink_scale.unsqueeze(-1).to(out.dtype)
+# sigmoid(lse - s) = Z / (Z + e^s) with Z = sum_j e^{scores_j}, so ``out`` is attention with a sink
+# logit s per head in the softmax denominator: ``kda_compile.ops.attention(..., sinks=sinks)``.
+# ----------------------------------------------------------------------------------------------
+LOGSUMEXP = family("logsumexp", ("input", "dim", "keepdim"), functions=(torch.logsumexp,), methods=("logsumexp",),
+                   defaults={"keepdim": False})
+SIGMOID = family("sigmoid", ("input",), functions=(torch.sigmoid, torch.nn.functional.sigmoid), methods=("sigmoid",))
+UNSQUEEZE = family("unsqueeze", ("input", "dim"), functions=(torch.unsqueeze,), methods=("unsqueeze",))
+
+
+@dataclass(frozen=True)
+class SinkRescale:
+    """The matched rescale: the sinks [H] tensor, its [1, H, 1] view, and the nodes from the
+    logsumexp to the final product (the last one), which the rewrite replaces."""
+
+    sinks: torch.fx.Node
+    view: torch.fx.Node
+    nodes: tuple[torch.fx.Node, ...]
+
+
+def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _through_casts(node: Any, taken: list) -> Any:
+    """Walk down from ``node`` through single-user pure casts (recorded in ``taken``)."""
+    while isinstance(node, torch.fx.Node):
+        user = _single_user(node)
+        if user is None or cast_dtype(user) is None or CAST.bind(user)["input"] is not node:
+            return node
+        taken.append(user)
+        node = user
+    return node
+
+
+def match_sink_rescale(scores: torch.fx.Node, output: torch.fx.Node, heads: Any) -> SinkRescale | None:
+    """The sink rescale (above) of ``output`` (softmax(scores) @ v) by a logsumexp of ``scores``, or None."""
+    lses = [u for u in scores.users if LOGSUMEXP.bind(u) is not None]
+    mul = _single_user(output)
+    if len(lses) != 1 or mul is None or MUL.bind(mul) is None:
+        return None
+    lse, taken = lses[0], [lses[0]]
+    lb = LOGSUMEXP.bind(lse)
+    if lb["input"] is not scores or lb["keepdim"] or not is_last_dim(lb["dim"], 4):
+        return None
+    sub = _single_user(lse)
+    sb = SUB.bind(sub) if sub is not None else None
+    if sb is None or sb["input"] is not lse:
+        return None
+    view = RESHAPE.bind(sb["other"])
+    sinks, shaped = (view["input"], tensor_of(sb["other"])) if view is not None else (None, None)
+    if tensor_of(sinks) is None or tensor_of(sinks).dim() != 1 or not known_equal(tensor_of(sinks).shape[0], heads) \
+            or shaped is None or not known_shape_equal(shaped.shape, (1, heads, 1)):
+        return None
+    taken.append(sub)
+    sig = _through_casts(sub, taken)
+    sig = _single_user(sig) if isinstance(sig, torch.fx.Node) else None
+    if sig is None or SIGMOID.bind(sig) is None:
+        return None
+    taken.append(sig)
+    unsq = _single_user(_through_casts(sig, taken))
+    ub = UNSQUEEZE.bind(unsq) if unsq is not None else None
+    if ub is None or not isinstance(ub["dim"], int) or ub["dim"] not in (-1, 3):
+        return None
+    taken.append(unsq)
+    factor = _through_casts(unsq, taken)
+    mb = MUL.bind(mul)
+    if {mb["input"], mb["other"]} != {output, factor} or _single_user(factor) is not mul:
+        return None
+    return SinkRescale(sinks, sb["other"], tuple(taken) + (mul,))
+
+
+def multiplied_scores(start: torch.fx.Node, depth: int = 6) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(product, factor) when, within ``depth`` arithmetic steps above the softmax input ``start``, the
+    scores (a matmul) are multiplied elementwise by another tensor: openai-gpt's
+    ``w * b + -1e4 * (1 - b)`` with a 0/1 causal buffer ``b``. That is no additive or bool mask the op
+    takes: which positions it masks depends on the buffer's values, and a masked score is -1e4, not
+    -inf or the dtype minimum."""
+    frontier = [start]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            b = MUL.bind(node)
+            if b is not None and all(isinstance(x, torch.fx.Node) and tensor_of(x) is not None
+                                     for x in (b["input"], b["other"])):
+                for scores, factor in ((b["input"], b["other"]), (b["other"], b["input"])):
+                    if _from_matmul(scores, depth):
+                        return node, factor
+            for fam in (MUL, ADD, SUB, DIV, CAST):
+                fb = fam.bind(node)
+                if fb is not None:
+                    nxt.extend(v for v in fb.values() if isinstance(v, torch.fx.Node))
+        frontier = nxt
+    return None
+
+
+def _from_matmul(node: torch.fx.Node, depth: int) -> bool:
+    for _ in range(depth):
+        if MATMUL.bind(node) is not None:
+            return True
+        b = (MUL.bind(node) or DIV.bind(node) or CAST.bind(node))
+        if b is None or not isinstance(b["input"], torch.fx.Node):
+            return False
+        node = b["input"]
+    return False

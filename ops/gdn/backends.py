@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_compile.ops._common import grads_by_autograd, record_fallback
+from kda_compile.ops._common import record_fallback
 from kda_compile.ops.gdn.reference import gdn_reference
 from kda_compile.ops.kda.backends import MAX_RESIDUALS  # noqa: F401  (the KDA route hands the KDA op's slots through)
+from kda_compile.ops.kda.backends import ReferenceBackend as KDAReferenceBackend
 
 
 @dataclass(frozen=True)
@@ -49,31 +50,12 @@ class GDNOptions:
     chunk_size: int = 64
 
 
-class ReferenceBackend:
-    """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward."""
+class ReferenceBackend(KDAReferenceBackend):
+    """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward (KDA's
+    reference backend with GDN's math)."""
 
     name = "reference"
     serves = frozenset({"chunk_gdn", "fused_recurrent_gdn"})
-
-    def unsupported_reason(self, device, dtype, K, V, opts) -> str | None:
-        return None
-
-    def residual_meta(self, q, k, v, opts, save):
-        return []  # the backward recomputes the forward
-
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
-        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
-        return o, (final.float() if output_final_state else None), []
-
-    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
-        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
-        return o, (final.float() if output_final_state else None)
-
-    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
-        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "h0": h0}
-        return grads_by_autograd(lambda x: self._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("A_log"),
-                                                         x.get("dt_bias"), x.get("h0"), cu_seqlens, opts),
-                                 inputs, do, dht)
 
     @staticmethod
     def _forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts):

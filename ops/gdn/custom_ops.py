@@ -19,11 +19,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops._common import record_fallback
 from kda_compile.ops.gdn import fla_backend  # noqa: F401  (registers FLA's GDN kernels)
 from kda_compile.ops.gdn import kda_backend  # noqa: F401  (registers the route through the KDA kernels)
 from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, select_backend
-from kda_compile.ops.kda.custom_ops import final_state_shape, pad_residuals, run_time_checks
+from kda_compile.ops.kda.custom_ops import (backward_source, fake_forward_outputs, final_state_shape, gradient_outputs,
+                                            pad_residuals, run_time_checks)
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -63,12 +63,8 @@ def _chunk_gdn_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
                         chunk_size, save_for_backward):
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, chunk_size)
-    backend = _backend("chunk_gdn", q, v, opts)
-    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final = q.new_empty(final_state_shape(q, v, cu_seqlens) if output_final_state else (0,), dtype=torch.float32)
-    residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts,
-                                                                                         save_for_backward)]
-    return (o, final, *pad_residuals(q, residuals))
+    return fake_forward_outputs(_backend("chunk_gdn", q, v, opts), q, k, v, cu_seqlens, opts, output_final_state,
+                                save_for_backward)
 
 
 @torch.library.custom_op("kda_compile::chunk_gdn_bwd", mutates_args=())
@@ -83,20 +79,12 @@ def chunk_gdn_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, chunk_size)
-    backend = _backend("chunk_gdn", q, v, opts)
-    if residuals_saved:
-        saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
-        residuals = saved[:len(backend.residual_meta(q, k, v, opts, True))]
-    else:
-        if backend is not REFERENCE:
-            record_fallback("chunk_gdn_backward", REFERENCE.name,
-                            "the forward ran with save_for_backward=False (no residuals): gradients recomputed")
-        backend, residuals = REFERENCE, []
+    saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
+    backend, residuals = backward_source("chunk_gdn", _backend("chunk_gdn", q, v, opts), REFERENCE, q, k, v, opts,
+                                         saved, residuals_saved)
     grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, residuals, do, dht,
                                    opts)
-    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
-                 for grad, ref in zip(grads, like))
+    return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
 
 
 @chunk_gdn_bwd.register_fake

@@ -147,12 +147,36 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
     _check_keep_intermediates(keep_intermediates, cu_seqlens)
-    backend = _backend("chunk_kda", q, v, opts)
+    return fake_forward_outputs(_backend("chunk_kda", q, v, opts), q, k, v, cu_seqlens, opts, output_final_state,
+                                save_for_backward)
+
+
+def fake_forward_outputs(backend, q, k, v, cu_seqlens, opts, output_final_state: bool, save: bool) -> tuple:
+    """What a chunked delta-rule forward op returns, as empty tensors (its fake): ``o``, the final state (empty
+    when not asked for) and ``backend``'s residuals padded to the schema's slots."""
     o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    final = q.new_empty(final_shape, dtype=torch.float32)
-    residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts, save_for_backward)]
+    final = q.new_empty(final_state_shape(q, v, cu_seqlens) if output_final_state else (0,), dtype=torch.float32)
+    residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts, save)]
     return (o, final, *pad_residuals(q, residuals))
+
+
+def backward_source(op: str, backend, reference, q, k, v, opts, saved: list, residuals_saved: bool):
+    """``(backend, residuals)`` a chunked delta-rule backward runs with: ``backend`` with the residuals its forward
+    kept (the first of the schema's ``saved`` slots), or, when the forward saved none, ``reference`` recomputing
+    the gradients (logged as the fallback of ``op``)."""
+    if residuals_saved:
+        return backend, saved[:len(backend.residual_meta(q, k, v, opts, True))]
+    if backend is not reference:
+        record_fallback(f"{op}_backward", reference.name,
+                        "the forward ran with save_for_backward=False (no residuals): gradients recomputed")
+    return reference, []
+
+
+def gradient_outputs(grads, like, q: Tensor) -> tuple:
+    """A backward op's outputs: each gradient in its input's dtype, contiguous; an empty tensor for an absent
+    input (or a gradient the backend did not produce)."""
+    return tuple(grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
+                 for grad, ref in zip(grads, like))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,22 +195,12 @@ def chunk_kda_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
-    backend = _backend("chunk_kda", q, v, opts)
-    if residuals_saved:
-        saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
-        residuals = saved[:len(backend.residual_meta(q, k, v, opts, True))]
-    else:
-        if backend is not REFERENCE:
-            record_fallback("chunk_kda_backward", REFERENCE.name,
-                            "the forward ran with save_for_backward=False (no residuals): gradients recomputed")
-        backend, residuals = REFERENCE, []
+    saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
+    backend, residuals = backward_source("chunk_kda", _backend("chunk_kda", q, v, opts), REFERENCE, q, k, v, opts,
+                                         saved, residuals_saved)
     grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                    residuals, do, dht, opts)
-    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(
-        grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
-        for grad, ref in zip(grads, like)
-    )
+    return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
 
 
 @chunk_kda_bwd.register_fake

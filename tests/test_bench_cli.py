@@ -134,6 +134,24 @@ def test_flashkda_is_skipped_with_a_reason_when_absent(monkeypatch):
     assert skip_reasons("lower_bound", missing={**fla_present, "FlashKDA": flashkda_missing}) == {}
 
 
+def test_providers_option_leaves_the_others_out_with_a_reason():
+    import argparse
+
+    from kda_compile.bench import kda
+    from kda_compile.bench.kda_providers import skip_reasons
+
+    present = {"FLA": lambda: None, "FlashKDA": lambda: None}
+    assert skip_reasons("lower_bound", missing=present, selected=["ours", "FlashKDA"]) == {
+        "FLA": "not selected: --providers"}
+    parser = argparse.ArgumentParser()
+    kda.add_arguments(parser)
+    assert parser.parse_args(["--providers", "ours,FlashKDA"]).providers == ["ours", "FlashKDA"]
+    assert parser.parse_args([]).providers == ["ours", "FLA", "FlashKDA"]
+    for bad in ("FLA", "ours,nope", "ours,ours"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--providers", bad])
+
+
 def _fake_flash_kda():
     """A stand-in ``flash_kda`` that checks its arguments against FlashKDA's documented API and computes
     with our op (same math), so a provider mapping the inputs wrongly fails or disagrees with ours."""
@@ -383,7 +401,16 @@ def test_repository_benchmark_csvs_have_the_schema_and_an_environment():
         assert rows, path.name
         for r in rows:
             assert r["device"].strip() and r["versions"].strip(), f"{path.name}: {r}"
+            assert r["command"].startswith("python -m kda_compile.bench "), f"{path.name}: {r}"
             float(r["p50"])  # a number
+
+
+def test_rows_record_the_command_that_measured_them_without_the_csv_path():
+    from kda_compile.bench.common import bench_command
+
+    assert bench_command(["kda", "--csv", "/tmp/x.csv", "--gates", "lower_bound", "--shapes", "varlen:1+2x4"]) == (
+        "python -m kda_compile.bench kda --gates lower_bound --shapes varlen:1+2x4")
+    assert bench_command(["dsa", "--csv=/tmp/d.csv", "--smoke"]) == "python -m kda_compile.bench dsa --smoke"
 
 
 def test_repository_benchmark_readme_is_up_to_date():

@@ -6,6 +6,8 @@ import importlib
 import importlib.metadata
 import logging
 import pathlib
+import shlex
+import sys
 
 import torch
 
@@ -16,7 +18,7 @@ QUANTILES = (0.2, 0.5, 0.8)
 # ``gate`` is the KDA gate form ("softplus", "lower_bound") and empty where it does not apply; ``versions``
 # is one string, e.g. "torch 2.11.0+cu130; triton 3.6.0; fla 0.6.0; transformers 5.17.0".
 CSV_COLUMNS = ("op", "provider", "mode", "gate", "shape", "metric", "unit", "p20", "p50", "p80",
-               "device", "versions")
+               "device", "versions", "command")
 VERSIONED_PACKAGES = ("torch", "triton", "fla", "transformers", "flash_kda")  # module = label
 
 
@@ -27,8 +29,24 @@ def _version(module: str) -> str:
     return found if found is not None else importlib.metadata.version(module)
 
 
+def bench_command(argv: list[str] | None = None) -> str:
+    """The command line of this benchmark run as a user would type it, without ``--csv`` (the report
+    shows it under the results, so a run limited to some shapes or providers says so)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == "--csv":
+            skip = True
+        elif not arg.startswith("--csv="):
+            kept.append(shlex.quote(arg))
+    return " ".join(["python -m kda_compile.bench", *kept])
+
+
 def environment() -> dict:
-    """The ``device`` and ``versions`` columns added to every row (packages not installed are left out)."""
+    """The ``device``, ``versions`` and ``command`` columns added to every row (packages not installed are
+    left out)."""
     found = []
     for module in VERSIONED_PACKAGES:
         try:
@@ -36,7 +54,7 @@ def environment() -> dict:
         except Exception:  # not installed, or broken: the run did not use it
             continue
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "versions": "; ".join(found)}
+    return {"device": device, "versions": "; ".join(found), "command": bench_command()}
 
 
 def time_quantiles(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float, float, float]:

@@ -76,6 +76,10 @@ def add_arguments(parser) -> None:
                         help=f"prefill shapes, comma-separated: {kda_providers.SHAPES_HELP} (default: the 15 "
                              "comparison shapes for prefill, the anchor shapes for fwd / fwd+bwd, which skip "
                              "varlen ones), e.g. to split a run that would not fit a device's time limit")
+    parser.add_argument("--providers", type=_providers_arg, default=list(kda_providers.PROVIDERS),
+                        help="comma-separated providers of the prefill comparison and cold start, of "
+                             f"{','.join(kda_providers.PROVIDERS)} (default: all; ours always runs: the others "
+                             "are checked against it), e.g. to leave out FLA's autotuning at new head counts")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's GPU time per prefill call (torch.profiler) and the host "
                              "functions of each decode call (cProfile)")
@@ -97,6 +101,15 @@ def _modes(text: str) -> list[str]:
 
 def _gates(text: str) -> list[str]:
     return _split(text, GATES, "gates")
+
+
+def _providers_arg(text: str) -> list[str]:
+    import argparse
+
+    providers = _split(text, kda_providers.PROVIDERS, "providers")
+    if "ours" not in providers:
+        raise argparse.ArgumentTypeError(f"providers must include ours (the others are checked against it), got {text!r}")
+    return providers
 
 
 def _positive(text: str) -> int:
@@ -394,7 +407,8 @@ def run(args) -> list[dict]:
         shapes = args.shapes or kda_providers.issue_shapes()
         shapes = shapes[:2] if args.quick else shapes
         tables = kda_providers.bench_comparison(gates, shapes, "cuda", rows, rounds=args.rounds,
-                                                checkpoint=checkpoint, profile=args.profile)
+                                                checkpoint=checkpoint, profile=args.profile,
+                                                selected=args.providers)
         for gate, lines in tables.items():
             print(f"\nKDA prefill forward (inference), {gate} gate, bf16, K = V = {K}, in-kernel l2norm/gate/beta, "
                   f"fp32 state [N, H, V, K] in and out; median ms over {args.rounds} rounds (wall: one call with its "
@@ -406,7 +420,7 @@ def run(args) -> list[dict]:
         shape = (args.shapes or kda_providers.issue_shapes())[0]
         lines = []
         for gate in gates:
-            skipped = kda_providers.skip_reasons(gate)
+            skipped = kda_providers.skip_reasons(gate, selected=args.providers)
             providers = [p for p in kda_providers.PROVIDERS if p not in skipped]
             lines += bench_cold_start([gate], providers, shape.label, rows, row)
             checkpoint()

@@ -236,12 +236,16 @@ def fla_missing() -> str | None:
 CALLS = {"ours": ours_call, "FLA": fla_call, "FlashKDA": flashkda_call}
 
 
-def skip_reasons(gate: str, missing=None) -> dict[str, str]:
+def skip_reasons(gate: str, missing=None, selected=PROVIDERS) -> dict[str, str]:
     """provider -> why it does not run for ``gate`` (providers that run are absent). ``missing`` maps a
-    provider to its availability check (default: FLA and FlashKDA import checks)."""
+    provider to its availability check (default: FLA and FlashKDA import checks); ``selected`` are the
+    providers asked for (``--providers``), the others are skipped as not selected."""
     missing = missing if missing is not None else {"FLA": fla_missing, "FlashKDA": flashkda_missing}
     reasons = {}
     for name in PROVIDERS:
+        if name not in selected:
+            reasons[name] = "not selected: --providers"
+            continue
         if name == "FlashKDA" and gate != "lower_bound":
             reasons[name] = "n/a: lower-bound gate only"
             continue
@@ -271,13 +275,14 @@ def _log_ours_backend(gate: str, device) -> None:
 
 
 def bench_comparison(gates, shapes, device, rows, *, rounds=COMPARISON_ROUNDS, checkpoint=lambda: None,
-                     profile=False, calls=None, missing=None) -> dict[str, list[list]]:
+                     profile=False, calls=None, missing=None, selected=PROVIDERS) -> dict[str, list[list]]:
     """The comparison (``--modes prefill``): per gate and shape, every provider that runs
     (``skip_reasons``) is called once (compiling and autotuning; its output checked against
     ours), then timed in ``rounds`` interleaved rounds, each a ``wall_time_quantiles`` and a
     ``kernel_times`` profile per provider (wall-time quantiles: the median over the rounds; kernel time:
     the quantiles of the rounds' per-call sums). A provider that raises is logged and left out of that
-    shape. ``calls`` / ``missing`` replace ``kda_providers.CALLS`` and its availability checks (tests).
+    shape. ``calls`` / ``missing`` replace ``kda_providers.CALLS`` and its availability checks (tests);
+    ``selected`` limits the providers (``--providers``).
     Returns the table lines per gate."""
     import statistics
     import time
@@ -285,7 +290,7 @@ def bench_comparison(gates, shapes, device, rows, *, rounds=COMPARISON_ROUNDS, c
     calls = calls or CALLS
     tables = {}
     for gate in gates:
-        skipped = skip_reasons(gate, missing)
+        skipped = skip_reasons(gate, missing, selected)
         for name, why in skipped.items():  # INFO: .ci/gpu drops WARNING lines from its log
             logger.info("%s gate: provider %s skipped: %s", gate, name, why)
         if device == "cuda":

@@ -9,6 +9,7 @@ unchanged folder rewrites the same README.
 from __future__ import annotations
 
 import csv
+import math
 import logging
 import pathlib
 from dataclasses import dataclass
@@ -52,9 +53,10 @@ def read_rows(path: pathlib.Path) -> list[dict]:
     """The rows of one benchmark CSV; a ``ReportError`` names the file if its columns are not the schema."""
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != CSV_COLUMNS:
+        columns = tuple(reader.fieldnames or ())
+        if columns not in (CSV_COLUMNS, CSV_COLUMNS[:-1]):  # CSVs written before the command column
             raise ReportError(f"{path}: columns {reader.fieldnames} are not {list(CSV_COLUMNS)}")
-        return list(reader)
+        return [{"command": "", **r} for r in reader]
 
 
 def build_table(rows: list[dict], view: View) -> Table | None:
@@ -88,7 +90,7 @@ def build_table(rows: list[dict], view: View) -> Table | None:
 
 
 def _number(value: float | None) -> str:
-    if value is None:
+    if value is None or math.isnan(value):  # NaN: not measured (e.g. a baseline that does not fit in memory)
         return "-"
     return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
 
@@ -98,7 +100,7 @@ def _percent(value: float | None) -> str:
 
 
 def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
 
 
 def _benchmark(name: str) -> Benchmark:
@@ -122,8 +124,8 @@ def readme_text(csvs: dict[str, list[dict]]) -> str:
         lines = [f"## {bench.title} (`{name}.csv`)", "", bench.measures, ""]
         lines.append(f"- Device: {'; '.join(sorted({r['device'] for r in rows})) or '-'}")
         lines.append(f"- Versions: {' | '.join(sorted({r['versions'] for r in rows})) or '-'}")
-        if bench.command:
-            lines.append(f"- Command: `{bench.command}`")
+        commands = sorted({r["command"] for r in rows if r.get("command")}) or [bench.command] * bool(bench.command)
+        lines += [f"- Command: `{command}`" for command in commands]
         for table in _tables(name, rows):
             lines += ["", f"Median `{table.metric}`:", "", format_table(table.headers, table.cells)]
         lines += ["", f"![{bench.title}]({name}.png)", ""]

@@ -48,6 +48,7 @@ class GDNOptions:
     use_beta_sigmoid_in_kernel: bool = False
     allow_neg_eigval: bool = False
     chunk_size: int = 64
+    training: bool = False  # the forward keeps residuals for a backward: the backend must serve both
 
 
 class ReferenceBackend(KDAReferenceBackend):

@@ -27,10 +27,10 @@ from kda_compile.ops.kda.custom_ops import (backward_source, fake_forward_output
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-             chunk_size=64) -> GDNOptions:
+             chunk_size=64, training=False) -> GDNOptions:
     return GDNOptions(scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                       use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                      allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size)
+                      allow_neg_eigval=allow_neg_eigval, chunk_size=chunk_size, training=training)
 
 
 def _backend(op: str, q: Tensor, v: Tensor, opts: GDNOptions):
@@ -48,7 +48,7 @@ def chunk_gdn_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
            Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, chunk_size)
+                    allow_neg_eigval, chunk_size, training=save_for_backward)
     run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
     backend = _backend("chunk_gdn", q, v, opts)
     o, final, residuals = backend.chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts,
@@ -62,7 +62,7 @@ def _chunk_gdn_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
                         use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                         chunk_size, save_for_backward):
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, chunk_size)
+                    allow_neg_eigval, chunk_size, training=save_for_backward)
     return fake_forward_outputs(_backend("chunk_gdn", q, v, opts), q, k, v, cu_seqlens, opts, output_final_state,
                                 save_for_backward)
 
@@ -78,7 +78,7 @@ def chunk_gdn_bwd(
     allow_neg_eigval: bool, chunk_size: int, residuals_saved: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
-                    allow_neg_eigval, chunk_size)
+                    allow_neg_eigval, chunk_size, training=True)
     saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
     backend, residuals = backward_source("chunk_gdn", _backend("chunk_gdn", q, v, opts), REFERENCE, q, k, v, opts,
                                          saved, residuals_saved)

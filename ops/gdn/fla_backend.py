@@ -15,6 +15,7 @@ backend report itself unsupported with the reason, and the next backend serves (
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 from functools import cache
 
@@ -56,6 +57,27 @@ _KEYWORDS_USED = {
 }
 
 
+@cache
+def _backward_refusal() -> str | None:
+    """Why FLA's gated chunk backward would refuse to run here, or None. fla-core 0.6 raises in
+    ``chunk_bwd_dqkwg`` on Hopper with Triton >= 3.4.0 and < 3.7.1 (its kernels give wrong results there)
+    unless its tilelang backend serves the call; the check reads FLA's own flags, so a release that lifts
+    it lifts ours."""
+    try:
+        from fla.ops.common import chunk_o
+    except Exception as exc:  # _load_fla reports a broken FLA; this only decides training
+        return f"import fla.ops.common.chunk_o failed ({type(exc).__name__}: {exc})"
+    refused = (getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+               and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True))
+    if not refused or importlib.util.find_spec("tilelang") is not None:
+        return None
+    import triton
+
+    return (f"fla-core refuses its gated chunk backward on Hopper with Triton {triton.__version__} (>= 3.4.0 "
+            "and < 3.7.1 give wrong results there) unless tilelang is installed: training runs elsewhere "
+            "(install Triton >= 3.7.1 or tilelang for FLA's)")
+
+
 def _contiguous(*tensors):
     return [t.contiguous() if t is not None else None for t in tensors]
 
@@ -71,7 +93,10 @@ class FLAGDNBackend:
             return f"FLA kernels take float16/bfloat16/float32, got {dtype}"
         if max(K, V) > MAX_HEAD_DIM:
             return f"FLA's GDN kernels take K, V <= {MAX_HEAD_DIM}, got K={K}, V={V}"
-        return _load_fla()[1]
+        reason = _load_fla()[1]
+        if reason is None and opts.training:
+            reason = _backward_refusal()
+        return reason
 
     def residual_meta(self, q, k, v, opts, save):
         if not save:

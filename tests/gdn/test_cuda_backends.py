@@ -11,6 +11,7 @@ from kda_compile.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_
 from kda_compile.ops.gdn import fla_backend
 from kda_compile.ops.gdn.backends import only_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
+from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.testing import KDAShape, assert_rel_close, make_gdn_args
 from tests.gdn.helpers import TENSORS, expected_fp64, loss_weights
 
@@ -38,11 +39,14 @@ def test_chunk_forward_and_gradients(backend, case, dtype):
     _backend_or_skip(backend)
     options = dict(CASES[case])
     args = make_gdn_args(options.pop("shape"), seed=11, dtype=dtype, device="cuda", requires_grad=True, **options)
-    chosen = select_backend("chunk_gdn", args["q"].device, dtype, args["q"].shape[-1], args["v"].shape[-1],
-                            _options(1.0, False, False, False, False))
+    K, V = args["q"].shape[-1], args["v"].shape[-1]
+    training = _options(1.0, False, False, False, False, training=True)
+    chosen = select_backend("chunk_gdn", args["q"].device, dtype, K, V, training)
+    if backend == "fla" and fla_backend._backward_refusal() is not None:
+        _check_fla_forward_only(args, chosen, dtype)
+        return
     with only_backends(backend):
-        assert select_backend("chunk_gdn", args["q"].device, dtype, args["q"].shape[-1], args["v"].shape[-1],
-                              _options(1.0, False, False, False, False)).name == backend
+        assert select_backend("chunk_gdn", args["q"].device, dtype, K, V, training).name == backend
         o, final = chunk_gated_delta_rule(**args)
         leaves = {n: args[n] for n in TENSORS if args.get(n) is not None}
         do, dht = loss_weights(o, final)
@@ -57,6 +61,25 @@ def test_chunk_forward_and_gradients(backend, case, dtype):
     for name, grad, grad_ref in zip(leaves, grads, grads_ref):
         assert_rel_close(grad, grad_ref, tol * 2, name="d" + name)
     assert chosen.name in ("fla", "kda_kernels")  # the default never picks the reference on CUDA
+
+
+def _check_fla_forward_only(args, chosen, dtype):
+    """Where fla-core refuses its gated chunk backward (Hopper, Triton >= 3.4 and < 3.7.1, no tilelang),
+    training calls go to the KDA kernels with a recorded fallback naming the reason; inference keeps
+    FLA's forward, checked here against the fp64 loop."""
+    assert chosen.name == "kda_kernels"
+    clear_fallback_events()
+    o, _ = chunk_gated_delta_rule(**args)
+    (o.float().sum()).backward()
+    reasons = [e.reason for e in fallback_events()]
+    assert any("fla-core refuses its gated chunk backward" in r for r in reasons), reasons
+    with only_backends("fla"), torch.no_grad():
+        assert select_backend("chunk_gdn", args["q"].device, dtype, args["q"].shape[-1], args["v"].shape[-1],
+                              _options(1.0, False, False, False, False)).name == "fla"
+        o, final = chunk_gated_delta_rule(**args)
+    o_ref, final_ref = expected_fp64({n: (t.detach() if torch.is_tensor(t) else t) for n, t in args.items()})
+    assert_rel_close(o, o_ref, TOL[dtype], name="o")
+    assert_rel_close(final, final_ref, TOL[dtype], name="final_state")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -270,7 +270,7 @@ def test_cuda_prefill_k128_extreme_gates_through_the_cuda_scan(value, pattern):
 
 
 @pytest.mark.cuda
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=12, deadline=None)  # each draw with gradients runs the fp64 token loop: ~20 s on a busy host
 @given(value=st.sampled_from(EXTREME), pattern=st.sampled_from(PATTERNS), seed=st.integers(0, 2 ** 16),
        backend=st.sampled_from(("triton_chunk", "fla", "reference")),
        dtype=st.sampled_from((torch.bfloat16, torch.float32)), packed=st.booleans())

@@ -127,7 +127,7 @@ def test_a_call_is_captured_in_a_cuda_graph(cu_seqlens, gate_form):
 @pytest.mark.cuda
 def test_packed_call_with_host_offsets_never_synchronises():
     shape = KDAShape(1, 1000, 2, 2, 128, 128)
-    offsets = [0, 1, 1, 300, 999]
+    offsets = [0, 1, 1, 300, 1000]
     args = make_kda_args(shape, seed=3, dtype=torch.bfloat16, device="cuda", cu_seqlens=offsets,
                          initial_state=True, output_final_state=True, gate_form="lower_bound")
     kwargs = dict(_call_kwargs(args), cu_seqlens_cpu=torch.tensor(offsets))

@@ -6,6 +6,7 @@ Kept free of model and compiler knowledge (ops layer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import logging
@@ -151,13 +152,19 @@ def grads_by_autograd(run, inputs: dict, do: torch.Tensor, dht) -> tuple:
     with autograd_inside_op():
         leaves = {name: t.detach().requires_grad_() for name, t in inputs.items() if t is not None}
         o, final = run(leaves)
-        outputs, grads = [o], [do]
-        if dht is not None:
-            outputs.append(final)
-            grads.append(dht.to(final.dtype))
-        got = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)))
-    return tuple(None if t is None else (got[name] if got[name] is not None else torch.zeros_like(t))
-                 for name, t in inputs.items())
+        pairs = [(o, do)] + ([(final, dht.to(final.dtype))] if dht is not None else [])
+        pairs = [(out, grad) for out, grad in pairs if out.requires_grad]  # no tokens: o depends on nothing
+        got = dict.fromkeys(leaves)
+        if pairs:
+            outputs, grads = zip(*pairs)
+            got = dict(zip(leaves, torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)))
+    incoming = [t.untyped_storage().data_ptr() for t in (do, dht) if t is not None and t.numel()]
+
+    def own(grad, like):  # a gradient passed straight through (the state with no tokens) must not alias it
+        if grad is None:
+            return torch.zeros_like(like)
+        return grad.clone() if grad.numel() and grad.untyped_storage().data_ptr() in incoming else grad
+    return tuple(None if t is None else own(got[name], t) for name, t in inputs.items())
 
 
 SUPPORTED_FLA = "0.6."  # the fla-core release whose internal functions the FLA backends call
@@ -188,6 +195,24 @@ def load_fla_internals(functions: dict[str, str], keywords: dict[str, set[str]] 
             return None, f"fla-core {version}'s {name} lacks the arguments {sorted(missing)} this backend passes"
     logger.info("fla-core %s internals loaded: %s", version, ", ".join(functions))
     return namespace, None
+
+
+def cuda_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def device_capability(index: int) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability`` of one device, asked once: a prefill call's kernel choices ask
+    several times, and each ask costs microseconds of host time."""
+    return torch.cuda.get_device_capability(index)
+
+
+def on_device(index: int):
+    """``torch.cuda.device(index)``, or nothing when that device is already current (the usual case: the
+    switch and switch back cost host time on every launch)."""
+    return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -93,6 +93,34 @@ def is_batched_product(node: Any) -> bool:
     return any(BMM.bind(n) is not None or BADDBMM.bind(n) is not None for n in near)
 
 
+_PRODUCTS = (MATMUL, BMM, BADDBMM)
+_EINSUM = (torch.einsum, torch.functional.einsum)  # variadic operands: matched by target
+_PROJECTIONS = (torch.nn.functional.linear, torch._C._nn.linear)
+
+
+def product_within(node: Any, hops: int, upward: bool) -> bool:
+    """A matmul / bmm / baddbmm / einsum within ``hops`` nodes of ``node``: upward along first tensor
+    arguments, downward along users; a linear projection or a module call ends the walk. A softmax with
+    one on both sides is an attention candidate even where the spelling is not matched, so that it is
+    reported with the reason (xglm: scores clamped by ``torch.max`` between views of a bmm; prophetnet:
+    ``einsum``) instead of passed over like a MoE router (whose softmax reads a linear projection)."""
+    frontier = [node]
+    for _ in range(hops):
+        nxt = []
+        for n in frontier:
+            if not isinstance(n, torch.fx.Node) or n.op not in ("call_function", "call_method") \
+                    or n.target in _PROJECTIONS:
+                continue
+            if n.target in _EINSUM or any(f.bind(n) is not None for f in _PRODUCTS):
+                return True
+            if upward:
+                nxt += [a for a in n.args[:1] if isinstance(a, torch.fx.Node)]
+            else:
+                nxt += list(n.users)
+        frontier = nxt
+    return False
+
+
 def batched_reason(node: Any) -> str | None:
     """Why the batched product at or next to ``node`` was not unfolded, or None if there is none."""
     if not is_batched_product(node):

@@ -114,13 +114,17 @@ def concrete_number(value: Any) -> float | int:
 # ----------------------------------------------------------------------------------------------
 # Editing
 # ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
 def _fake_mode(values: Sequence[Any]):
-    """The fake mode the example values belong to (the backend may run under a different one)."""
-    for value in values:
-        mode = getattr(value, "fake_mode", None)
-        if mode is not None:
-            return mode
-    return contextlib.nullcontext()
+    """Run under the fake mode the example values belong to (the backend may run under a different one),
+    with the Python dispatcher on, as Dynamo computes its own example values: composite ops (``matmul``,
+    ``reshape``) then keep symbolic sizes symbolic. Without it torch 2.11's fake ``aten.size`` turns each
+    size into an int, which guards every dynamic dimension to its example value (a recompile per length)."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    mode = next((m for m in (getattr(v, "fake_mode", None) for v in values) if m is not None), None)
+    with (mode if mode is not None else contextlib.nullcontext()), enable_python_dispatcher():
+        yield
 
 
 def _example(value: Any) -> Any:

@@ -46,7 +46,9 @@ applied to the output as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_s
 Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``),
 a softmax not over the key dimension, anything else between the two matmuls, shapes that do not
 pair up, in-place ops between the two matmuls (other than the in-place scale), arguments the op
-refuses. A softmax with no matmul on either side (a MoE router) is not a candidate.
+refuses. A softmax with no matmul on either side (a MoE router) is not a candidate; one with a matmul,
+bmm or einsum a few nodes away on both sides is, and is reported with what was found where the
+spelling is not matched (xglm's clamp between views, prophetnet's einsum).
 
 The new node calls the public function ``attention``, not ``torch.ops.kda_compile.attention_fwd``.
 Both pass AOTAutograd (a node of the op, then ``getitem``, was checked too, forward and backward
@@ -71,6 +73,7 @@ from kda_compile.ops.attention import attention
 from kda_compile.passes.attention_mask import mask_keywords
 from kda_compile.passes.attention_spellings import (MASKED_FILL, SinkRescale, batched_reason, fill_value,
                                                     is_batched_product, match_sink_rescale, multiplied_scores,
+                                                    product_within,
                                                     same_computation, unfold_batched_attention)
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
@@ -400,7 +403,8 @@ class SoftmaxAttentionRewrite(GraphRewrite):
     @staticmethod
     def _match(softmax: torch.fx.Node) -> tuple[Site | None, str | None]:
         """The site anchored on ``softmax``; (None, reason) for a candidate that does not match;
-        (None, None) for a softmax with no matmul on either side (not attention: e.g. a router)."""
+        (None, None) for a softmax with no matmul, bmm or einsum within a few nodes on either side (not
+        attention: e.g. a router)."""
         up = match_upward(SOFTMAX.bind(softmax)["input"], ALL_SCORE_STAGES, SCORES)
         down = match_downward(softmax, ALL_PROBABILITY_STAGES, OUTPUT)
         if up and down:
@@ -408,7 +412,9 @@ class SoftmaxAttentionRewrite(GraphRewrite):
                                          tensor_of(up.bindings["query"]).shape[1]
                                          if is_tensor_node(up.bindings["query"]) else None)
             return Site(softmax, up.bindings, down.bindings, frozenset(up.stages + down.stages), rescale), None
-        if not up and not down and not (is_batched_product(up.stopped_at) or is_batched_product(down.stopped_at)):
+        if not up and not down and not (is_batched_product(up.stopped_at) or is_batched_product(down.stopped_at)) \
+                and not (product_within(SOFTMAX.bind(softmax)["input"], 6, upward=True)
+                         and any(product_within(u, 6, upward=False) for u in softmax.users)):
             return None, None
         failed, side = (up, "scores") if not up else (down, "attention weights")
         if failed.other_users:

@@ -3,8 +3,9 @@
 A fixed list of fast families runs through :func:`run_family` in-process with
 ``Config(compiler="eager")`` (llama and qwen3: plain / q-k-norm GQA, fully rewritten; gemma3_text:
 sliding + full layers; openai-gpt: not rewritten today (a multiplicative mask), so the table shows a
-left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown writer on hand-made rows, and a
-family that fails to build, times out or is unknown becomes a row or a usage error, not a crash.
+left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown writer on hand-made rows, a
+family that fails to build, times out or is unknown becomes a row or a usage error, not a crash, and the
+written file reads back exactly (rows, notes, families not run) for ``--resume``, which runs only the rest.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytest.importorskip("transformers")
 from kda_compile.coverage import Row, document, markdown_table, run_family, run_isolated, summary  # noqa: E402
 from kda_compile.coverage.__main__ import main  # noqa: E402
 from kda_compile.coverage.models import model_types, shrink, tiny_config  # noqa: E402
-from kda_compile.coverage.table import COLUMNS, format_row  # noqa: E402
+from kda_compile.coverage.stored import read_document  # noqa: E402
+from kda_compile.coverage.table import COLUMNS, ROWS_BEGIN, format_row  # noqa: E402
 
 CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "openai-gpt")
 ERROR_TOL = 1e-4
@@ -75,6 +77,71 @@ def test_hybrid_configs_keep_one_layer_of_each_kind():
     assert shrink({"num_hidden_layers": 12, "layer_types": ["full_attention"] * 12})["num_hidden_layers"] == 2
 
 
+def test_dicts_keyed_by_layer_index_follow_the_kept_layers():
+    # dots3_note_text: per-layer MLA overrides keyed "02", "03"...; sizes shrunk, head_dim = nope + rope
+    swa = {"num_attention_heads": 64, "num_key_value_heads": 64, "kv_lora_rank": 1024, "qk_nope_head_dim": 192}
+    d = {"num_hidden_layers": 6, "qk_rope_head_dim": 64, "kv_lora_rank": 512, "num_attention_heads": 128,
+         "layer_types": ["full"] * 2 + ["sliding"] * 4, "per_layer_config": {f"{i:02d}": swa for i in range(2, 6)}}
+    tiny = shrink(d)
+    assert tiny["num_hidden_layers"] == 2 and tiny["layer_types"] == ["full", "sliding"]
+    assert tiny["per_layer_config"] == {"01": {"num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                                               "qk_nope_head_dim": 16, "head_dim": 24}}
+    # an override is a layer kind of its own; integer keys stay integers
+    tiny = shrink({"num_hidden_layers": 4, "per_layer_config": {3: {"num_attention_heads": 8}},
+                   "id2label": {0: "LABEL_0", 1: "LABEL_1"}})  # keyed by small ints, but no layer's
+    assert tiny["num_hidden_layers"] == 2 and tiny["per_layer_config"] == {1: {"num_attention_heads": 4}}
+    assert tiny["id2label"] == {0: "LABEL_0", 1: "LABEL_1"}
+    cfg = tiny_config("dots3_note_text")
+    assert len(cfg.layer_types) == cfg.num_hidden_layers <= 4
+    # 8 indexer heads: with 2, a key's index score is exactly 0 in 1 of 4 cases, and keys tied at the
+    # top-k boundary are chosen differently by torch.topk and our op (dots3_note_text's logits moved 2.6e-2)
+    assert cfg.index_n_heads == 8
+
+
+def test_per_layer_size_and_float_lists_follow_the_kept_layers():
+    # gemma3n: one intermediate_size per layer (shrunk, no kind), a float sparsity per layer (a kind)
+    d = {"num_hidden_layers": 6, "intermediate_size": [16384] * 6,
+         "activation_sparsity_pattern": [0.95] * 2 + [0.0] * 4, "layer_types": ["sliding", "full"] * 3}
+    tiny = shrink(d)
+    assert tiny["num_hidden_layers"] == 4 and tiny["intermediate_size"] == [128] * 4
+    assert tiny["activation_sparsity_pattern"] == [0.95, 0.95, 0.0, 0.0]
+    assert tiny["layer_types"] == ["sliding", "full", "sliding", "full"]
+    # falcon_h1: the Mamba inner width is heads x head size
+    tiny = shrink({"mamba_d_ssm": 1024, "mamba_n_heads": 128, "mamba_d_head": 64, "hidden_size": 4096})
+    assert tiny["mamba_d_ssm"] == tiny["mamba_n_heads"] * tiny["mamba_d_head"] == 32
+    # granitemoehybrid (no mamba_d_ssm): heads x head size = expand x hidden; mamba2 alike
+    tiny = shrink({"mamba_expand": 2, "mamba_n_heads": 128, "mamba_d_head": 64, "hidden_size": 4096})
+    assert tiny["mamba_n_heads"] * tiny["mamba_d_head"] == 2 * tiny["hidden_size"]
+    tiny = shrink({"state_size": 128, "expand": 2, "num_heads": 128, "head_dim": 64, "hidden_size": 4096})
+    assert tiny["num_heads"] * tiny["head_dim"] == 2 * tiny["hidden_size"]
+    # gemma3n: the last num_kv_shared_layers layers (sharing earlier layers' k/v) are a kind of their own
+    tiny = shrink({"num_hidden_layers": 10, "num_kv_shared_layers": 4, "layer_types": ["sliding", "full"] * 5})
+    assert tiny["num_hidden_layers"] == 4 and tiny["num_kv_shared_layers"] == 2
+    # recurrent_gemma: a type pattern shorter than the layers repeats over them; one layer of each type kept
+    tiny = shrink({"num_hidden_layers": 26, "block_types": ["recurrent", "recurrent", "attention"]})
+    assert tiny["num_hidden_layers"] == 2 and tiny["block_types"] == ["recurrent", "attention"]
+    # laguna: heads per layer, cut down and shrunk like num_attention_heads
+    tiny = shrink({"num_hidden_layers": 40, "num_attention_heads_per_layer": [48] * 40})
+    assert tiny["num_attention_heads_per_layer"] == [4, 4]
+
+
+@pytest.mark.parametrize("family", ["hunyuan_v1_dense", "ministral", "lfm2_moe", "laguna", "mamba2", "falcon_h1",
+                                    "gemma4_text", "gemma3n_text", "hrm_text", "musicgen", "recurrent_gemma"])
+def test_tiny_configs_that_used_to_fail_build_and_run(family):
+    # hunyuan_v1 / ministral: head_dim None in the default config; lfm2_moe: layer_types None; gemma4:
+    # per_layer_config; hrm_text: num_layers_per_stack (its cache slots) derived from the tiny layer count;
+    # musicgen: the causal LM is the decoder sub-config (shrunk too), 2 codebooks: the 2 rows of ids
+    import torch
+
+    from kda_compile.coverage.models import build_model
+
+    model = build_model(family)
+    with torch.no_grad():
+        logits = model(input_ids=torch.randint(3, 200, (2, 6))).logits
+    assert logits.shape[-2] == 6 and torch.isfinite(logits).all()
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny
+
+
 def test_markdown_writer_on_hand_made_rows():
     ok = Row("fam_a", attention=["softmax", "KDA"], layers=2, rewritten={"kda_compile.attention": 2},
              left_alone={"softmax_attention: mask | shape unknown": 3}, graph_breaks=1, graphs=2,
@@ -91,8 +158,94 @@ def test_markdown_writer_on_hand_made_rows():
     assert counts["fully rewritten"] == 0 and counts["with graph breaks"] == 1
     doc = document([ok, failed], command="python -m kda_compile.coverage", not_run=["fam_c"],
                    not_run_reason="stopped", versions={"torch": "x"}, date="2000-01-01")
-    assert "Generated by `python -m kda_compile.coverage` on 2000-01-01 with torch x." in doc
+    assert "last written by `python -m kda_compile.coverage` on 2000-01-01 with torch x." in doc
     assert "Not run (1): stopped" in doc and "`fam_c`" in doc
+
+
+def _awkward_row(family: str = "fam_a", **kw) -> Row:
+    """A row whose text holds what markdown and HTML comments treat specially."""
+    return Row(family, attention=["softmax", "MLA"], layers=3, rewritten={"kda_compile.attention": 2},
+               left_alone={"softmax_attention: a | b --> c <!-- d\nsecond line": 1, "x: y x2": 3},
+               graph_breaks=2, graph_break_reasons=["model.py:12: `if x > 0` -->"], graphs=3,
+               logits_error=1.2345678901234567e-07, seconds=12.34, command="python -m kda_compile.coverage --x 'a b'",
+               date="2000-01-01", versions={"torch": "x"}, **kw)
+
+
+def test_rows_round_trip_exactly_through_the_written_file():
+    rows = [_awkward_row(), Row("fam_b", status="timeout", reason="no result within 1 s", seconds=1.0),
+            _awkward_row("fam_c", reason="")]
+    doc = document(rows, command="python -m kda_compile.coverage", not_run=["fam_d"], not_run_reason="stopped",
+                   notes="Hand-written.\n\n- kept", date="2000-01-02")
+    stored = read_document(doc)
+    assert not stored.parsed
+    assert stored.rows == {r.family: r for r in rows}
+    assert stored.notes == "Hand-written.\n\n- kept"
+    assert stored.not_run == ["fam_d"]
+    # the rows are one HTML comment at the end: nothing of theirs closes it early or shows in the table
+    block = doc[doc.index(ROWS_BEGIN):]
+    assert block.count("-->") == 1 and block.rstrip().endswith("-->")
+    assert "- `python -m kda_compile.coverage --x 'a b'` on 2000-01-01 with torch x (2): `fam_a`, `fam_c`" in doc
+    assert "- an unrecorded command (1): `fam_b`" in doc
+
+
+def test_a_table_without_json_rows_is_parsed_from_its_cells():
+    rows = [Row("fam_a", attention=["softmax"], layers=2, rewritten={"kda_compile.attention": 2},
+                left_alone={"softmax_attention: mask | shape unknown": 3}, graph_breaks=1, graphs=2,
+                logits_error=1.2e-07, seconds=4.0),
+            Row("fam_b", status="build failed", reason="ValueError: no: tiny | config", seconds=7.0)]
+    old = ("# Model coverage\n\nGenerated by `python -m kda_compile.coverage --jobs 2` on 2000-01-01 with "
+           "transformers 1.0, torch 2.0.\n\n" + markdown_table(rows) + "\n\nNot run (2): stopped\n\n`fam_c`, `fam_d`\n")
+    stored = read_document(old)
+    assert stored.parsed and stored.not_run == ["fam_c", "fam_d"]
+    for row in rows:
+        row.command, row.date = "python -m kda_compile.coverage --jobs 2", "2000-01-01"
+        row.versions = {"transformers": "1.0", "torch": "2.0"}
+        assert stored.rows[row.family] == row
+
+
+def _fake_sweep(monkeypatch, known):
+    import kda_compile.coverage.models as models
+    import kda_compile.coverage.sweep as sweep
+
+    ran = []
+
+    def fake_run_isolated(family, timeout, threads=None):
+        ran.append(family)
+        return Row(family, attention=["softmax"], layers=2, rewritten={"kda_compile.attention": 2}, graph_breaks=0,
+                   graphs=1, logits_error=1e-7, seconds=1.0)
+
+    monkeypatch.setattr(models, "model_types", lambda: list(known))
+    monkeypatch.setattr(sweep, "run_isolated", fake_run_isolated)
+    return ran
+
+
+def test_cli_resume_keeps_finished_rows_and_runs_only_the_rest(tmp_path, monkeypatch, capsys):
+    ran = _fake_sweep(monkeypatch, ["fam_a", "fam_b", "fam_c"])
+    out = tmp_path / "coverage.md"
+    kept = _awkward_row()
+    out.write_text(document([kept], command="old", not_run=["fam_b", "fam_c"], not_run_reason="stopped",
+                            notes="Kept notes."))
+    assert main(["--resume", "--out", str(out)]) == 0
+    assert sorted(ran) == ["fam_b", "fam_c"]
+    stored = read_document(out.read_text())
+    assert stored.rows["fam_a"] == kept and stored.notes == "Kept notes." and stored.not_run == []
+    new = stored.rows["fam_b"]
+    assert new.command == f"python -m kda_compile.coverage --resume --out {out}" and new.date and new.versions
+    assert "families: 3, built: 3, compiled: 3" in capsys.readouterr().out
+
+    ran.clear()  # --families re-runs the named rows only, replacing them
+    assert main(["--resume", "--families", "fam_a", "--out", str(out)]) == 0
+    stored = read_document(out.read_text())
+    assert ran == ["fam_a"] and stored.rows["fam_a"] != kept and len(stored.rows) == 3
+
+
+def test_cli_budget_leaves_families_listed_as_not_run(tmp_path, monkeypatch):
+    ran = _fake_sweep(monkeypatch, ["fam_a", "fam_b"])
+    out = tmp_path / "coverage.md"
+    assert main(["--resume", "--budget", "0", "--out", str(out)]) == 0
+    stored = read_document(out.read_text())
+    assert ran == [] and stored.rows == {} and stored.not_run == ["fam_a", "fam_b"]
+    assert "time budget (`--budget 0`) ran out" in out.read_text()
 
 
 def test_a_family_that_fails_to_build_becomes_a_row():

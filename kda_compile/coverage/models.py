@@ -6,10 +6,16 @@ size 64, 4 heads of 16, 2 kv heads, intermediate sizes 128 / 32 for experts, voc
 experts of which 2 per token, 256 positions), recursing into sub-configs (``text_config``...).
 Layers: 2, or as many as it takes to keep one layer of every distinct kind of a hybrid model. A
 layer's kind is the tuple of its entries in every per-layer list of the config (``layer_types``,
-``mlp_layer_types``, ``layers_block_type``...: any list as long as the layer count) and whether it is
-named by index lists (``full_attn_idxs``, ``hybrid_layer_ids``...); the first layer of each kind is
-kept and those lists are cut down to the kept layers. ``*_period`` / ``*_offset`` layer schedules
-become 2 / 1. Nothing is downloaded; transformers is imported lazily.
+``mlp_layer_types``, ``layers_block_type``...: any list as long as the layer count), of a shorter list of
+types repeated over the layers (recurrent_gemma's ``block_types``), whether it is named by index lists
+(``full_attn_idxs``, ``hybrid_layer_ids``...) or dicts keyed by layer index (``per_layer_config``, whose
+entries are shrunk too), and whether it is in the ``num_kv_shared_layers`` tail (gemma3n); the first
+layer of each kind is kept and those lists and dicts are cut down to the kept layers. A per-layer list of
+a size (gemma3n's ``intermediate_size``, laguna's ``num_attention_heads_per_layer``) is cut down and
+shrunk, but is no kind. ``*_period`` / ``*_offset`` layer schedules become 2 / 1. Sizes that must agree
+are derived again (MLA head sizes, Mamba heads x head size, an unset ``head_dim``). Where the causal-LM
+class takes a sub-config of the family's config (musicgen's decoder), that part is built.
+Nothing is downloaded; transformers is imported lazily.
 """
 from __future__ import annotations
 
@@ -25,7 +31,8 @@ LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder
               "num_decoder_layers", "num_encoder_layers")
 SIZES = {  # config attribute -> tiny value (only set where the default config has a number there)
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "word_embed_proj_dim",
-                     "embedding_size", "projection_dim"), HIDDEN),
+                     "embedding_size", "projection_dim",
+                     "adapter_in_dim", "adapter_input_size", "adapter_out_dim", "lru_width"), HIDDEN),  # = hidden sizes
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
                      "encoder_attention_heads", "attention_heads"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
@@ -46,13 +53,18 @@ SIZES = {  # config attribute -> tiny value (only set where the default config h
     **dict.fromkeys(("qk_nope_head_dim", "v_head_dim", "linear_key_head_dim", "linear_value_head_dim",
                      "linear_head_dim", "index_head_dim", "mamba_d_head", "mamba_head_dim"), 16),
     **dict.fromkeys(("qk_rope_head_dim", "rotary_dim"), 8),  # rotary_dim: codegen's default 64 exceeds the head dim
-    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads", "index_n_heads",
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "linear_num_heads",
                      "mamba_n_heads", "n_mamba_heads", "mamba_n_groups", "n_groups"), 2),
+    # DSA indexer heads: a key scores exactly 0 when every head's ReLU is 0 (1 in 2**H), and keys tied at
+    # the top-k boundary may be chosen either way (torch.topk and our op differ), so more than 2
+    **dict.fromkeys(("index_n_heads",), 8),
     **dict.fromkeys(("index_topk",), 8),
     **dict.fromkeys(("index_kpool",), 4),  # index_topk must be a multiple of it (glm5_next)
-    **dict.fromkeys(("vocab_size",), VOCAB),
-    **dict.fromkeys(("sliding_window", "attention_window"), 8),
-    **dict.fromkeys(("first_k_dense_replace",), 1),
+    **dict.fromkeys(("num_codebooks",), 2),  # musicgen: the sweep's 2 rows of ids are 1 sample x 2 codebooks
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input"), VOCAB),
+    **dict.fromkeys(("hidden_size_per_layer_input",), 16),  # gemma3n / gemma4 per-layer embeddings
+    **dict.fromkeys(("sliding_window", "attention_window", "attention_window_size"), 8),
+    **dict.fromkeys(("first_k_dense_replace", "num_dense_layers"), 1),
 }
 TOKEN_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
               "cls_token_id", "mask_token_id", "unk_token_id", "forced_eos_token_id", "forced_bos_token_id")
@@ -73,17 +85,61 @@ def _layer_count(d: dict[str, Any]) -> tuple[str, int] | None:
     return None
 
 
+def _layer_index(key: Any) -> int | None:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    return int(key) if isinstance(key, str) and key.isdigit() else None
+
+
+def _renumbered(key: Any, kept: list[int]) -> Any:
+    new = kept.index(_layer_index(key))
+    return new if isinstance(key, int) else str(new).zfill(len(key))
+
+
+def _layer_maps(d: dict[str, Any], n: int) -> list[str]:
+    """Keys of dicts keyed by layer index (dots3's ``per_layer_config``: ``{"02": {...}, ...}``)."""
+    return [k for k, v in d.items() if isinstance(v, dict) and v and n > 1 and "layer" in k  # not id2label
+            and all(_layer_index(i) is not None and 0 <= _layer_index(i) < n for i in v)]
+
+
+def _cycled_types(d: dict[str, Any], n: int) -> list[str]:
+    """Keys of layer-type patterns shorter than the layer count, repeated over the layers (recurrent_gemma's
+    ``block_types``: recurrent, recurrent, attention)."""
+    return [k for k, v in d.items() if isinstance(v, list) and 1 < len(v) < n and "type" in k
+            and all(isinstance(x, str) for x in v)]
+
+
+def _shared_tail(d: dict[str, Any]) -> int:
+    """gemma3n: the last ``num_kv_shared_layers`` layers reuse earlier layers' keys and values."""
+    shared = d.get("num_kv_shared_layers")
+    return shared if isinstance(shared, int) and not isinstance(shared, bool) and shared > 0 else 0
+
+
+def _size_lists(d: dict[str, Any], n: int) -> list[str]:
+    """Keys of per-layer lists of a size :data:`SIZES` knows (gemma3n's ``intermediate_size``, laguna's
+    ``num_attention_heads_per_layer``)."""
+    return [k for k, v in d.items() if _size_key(k) in SIZES and isinstance(v, list) and len(v) == n
+            and all(isinstance(x, int) and not isinstance(x, bool) for x in v)]
+
+
+def _size_key(key: str) -> str:
+    return key.removesuffix("_per_layer")
+
+
 def _kept_layers(d: dict[str, Any], n: int) -> tuple[list[int], list[str], list[str]]:
     """The layers to keep (first of each kind), the per-layer list keys and the index-list keys."""
     per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == n and n > 1
-                 and all(isinstance(x, (str, int, bool, type(None))) for x in v)
+                 and all(isinstance(x, (str, int, float, bool, type(None))) for x in v)
                  and not all(isinstance(x, int) and not isinstance(x, bool) for x in v)]
     index_lists = [k for k, v in d.items() if isinstance(v, list) and v and k not in per_layer
                    and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in v)
                    and ("layer" in k or "idx" in k or "ids" in k)]
+    maps = {k: {_layer_index(i): v for i, v in d[k].items()} for k in _layer_maps(d, n)}
     seen: dict[tuple, int] = {}
     for i in range(n):
-        kind = tuple(d[k][i] for k in per_layer) + tuple(i in d[k] for k in index_lists)
+        kind = (tuple(d[k][i] for k in per_layer) + tuple(i in d[k] for k in index_lists)
+                + tuple(repr(m.get(i)) for m in maps.values()) + (i >= n - _shared_tail(d),)
+                + tuple(d[k][i % len(d[k])] for k in _cycled_types(d, n)))
         seen.setdefault(kind, i)
     kept = sorted(seen.values())
     for i in range(n):  # at least 2 layers
@@ -94,11 +150,24 @@ def _kept_layers(d: dict[str, Any], n: int) -> tuple[list[int], list[str], list[
     return kept, per_layer, index_lists
 
 
+def _layer_entry(entry: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
+    """A per-layer MLA override keeps its head sizes consistent with the model's: ``head_dim`` = nope +
+    rope (dots3's sliding layers check it), k/v on every head."""
+    nope, rope = (entry.get(k, model.get(k)) for k in ("qk_nope_head_dim", "qk_rope_head_dim"))
+    if "qk_nope_head_dim" in entry and isinstance(nope, int) and isinstance(rope, int):
+        entry["head_dim"] = nope + rope
+    if "kv_lora_rank" in entry and isinstance(entry.get("num_key_value_heads"), int):
+        entry["num_key_value_heads"] = entry.get("num_attention_heads", HEADS)
+    return entry
+
+
 def shrink(d: dict[str, Any]) -> dict[str, Any]:
     """A copy of the config dict ``d`` with tiny sizes (see the module docstring)."""
     out = dict(d)
     for key, value in d.items():
-        if isinstance(value, dict) and ("config" in key or key.endswith("_cfg")):
+        if not isinstance(key, str):  # a dict keyed by layer index: handled with the layers below
+            continue
+        if isinstance(value, dict) and ("config" in key or key.endswith("_cfg") or "model_type" in value):
             out[key] = shrink(value)
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value != 0:
             out[key] = SIZES[key]  # a zero size switches a part off (glm5_next's NoPE: qk_rope_head_dim=0)
@@ -115,8 +184,17 @@ def shrink(d: dict[str, Any]) -> dict[str, Any]:
                 out[key] = len(kept)
         for key in per_layer:
             out[key] = [d[key][i] for i in kept]
+        for key in _cycled_types(d, n):
+            out[key] = [d[key][i % len(d[key])] for i in kept]
+        if _shared_tail(d):
+            out["num_kv_shared_layers"] = sum(i >= n - _shared_tail(d) for i in kept)
+        for key in _size_lists(d, n):  # gemma3n: one intermediate_size per layer
+            out[key] = [SIZES[_size_key(key)] if d[key][i] else 0 for i in kept]
         for key in index_lists:
             out[key] = [kept.index(i) for i in d[key] if i in kept]
+        for key in _layer_maps(d, n):  # renumbered as written ("02" stays two digits wide), entries shrunk
+            out[key] = {_renumbered(i, kept): (_layer_entry(shrink(v), out) if isinstance(v, dict) else v)
+                        for i, v in d[key].items() if _layer_index(i) in kept}
     if isinstance(out.get("qk_rope_head_dim"), int):  # MLA: derived head sizes follow the tiny ones
         if "head_dim" in out:
             out["head_dim"] = out["qk_rope_head_dim"]
@@ -124,6 +202,13 @@ def shrink(d: dict[str, Any]) -> dict[str, Any]:
             out["num_key_value_heads"] = out.get("num_attention_heads", HEADS)
         if isinstance(out.get("qk_head_dim"), int) and isinstance(out.get("qk_nope_head_dim"), int):
             out["qk_head_dim"] = out["qk_nope_head_dim"] + out["qk_rope_head_dim"]
+    if all(isinstance(out.get(k), int) for k in ("mamba_d_ssm", "mamba_n_heads", "mamba_d_head")):
+        out["mamba_d_ssm"] = out["mamba_n_heads"] * out["mamba_d_head"]  # falcon_h1 checks it
+    elif all(isinstance(out.get(k), int) for k in ("mamba_expand", "hidden_size", "mamba_n_heads", "mamba_d_head")):
+        out["mamba_d_head"] = out["mamba_expand"] * out["hidden_size"] // out["mamba_n_heads"]  # granitemoehybrid
+    if "state_size" in out and all(isinstance(out.get(k), int) for k in ("expand", "hidden_size", "num_heads",
+                                                                          "head_dim")):
+        out["head_dim"] = out["expand"] * out["hidden_size"] // out["num_heads"]  # mamba2: heads x head_dim
     for key in TOKEN_KEYS:
         value = out.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value >= VOCAB:
@@ -141,6 +226,13 @@ QSA_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 
 def _fill_unset(d: dict[str, Any]) -> dict[str, Any]:
     out = {key: (_fill_unset(value) if isinstance(value, dict) and "config" in key else value)
            for key, value in d.items()}
+    if "head_dim" in out and out["head_dim"] is None and isinstance(out.get("num_attention_heads"), int):
+        out["head_dim"] = out.get("hidden_size", HIDDEN) // out["num_attention_heads"]  # hunyuan_v1 reads it
+    if isinstance(out.get("num_layers_per_stack"), int):  # hrm_text derives it (and the cache slots) again
+        out["num_layers_per_stack"] = None
+    if out.get("model_type") == "lfm2_moe" and out.get("layer_types") is None:  # its model indexes them
+        n = out.get("num_hidden_layers", 2)
+        out["layer_types"] = ["conv"] * (n - 1) + ["full_attention"]
     if out.get("model_type", "").startswith("qwen4_exp") and "indexer_budget" in out:
         out.update({key: value for key, value in QSA_INDEXER.items() if out.get(key) is None})
     return out
@@ -173,8 +265,27 @@ def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:
 
     cfg = tiny_config(model_type)
     torch.manual_seed(seed)
+    part = _causal_lm_part(model_type, cfg)
+    if part is not None:  # musicgen: the causal LM is the decoder of a composite config
+        cls, cfg = part
+        return cls._from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     return model.eval()
+
+
+def _causal_lm_part(model_type: str, cfg: Any) -> tuple[type, Any] | None:
+    """The causal-LM class and the sub-config it takes, where that class does not take ``cfg`` itself."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, ""), None)
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(cfg, wanted):
+        return None
+    for value in vars(cfg).values():
+        if isinstance(value, wanted):
+            return cls, value
+    return None
 
 
 def vocab_size(model: torch.nn.Module) -> int:

@@ -52,6 +52,8 @@ class Row:
     the error). ``rewritten``: op -> number of rewritten sites that became it; ``left_alone``:
     "rewrite: reason" -> count; ``graph_breaks``: Dynamo's graph-break count, ``graphs``: graphs
     compiled; ``logits_error``: ``|compiled - eager| / |eager|`` (None unless both ran).
+    ``command``, ``date``, ``versions``: what produced the row (the sweep's command line, the day it
+    ran, transformers / torch versions); empty until ``python -m kda_compile.coverage`` fills them.
     """
 
     family: str
@@ -66,6 +68,9 @@ class Row:
     graphs: int | None = None
     logits_error: float | None = None
     seconds: float = 0.0
+    command: str = ""
+    date: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
 
     @property
     def fully_rewritten(self) -> bool:
@@ -102,8 +107,10 @@ def attention_kinds(model: torch.nn.Module) -> list[str]:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    text = [ln.strip() for ln in f"{type(exc).__name__}: {exc}".strip().splitlines() if ln.strip()]
     line = text[0] if text else type(exc).__name__
+    if line.endswith(":") and len(text) > 1:  # "Class validation error for validator ...:" + the cause
+        line = f"{line} {text[1]}"
     return line if len(line) <= 240 else line[:237] + "..."
 
 

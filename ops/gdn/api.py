@@ -3,10 +3,12 @@
 ``fused_recurrent_gdn``), traceable by torch.compile with no graph break."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
+from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
 from kda_compile.ops.kda.api import deferred_argument_error, dispatcher_needed
@@ -30,7 +32,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
-    cp_context: Any = None,
+    cp_context: CPContext | None = None,
     *,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
@@ -64,7 +66,9 @@ def chunk_gated_delta_rule(
         cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (optional; its values are checked in eager calls).
         chunk_indices: FLA's precomputed chunk table for ``cu_seqlens``: accepted and not needed (every
             backend derives it from ``cu_seqlens``).
-        cp_context: FLA's context parallelism: only None is supported.
+        cp_context: context parallelism (docs/context-parallel.md): a ``CPContext`` from
+            ``kda_compile.ops.build_cp_context``; the inputs are then this rank's slice of the packed tokens and
+            the states are per local sequence, exactly as for ``kda_compile.ops.chunk_kda``'s ``cp_context``.
         use_gate_in_kernel, A_log (``[HV]``), dt_bias (``[HV]``, optional): the in-kernel GDN gate.
         chunk_size: 16, 32 or 64.
         check_inputs: run the full value checks for this call (eager only; under torch.compile set
@@ -79,11 +83,17 @@ def chunk_gated_delta_rule(
     with the gate broadcast over K; elsewhere the reference math. The choice is logged
     (``kda_compile.ops.gdn.backends``; ``only_backends`` overrides it).
     """
-    unsupported = {"cp_context": cp_context, **kwargs}
+    one_process = None
+    if cp_context is not None:  # each piece of this rank's slice runs as a one-process call with these options
+        one_process = functools.partial(
+            chunk_gated_delta_rule, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+            check_inputs=check_inputs)
     return _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log,
                 dt_bias, chunk_size, recurrent=False, cu_seqlens_cpu=cu_seqlens_cpu, check_inputs=check_inputs,
-                unsupported=("chunk_gated_delta_rule", unsupported, {"cp_context": None}))
+                unsupported=("chunk_gated_delta_rule", kwargs, {}), cp=(cp_context, one_process))
 
 
 def fused_recurrent_gated_delta_rule(
@@ -143,11 +153,14 @@ fused_recurrent_gdn = fused_recurrent_gated_delta_rule
 
 def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, *,
-         recurrent: bool, cu_seqlens_cpu=None, check_inputs: bool = False, unsupported=None):
+         recurrent: bool, cu_seqlens_cpu=None, check_inputs: bool = False, unsupported=None, cp=(None, None)):
     compiling = torch.compiler.is_compiling()
+    cp_context, one_process = cp
     try:
         if unsupported is not None:
             reject_unsupported_kwargs(*unsupported)
+        if cp_context is not None:
+            cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
         validate_gdn_arguments(
             q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
@@ -173,8 +186,11 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
              bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval))
-    if recurrent and not needs_grad:
-        op = custom_ops.fused_recurrent_gdn_fwd if dispatcher_needed() else custom_ops.fused_recurrent_gdn_impl
+    if cp_context is not None:
+        o, final = context_parallel_chunk(one_process, cp_context, q, k, v, g, beta, initial_state,
+                                          output_final_state)
+    elif recurrent and not needs_grad:
+        op = custom_ops.fused_recurrent_gdn_fwd if dispatcher_needed(*tensors) else custom_ops.fused_recurrent_gdn_impl
         o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
     else:
         o, final, *_ = custom_ops.chunk_gdn_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,

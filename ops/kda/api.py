@@ -2,18 +2,19 @@
 ``fused_recurrent_kda`` (fla-core 0.6 signatures), traceable by torch.compile with no graph break."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from kda_compile.ops._common import record_fallback
+from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.kda import custom_ops
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
                                             reject_unsupported_kwargs, validate_kda_arguments)
 
 # FLA options accepted only at their default value.
-_CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "cp_context": None, "use_graph": False,
-                        "max_num_seqs": None}
+_CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "use_graph": False, "max_num_seqs": None}
 
 
 def chunk_kda(
@@ -36,6 +37,7 @@ def chunk_kda(
     state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
+    cp_context: CPContext | None = None,
     *,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -82,6 +84,15 @@ def chunk_kda(
             needs no device synchronisation (both on the host) or ``check_inputs`` asks for it. Eager inference
             plans the packed chunks from it on the host (as FLA does): fewer launches and no synchronisation, so
             it must hold the same values as ``cu_seqlens``.
+        cp_context: context parallelism (docs/context-parallel.md): a ``CPContext`` from
+            ``kda_compile.ops.build_cp_context``. q, k, v, g, beta are then this rank's slice ``[1, T_rank, ...]``
+            of the packed tokens; ``cu_seqlens`` / ``cu_seqlens_cpu`` are the context's (None, or exactly
+            ``cp_context.cu_seqlens``); ``initial_state`` and the final state are per LOCAL sequence
+            ``[cp_context.num_seqs, HV, K, V]`` (local sequence ``i`` is global sequence
+            ``cp_context.first_seq_index + i``). A sequence continued from an earlier rank takes its state from
+            there (its ``initial_state`` entry here is not read); a final state is the state after this rank's
+            tokens, the sequence's own final state on the rank holding its last token. Every rank of the group
+            must make the call (and its backward). Forward and gradients equal a one-process call's.
         check_inputs: run the full value checks for this call (eager only; under torch.compile set
             ``KDA_COMPILE_CHECK_INPUTS=1``, which the op reads when it runs): see "Input checks" below.
     Returns:
@@ -109,11 +120,19 @@ def chunk_kda(
     could not, is logged once and shown by the rewrite report (``kda_compile.ops.kda.backends``).
     """
     unsupported = {"return_intermediate_states": return_intermediate_states, **kwargs}
+    one_process = None
+    if cp_context is not None:  # each piece of this rank's slice runs as a one-process call with these options
+        one_process = functools.partial(
+            chunk_kda, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+            disable_recompute=disable_recompute, A_log=A_log, dt_bias=dt_bias, chunk_size=chunk_size,
+            check_inputs=check_inputs)
     return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                 state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, recurrent=False,
                 disable_recompute=bool(disable_recompute), cu_seqlens_cpu=cu_seqlens_cpu, check_inputs=check_inputs,
-                unsupported=("chunk_kda", unsupported, _CHUNK_ONLY_DEFAULTS))
+                unsupported=("chunk_kda", unsupported, _CHUNK_ONLY_DEFAULTS), cp=(cp_context, one_process))
 
 
 def fused_recurrent_kda(
@@ -151,25 +170,33 @@ def fused_recurrent_kda(
                 unsupported=("fused_recurrent_kda", kwargs, {}))
 
 
-def dispatcher_needed() -> bool:
+def dispatcher_needed(*tensors) -> bool:
     """Whether a call must go through the custom op rather than straight to its kernel: while
     Dynamo traces (the op must appear in the graph), under a dispatch mode (fake tensors, tracing,
-    profilers that count ops) or a functorch transform. Otherwise eager inference (decode, and prefill
-    without gradients) skips the dispatcher's Python path: tens of microseconds, more than a decode
+    profilers that count ops) or a functorch transform, or when an input is a tensor subclass (a
+    DTensor: the op's sharding rule runs it on the local shards). Otherwise eager inference (decode, and
+    prefill without gradients) skips the dispatcher's Python path: tens of microseconds, more than a decode
     kernel, and with the prefill op's empty residual outputs about 0.3 ms, more than a 2k-token prefill's
     kernels (H100)."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._are_functorch_transforms_active())
+            or torch._C._are_functorch_transforms_active()
+            or any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
          dt_bias, chunk_size, *, recurrent: bool, disable_recompute: bool = False, cu_seqlens_cpu=None,
-         check_inputs: bool = False, unsupported=None):
+         check_inputs: bool = False, unsupported=None, cp=(None, None)):
     compiling = torch.compiler.is_compiling()
+    cp_context, one_process = cp
     try:
         if unsupported is not None:
             reject_unsupported_kwargs(*unsupported)
+        if cp_context is not None:
+            cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
         validate_kda_arguments(
             q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -198,10 +225,13 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
              bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound)
-    if recurrent and not needs_grad:
-        op = custom_ops.fused_recurrent_kda_fwd if dispatcher_needed() else custom_ops.fused_recurrent_kda_impl
+    if cp_context is not None:
+        o, final = context_parallel_chunk(one_process, cp_context, q, k, v, g, beta, initial_state,
+                                          output_final_state)
+    elif recurrent and not needs_grad:
+        op = custom_ops.fused_recurrent_kda_fwd if dispatcher_needed(*tensors) else custom_ops.fused_recurrent_kda_impl
         o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
-    elif not needs_grad and not dispatcher_needed():  # eager inference: straight to the backend
+    elif not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
         o, final = custom_ops.chunk_kda_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                   bool(safe_gate), int(chunk_size), cu_seqlens_cpu)
     else:

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from kda_compile.ops._common import kernel_switch
+from kda_compile.ops._common import cuda_index, device_capability, kernel_switch
 
 KERNELS = ("auto", "triton", "cuda")
 
@@ -24,7 +24,7 @@ def device_unsupported(x: torch.Tensor, *, min_capability: tuple[int, int] = (8,
         return "not a CUDA tensor"
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return "TRITON_INTERPRET=1"
-    capability = torch.cuda.get_device_capability(x.device)
+    capability = device_capability(cuda_index(x.device))
     if capability < min_capability:
         return (f"needs sm_{min_capability[0]}{min_capability[1]} or newer ({needs}), "
                 f"got sm_{''.join(map(str, capability))}")

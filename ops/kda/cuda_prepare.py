@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import record_fallback
+from kda_compile.ops._common import device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
@@ -86,7 +86,7 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = device_capability(device_index)
     varlen, HV = args["IS_VARLEN"], args["HV"]
     a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
@@ -94,7 +94,7 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     flags = tuple(bool(args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS", "BETA_SIGMOID",
                                                  "SAVE_AKK"))
     source = _source(_ELEM[g.dtype], _ELEM[beta.dtype], cu_dtype, flags)
-    with torch.cuda.device(device_index):
+    with on_device(device_index):
         kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
                              shared_bytes=src.SHARED_BYTES)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import record_fallback
+from kda_compile.ops._common import device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
@@ -94,13 +94,13 @@ def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seql
     caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). Raises
     NvrtcUnavailable when the kernel cannot be built."""
     device_index = w.device.index if w.device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = device_capability(device_index)
     HV = w.shape[-2]
     varlen = cu_seqlens.numel() > 0
     has_h0, store_ht = initial_state is not None, final is not None
     source = _source(_CU.get(cu_seqlens.dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v)
     h0_strides = initial_state.stride() if has_h0 else (0, 0, 0, 0)
-    with torch.cuda.device(device_index):
+    with on_device(device_index):
         kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
                              shared_bytes=src.shared_bytes(STAGES, block_v))
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731

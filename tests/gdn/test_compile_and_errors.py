@@ -113,7 +113,8 @@ def test_bad_arguments_name_the_argument(case):
 
 def test_unsupported_fla_options_are_refused():
     a = _good()
-    with pytest.raises(ValueError, match=r"cp_context must be None \(not supported by kda_compile\), got"):
+    with pytest.raises(TypeError, match=r"cp_context must be None or a kda_compile.ops.CPContext from "
+                                        r"kda_compile.ops.build_cp_context \(FLA's FLACPContext is not accepted\), got"):
         chunk_gated_delta_rule(**a, cp_context=object())
     with pytest.raises(TypeError, match=r"chunk_gated_delta_rule\(\) got an unexpected keyword argument 'head_first'"):
         chunk_gated_delta_rule(**a, head_first=False)

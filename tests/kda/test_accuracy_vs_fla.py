@@ -226,6 +226,16 @@ def test_ours_not_less_accurate_than_fla(family, gate, seed, level):
 
 @pytest.mark.cuda
 @needs_fla
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known gap of the CUDA prepare kernel on nearly collinear keys: measured on an H100 (torch 2.11, Triton 3.6), "
+    "o error 2.79e-3 from the fp64 recurrence against FLA's 2.36e-3 (bound 2.68e-3); the Triton prepare passes. "
+    "Strict: remove the mark once the kernel meets the bound"))
+def test_cuda_prepare_on_collinear_keys_found_by_the_search():
+    assert_not_worse_than_fla(family_inputs("collinear", "lower_bound", 7, level=0.0, **SHORT))
+
+
+@pytest.mark.cuda
+@needs_fla
 @pytest.mark.parametrize("family, gate", [("constant-gate", "lower_bound"), ("collinear", "softplus")])
 def test_long_sequence_not_less_accurate_than_fla(family, gate):
     """One 8192-token sequence, one head: errors that grow with the length (state drift) show here."""

@@ -75,7 +75,9 @@ def test_the_cuda_scan_needs_sm_90(monkeypatch):
         is_cuda, device = True, torch.device("cuda", 0)
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from kda_compile.ops.kda import cuda_choice
+
+    monkeypatch.setattr(cuda_choice, "device_capability", lambda index: (8, 0))
     why = cuda_scan.outside_design(CudaTensorLike(), None, None, None, num_seqs=1, gate_cumsum=False,
                                    writes_chunk_states=False, writes_o=True)
     assert why == "needs sm_90 or newer (bf16 mma.sync and stmatrix), got sm_80"

@@ -142,3 +142,22 @@ def test_all_sequences_empty(with_state, op, device):
     assert o.shape == (1, 0, 2, 16)
     expected = args["initial_state"] if with_state else torch.zeros(2, 2, 16, 16, device=device)
     assert torch.equal(state, expected)
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_gradients_of_a_call_without_tokens(rule, device):
+    """T = 0: the final state is the initial state, so its gradient passes straight through; every other
+    input gets an empty gradient (the reference backward used to fail: o depends on nothing)."""
+    from kda_compile.ops import chunk_gated_delta_rule
+
+    q, k = (torch.randn(1, 0, 2, 8, device=device, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 0, 2, 8, device=device, requires_grad=True)
+    g = torch.randn((1, 0, 2, 8) if rule == "kda" else (1, 0, 2), device=device, requires_grad=True)
+    beta = torch.rand(1, 0, 2, device=device, requires_grad=True)
+    h0 = torch.randn(1, 2, 8, 8, device=device, requires_grad=True)
+    op = chunk_kda if rule == "kda" else chunk_gated_delta_rule
+    o, final = op(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    dht = torch.randn_like(final)
+    grads = torch.autograd.grad((o.sum(), (final * dht).sum()), (q, k, v, g, beta, h0), allow_unused=True)
+    assert torch.equal(grads[-1], dht)
+    assert all(grad is None or grad.numel() == 0 for grad in grads[:-1])

@@ -3,7 +3,9 @@ the probabilities (gpt2), an fp32 cast of the scores, an in-place ``/=`` / ``*=`
 and value with one head broadcast by the matmuls (falcon multi-query), and
 ``torch.where(keep, scores, finfo.min)`` (gpt_neo), a scale after the mask (codegen), ``baddbmm`` / ``bmm``
 over [B*H, ...] with an additive ALiBi bias (bloom), ``masked_fill`` on both sides of the softmax (cpmant) and
-sinks applied as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa)."""
+sinks applied as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa). Spellings not matched but
+reported with a reason rather than passed over: ``einsum`` products (prophetnet), bmm scores clamped
+between views (xglm); a router's softmax over a linear projection stays no candidate."""
 from __future__ import annotations
 
 import math
@@ -195,7 +197,23 @@ def lse_sinks_flipped(q, k, v, mask):  # sigmoid(sink - lse): not a softmax-deno
     return torch.matmul(F.softmax(w, dim=-1), v) * scale.unsqueeze(-1)
 
 
+def einsum_products(q, k, v, mask):  # prophetnet: not matched, but reported (not passed over as a router)
+    w = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3
+    return torch.einsum("bhqk,bhkd->bhqd", F.softmax(w + mask, dim=-1), v)
+
+
+def clamped_between_views(q, k, v, mask):  # xglm: bmm scores clamped at the dtype minimum between views
+    b, h, sq, d = q.shape
+    w = torch.bmm(q.reshape(b * h, sq, d), k.reshape(b * h, -1, d).transpose(1, 2))
+    w = torch.max(w.view(b, h, sq, -1) + mask, torch.full((), torch.finfo(w.dtype).min))
+    w = F.softmax(w.view(b * h, sq, -1), dim=-1)
+    w = F.dropout(w.view(b, h, sq, -1).view(b * h, sq, -1), p=0.0, training=False)
+    return torch.bmm(w, v.reshape(b * h, -1, d)).view(b, h, sq, d)
+
+
 NEGATIVE = {
+    einsum_products: "found einsum",
+    clamped_between_views: "do not follow eager attention",
     where_fills_a_number: "not -inf or the dtype minimum",
     inplace_scores_kept: "also used by",
     negative_scale_after_mask: "is not positive",
@@ -217,6 +235,21 @@ def test_spelling_differing_in_meaning_is_left_alone(fn):
     assert NEGATIVE[fn] in report.left_alone[0].reason, report.left_alone[0].reason
     for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
         assert rel_err(a, b) < FP32_TOL
+
+
+def test_a_router_softmax_is_no_candidate():
+    # softmax over a linear projection (a MoE router): no product a few nodes up, so not reported
+    w = torch.randn(8, 4 * D)
+
+    def router(q, k, v, mask):
+        probs = F.softmax(F.linear(q.transpose(1, 2).flatten(-2), w), dim=-1)
+        top = probs.topk(2, dim=-1).values
+        return torch.matmul(top.unsqueeze(-1), top.unsqueeze(-2))
+
+    q, k, v, mask = inputs()
+    compiled, cap = compile_capture(router)
+    compiled(q, k, v, mask)
+    assert not cap.reports[-1].left_alone and not cap.reports[-1].rewritten
 
 
 # gpt_neo: window_size 4 < 12 tokens, so its local layer's torch.where mask is a real sliding window.

@@ -1,0 +1,52 @@
+"""Run a test function in several processes joined by one ``torch.distributed`` process group.
+
+``run_in_processes(fn, world_size, *args)`` starts ``world_size`` fresh processes (the ``spawn`` start
+method: no forked state from the test runner) and calls ``fn(rank, world_size, *args)`` in each after
+``init_process_group``. ``fn`` must be a module-level function (it is pickled by name). An exception in any
+process fails the caller with that process's traceback.
+
+Rendezvous: the parent opens a ``TCPStore`` on a port the operating system picks (port 0) and keeps it open
+while the children run, so parallel test workers (pytest-xdist) never race for a port. Collectives time out
+after ``timeout_s`` (a rank that never joins a collective fails the test instead of hanging it).
+
+gloo runs on CPU tensors; ``backend="nccl"`` gives each rank the GPU of its index (``cuda:<rank>``).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HOST = "127.0.0.1"
+
+
+def free_store() -> dist.TCPStore:
+    """A rendezvous store listening on a port chosen by the OS, owned by the calling process."""
+    return dist.TCPStore(HOST, 0, None, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+
+
+def run_in_processes(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout_s: float = 120.0,
+                     threads_per_process: int = 1) -> None:
+    """``fn(rank, world_size, *args)`` in ``world_size`` spawned processes of one process group."""
+    store = free_store()
+    mp.start_processes(_child, args=(fn, world_size, store.port, backend, timeout_s, threads_per_process, args),
+                       nprocs=world_size, join=True, start_method="spawn")
+
+
+def _child(rank: int, fn: Callable, world_size: int, port: int, backend: str, timeout_s: float, threads: int,
+           args: tuple) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(HOST, port, None, False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

@@ -18,7 +18,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import device_capability, on_device, record_fallback
+from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
@@ -85,7 +85,7 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK`` are read). The caller checked ``outside_design`` is None. Raises
     NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    device_index = cuda_index(q.device)
     major, minor = device_capability(device_index)
     varlen, HV = args["IS_VARLEN"], args["HV"]
     a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log

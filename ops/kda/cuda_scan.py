@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import device_capability, on_device, record_fallback
+from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
@@ -93,7 +93,7 @@ def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seql
     """Run the CUDA scan: ``o`` (and ``final`` when given) from our prepare kernel's intermediates (the
     caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). Raises
     NvrtcUnavailable when the kernel cannot be built."""
-    device_index = w.device.index if w.device.index is not None else torch.cuda.current_device()
+    device_index = cuda_index(w.device)
     major, minor = device_capability(device_index)
     HV = w.shape[-2]
     varlen = cu_seqlens.numel() > 0

@@ -31,6 +31,7 @@ from functools import cache
 import torch
 import triton
 
+from kda_compile.ops._common import cuda_index
 from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
 from kda_compile.ops.kda import cuda_scan_source
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
@@ -200,7 +201,7 @@ def _chunks_per_sequence(T: int, N: int, varlen: bool) -> int:
 def _device_sms(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(cuda_index(device))
 
 
 def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks: int, first_x_blocks: int, T: int,

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import cdiv
+from kda_compile.ops._common import cdiv, cuda_index
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
 from kda_compile.ops.mla import wgmma_source as src
 from kda_compile.ops.mla.triton_decode import (allocate_decode_outputs, choose_num_splits, mask_for_kernel,
@@ -93,7 +93,7 @@ def mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scal
     rows = sq * h
     row_blocks = cdiv(rows, src.ROWS)
     num_tiles = cdiv(t, src.TILE_TOKENS)
-    device_index = kv_latent.device.index if kv_latent.device.index is not None else torch.cuda.current_device()
+    device_index = cuda_index(kv_latent.device)
     if num_splits is None:
         num_splits = choose_num_splits(b * row_blocks, num_tiles, sm_count(device_index), 4,
                                        program_tiles=QUERY_TILES, partial_tiles=PARTIAL_TILES)

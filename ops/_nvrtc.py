@@ -160,6 +160,7 @@ class CompiledKernel:
 
     def __init__(self, cubin: bytes, name: str, device_index: int, shared_bytes: int):
         lib = driver_library()
+        self._cu_launch = lib.cuLaunchKernel
         self.device_index = device_index
         self.shared_bytes = shared_bytes
         with torch.cuda.device(device_index):
@@ -181,9 +182,52 @@ class CompiledKernel:
         # launches about twenty arguments per kernel; host time is the cost of small calls)
         params = (ctypes.c_void_p * len(args))(*[
             a.address if isinstance(a, TensorMap) else ctypes.addressof(a) for a in args])
-        stream = torch.cuda.current_stream(self.device_index).cuda_stream
-        _check_driver(driver_library().cuLaunchKernel(self._func, *grid, threads, 1, 1, self.shared_bytes,
-                                                      ctypes.c_void_p(stream), params, None), "cuLaunchKernel")
+        self.launch_block(grid, threads, params, current_raw_stream(self.device_index))
+
+    def launch_block(self, grid: tuple[int, int, int], threads: int, params, stream: int) -> None:
+        """Launch with a prepared parameter array (``ArgumentBlock.array``, or the array ``launch`` builds) on the
+        raw ``stream``; the caller has made this kernel's device current (``ensure_thread_context``)."""
+        _check_driver(self._cu_launch(self._func, grid[0], grid[1], grid[2], threads, 1, 1, self.shared_bytes, stream,
+                                      params, None), "cuLaunchKernel")
+
+
+class ArgumentBlock:
+    """A kernel's parameter list kept from launch to launch: one ctypes value per parameter and the array of their
+    addresses that ``cuLaunchKernel`` reads. Scalars are set once; ``set_pointers`` rewrites the pointer slots
+    of a call (an attribute store each, no new ctypes objects). Not thread-safe: a caller shares one between
+    threads under a lock."""
+
+    def __init__(self, values: list):
+        self.values = list(values)
+        self.array = (ctypes.c_void_p * len(self.values))(*[ctypes.addressof(v) for v in self.values])
+
+    def set_pointers(self, addresses) -> None:
+        """The first ``len(addresses)`` parameters (pointers, ``c_void_p``) take these device addresses."""
+        values = self.values
+        for i, address in enumerate(addresses):
+            values[i].value = address
+
+
+_thread_state = threading.local()
+
+
+def ensure_thread_context(device_index: int) -> None:
+    """``_ensure_context`` once per thread and device (the check itself is a driver call)."""
+    done = getattr(_thread_state, "devices", None)
+    if done is None:
+        done = _thread_state.devices = set()
+    if device_index not in done:
+        _ensure_context(device_index)
+        done.add(device_index)
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The handle of PyTorch's current stream on the device (what ``torch.cuda.current_stream(i).cuda_stream``
+    returns, through the direct binding Inductor's generated code uses when the build has it)."""
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return getter(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 _cache: dict[tuple, CompiledKernel] = {}

@@ -24,6 +24,7 @@ BENCHMARKS = {
     "mla": "kda_compile.bench.mla",
     "dsa": "kda_compile.bench.dsa",
     "gdn": "kda_compile.bench.gdn",
+    "cp": "kda_compile.bench.context_parallel",
 }
 REPORT_DIR = pathlib.Path("benchmarks")
 

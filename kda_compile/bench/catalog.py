@@ -46,6 +46,15 @@ def _kda_prefill(gate: str) -> str:
         "`triton.testing.do_bench`. Kernel design and its measurements: [docs/kda-kernels.md](../docs/kda-kernels.md)."
     )
 
+def _cp_names(suffix: str = "", who: str = "ours") -> tuple[str, ...]:
+    """Provider names of the context-parallel benchmark at 2, 4 and 8 GPUs (and of its CPU smoke run:
+    ``processes``)."""
+    return tuple(f"{who} (CP, {n} {unit}{suffix})" for unit in ("GPUs", "processes") for n in (2, 4, 8))
+
+
+CP_ONE = ("ours (1 GPU)", "ours (1 process)")
+CP_PROVIDERS = tuple(name for pair in zip(_cp_names(), _cp_names(", balanced")) for name in pair)
+
 CATALOG: dict[str, Benchmark] = {
     "gdn": Benchmark(
         title="GDN (gated delta rule): prefill, training and decode",
@@ -178,5 +187,26 @@ CATALOG: dict[str, Benchmark] = {
         "--prompts 1024,4096 --decode-repeats 3 --new-tokens 16",
         views=(View("time", ours=("kda_compile",), baselines=("hf_eager_fla",)),
                View("time_per_token", ours=("kda_compile",), baselines=("hf_eager_fla",))),
+    ),
+    "cp": Benchmark(
+        title="Context-parallel KDA prefill: one long sequence over several GPUs",
+        measures="The forward of `chunk_kda` in inference mode on ONE sequence (B = 1, `cu_seqlens = [0, T]`) of "
+        "T = 128k to 1M tokens, 16 heads, bf16 q / k / v / g, K = V = 128, the q / k L2 norm, the lower-bound gate "
+        "(`lower_bound=-5`, `safe_gate=True`) and the beta sigmoid computed inside the op, an fp32 initial state "
+        "and the final state returned. `ours (1 GPU)`: the plain op on the whole sequence on one GPU (no row where "
+        "it runs out of memory). `ours (CP, N GPUs)`: `cp_context=build_cp_context(cu_seqlens, group)`, one "
+        "process per GPU, each rank holding T / N tokens; the states crossing rank boundaries are exchanged with "
+        "one all-gather over NCCL. `balanced`: rank 0 holds twice the tokens of each other rank (`slice_lengths`), "
+        "since every other rank pays for the state it receives. `ours (CP, N GPUs, no state)` and `FLA (CP, N "
+        "GPUs, no state)`: ours and fla-core 0.6's context-parallel `chunk_kda` without initial and final state "
+        "(FLA refuses them with a context). A call's time: its ranks meet at a barrier, each times the call on the "
+        "host until its GPU is done, and the call counts the slowest rank; median over 10 calls after 2 warm-up "
+        "calls. The ratio `ours (1 GPU) / ours (CP, ...)` is the speedup of context parallelism (divide by N for "
+        "the parallel efficiency). `--ops gdn` runs `chunk_gated_delta_rule` the same way (its scalar gate per "
+        "head). Design: [docs/context-parallel.md](../docs/context-parallel.md).",
+        command="python -m kda_compile.bench cp",
+        views=(View("wall_time", ours=CP_PROVIDERS, baselines=CP_ONE, providers=CP_ONE + CP_PROVIDERS),)
+        + tuple(View("wall_time", ours=(ours,), baselines=(fla,), providers=(fla, ours))
+                for ours, fla in zip(_cp_names(", no state"), _cp_names(", no state", "FLA"))),
     ),
 }

@@ -124,9 +124,17 @@ def _all_gather(summary: Tensor, ctx: CPContext, dtype: torch.dtype) -> Tensor:
     gradient of its own summary."""
     import torch.distributed._functional_collectives as funcol  # here: torch builds without distributed import us
 
+    summary = summary.to(dtype).unsqueeze(0).contiguous()
+    if not (torch.is_grad_enabled() and summary.requires_grad):
+        # No gradient to carry: the plain collective. The differentiable one has only an autograd kernel in torch
+        # 2.11, which inference mode excludes (measured on two H200s: "Could not run
+        # '_c10d_functional_autograd::all_gather_into_tensor' with arguments from the 'CUDA' backend").
+        gathered = funcol.all_gather_tensor(summary, 0, ctx.group)
+        wait = getattr(gathered, "wait", None)
+        return wait() if wait is not None else funcol.wait_tensor(gathered)
     # torch 2.13 renamed the differentiable all-gather (the old name warns there); torch 2.11 has only the old one
     gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
-    return gather(summary.to(dtype).unsqueeze(0).contiguous(), 0, ctx.group)
+    return gather(summary, 0, ctx.group)
 
 
 def _incoming_state(gathered: Tensor, rank: int, pre_num_ranks: int, V: int) -> Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from kda_compile.ops._common import record_fallback
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
-from kda_compile.ops.kda import custom_ops
+from kda_compile.ops.kda import custom_ops, fast_path
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
                                             reject_unsupported_kwargs, validate_kda_arguments)
 
@@ -119,6 +119,17 @@ def chunk_kda(
     reference math); on CPU in the reference math. Which backend serves a call, and why a faster one
     could not, is logged once and shown by the rewrite report (``kda_compile.ops.kda.backends``).
     """
+    plan_key = None
+    if cp_context is None and not kwargs and not return_intermediate_states and not check_inputs:
+        options = (scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size)
+        plan_key = fast_path.signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                                       options)
+        if plan_key is not None:
+            out = _planned_call(plan_key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                                output_final_state, state_v_first)
+            if out is not None:
+                return out
     unsupported = {"return_intermediate_states": return_intermediate_states, **kwargs}
     one_process = None
     if cp_context is not None:  # each piece of this rank's slice runs as a one-process call with these options
@@ -132,7 +143,29 @@ def chunk_kda(
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
                 state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, recurrent=False,
                 disable_recompute=bool(disable_recompute), cu_seqlens_cpu=cu_seqlens_cpu, check_inputs=check_inputs,
-                unsupported=("chunk_kda", unsupported, _CHUNK_ONLY_DEFAULTS), cp=(cp_context, one_process))
+                unsupported=("chunk_kda", unsupported, _CHUNK_ONLY_DEFAULTS), cp=(cp_context, one_process),
+                plan_key=plan_key)
+
+
+def _planned_call(key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                  output_final_state, state_v_first):
+    """The call through its signature's launch plan (``fast_path``), or None when it has none or needs what a plan
+    does not do (gradients, the dispatcher)."""
+    plan = fast_path.lookup(key)
+    if plan is None:
+        return None
+    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
+    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or \
+            dispatcher_needed(*tensors):
+        return None
+    if cu_seqlens_cpu is not None:
+        check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
+    o, final = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
+    if final is None:
+        return o, None
+    return o, (final.transpose(-1, -2) if state_v_first else final)
 
 
 def fused_recurrent_kda(
@@ -189,7 +222,7 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
          dt_bias, chunk_size, *, recurrent: bool, disable_recompute: bool = False, cu_seqlens_cpu=None,
-         check_inputs: bool = False, unsupported=None, cp=(None, None)):
+         check_inputs: bool = False, unsupported=None, cp=(None, None), plan_key=None):
     compiling = torch.compiler.is_compiling()
     cp_context, one_process = cp
     try:
@@ -234,6 +267,13 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     elif not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
         o, final = custom_ops.chunk_kda_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                   bool(safe_gate), int(chunk_size), cu_seqlens_cpu)
+        if plan_key is not None and use_gate_in_kernel:  # later calls of this signature may skip the work above
+            fast_path.learn(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=float(scale),
+                            output_final_state=bool(output_final_state),
+                            use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+                            use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+                            allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate),
+                            lower_bound=lower_bound, chunk_size=int(chunk_size))
     else:
         keep = disable_recompute and needs_grad
         if keep and cu_seqlens is not None:

@@ -133,6 +133,11 @@ def only_backends(*names: str):
         _restriction.names = previous
 
 
+def restricted_to() -> frozenset[str] | None:
+    """The backends ``only_backends`` allows now (the reference among them), or None when unrestricted."""
+    return _restriction.names
+
+
 _logged_preferences: set[tuple[str, str, str]] = set()  # (op, backend, reason) already logged
 
 

@@ -77,6 +77,17 @@ def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...
                              save_akk=save_akk)
 
 
+def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dtype, cu_dtype: torch.dtype | None,
+                   flags: tuple[bool, ...]):
+    """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``):
+    ``flags`` = (IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK); ``cu_dtype`` the offsets'
+    dtype with packed sequences. The caller has made the device current. Raises NvrtcUnavailable."""
+    major, minor = device_capability(device_index)
+    cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
+    return load_kernel(_source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags), src.KERNEL_NAME, device_index,
+                       arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
+
+
 def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens,
@@ -86,17 +97,13 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = cuda_index(q.device)
-    major, minor = device_capability(device_index)
     varlen, HV = args["IS_VARLEN"], args["HV"]
     a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
-    cu_dtype = _CU.get(cu_seqlens.dtype, "int") if varlen else "int"
     flags = tuple(bool(args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS", "BETA_SIGMOID",
                                                  "SAVE_AKK"))
-    source = _source(_ELEM[g.dtype], _ELEM[beta.dtype], cu_dtype, flags)
     with on_device(device_index):
-        kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
-                             shared_bytes=src.SHARED_BYTES)
+        kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
                                    cu_seqlens if varlen else q, chunk_offsets if varlen else q)]

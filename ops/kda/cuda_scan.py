@@ -88,21 +88,29 @@ def _source(cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: i
                              block_v=block_v)
 
 
+def scan_kernel(device_index: int, cu_dtype: torch.dtype | None, has_h0: bool, store_ht: bool, block_v: int):
+    """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``);
+    ``cu_dtype``: the offsets' dtype with packed sequences, else None. The caller has made the device current.
+    Raises NvrtcUnavailable."""
+    major, minor = device_capability(device_index)
+    varlen = cu_dtype is not None
+    source = _source(_CU.get(cu_dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v)
+    return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
+                       shared_bytes=src.shared_bytes(STAGES, block_v))
+
+
 def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, *, T: int,
                      N: int, block_v: int) -> None:
     """Run the CUDA scan: ``o`` (and ``final`` when given) from our prepare kernel's intermediates (the
     caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). Raises
     NvrtcUnavailable when the kernel cannot be built."""
     device_index = cuda_index(w.device)
-    major, minor = device_capability(device_index)
     HV = w.shape[-2]
     varlen = cu_seqlens.numel() > 0
     has_h0, store_ht = initial_state is not None, final is not None
-    source = _source(_CU.get(cu_seqlens.dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v)
     h0_strides = initial_state.stride() if has_h0 else (0, 0, 0, 0)
     with on_device(device_index):
-        kernel = load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
-                             shared_bytes=src.shared_bytes(STAGES, block_v))
+        kernel = scan_kernel(device_index, cu_seqlens.dtype if varlen else None, has_h0, store_ht, block_v)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (w, u, qg, kd, a_qk, decay, o, initial_state if has_h0 else w,
                                    final if store_ht else w, cu_seqlens if varlen else w,

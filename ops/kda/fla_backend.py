@@ -88,6 +88,10 @@ def _contiguous(*tensors):
     return [t.contiguous() if t is not None else None for t in tensors]
 
 
+_INDEX_CACHE_SIZE = 64
+_index_cache: dict[tuple, torch.Tensor] = {}  # (offsets, chunk size, device) -> FLA's chunk indices
+
+
 class FLABackend:
     name = "fla"
 
@@ -132,12 +136,33 @@ class FLABackend:
         return fla["beta_sigmoid_fwd"](beta, scale=2.0 if opts.allow_neg_eigval else 1.0)
 
     def _chunk_indices(self, fla, cu_seqlens, opts, cu_seqlens_cpu=None):
-        """FLA's chunk indices; from the host copy of the offsets when the caller has one (no device sync)."""
+        """FLA's chunk indices; from the host copy of the offsets when the caller has one (no device sync).
+
+        Their number depends on the offsets' values, so FLA computes them with a device synchronisation, which a
+        CUDA graph capture forbids. With ``cu_seqlens_cpu`` they are kept per (offsets, chunk size, device)
+        (``_INDEX_CACHE_SIZE`` entries): a capture reuses those of its warm-up call (torch.cuda.graphs asks for
+        one), and a capture without one says so instead of failing inside FLA."""
         if cu_seqlens is None:
             return None
-        if cu_seqlens_cpu is not None and not torch.cuda.is_current_stream_capturing():  # a host copy cannot be captured
-            return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
-        return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
+        capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if cu_seqlens_cpu is None:
+            if capturing:
+                raise RuntimeError("chunk_kda with cu_seqlens on FLA's kernels cannot be captured in a CUDA graph "
+                                   "without cu_seqlens_cpu: the chunk plan needs the offsets on the host (pass "
+                                   "cu_seqlens_cpu, and make one call with the same offsets before the capture)")
+            return fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
+        key = (tuple(cu_seqlens_cpu.tolist()), opts.chunk_size, cu_seqlens.device)
+        indices = _index_cache.get(key)
+        if indices is None:
+            if capturing:
+                raise RuntimeError("chunk_kda with cu_seqlens on FLA's kernels: a CUDA graph capture needs one call "
+                                   "with the same cu_seqlens_cpu before it (the chunk plan is copied to the device "
+                                   "then, which a capture cannot do)")
+            indices = fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+            if len(_index_cache) >= _INDEX_CACHE_SIZE:
+                del _index_cache[next(iter(_index_cache))]
+            _index_cache[key] = indices
+        return indices
 
     def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
                       cu_seqlens_cpu=None):

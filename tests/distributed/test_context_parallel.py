@@ -181,6 +181,9 @@ def _check_case(rank: int, world_size: int, case: Case, device: str) -> None:
     with torch.no_grad():  # inference: no autograd graph, the same collective
         o_inference = _call(case, local, output_final_state=case.output_final_state, cp_context=ctx)[0]
     _check("o without grad", o_inference, o_full[:, rows], tol, rank, case)
+    with torch.inference_mode():  # no autograd dispatch key at all (torch 2.11's differentiable gather has only that)
+        o_inference = _call(case, local, output_final_state=case.output_final_state, cp_context=ctx)[0]
+    _check("o in inference mode", o_inference, o_full[:, rows], tol, rank, case)
     if case.output_final_state:
         for i in ending:
             _check(f"final_state[{i}]", final[i], final_full[first + i], tol, rank, case)

@@ -104,7 +104,7 @@ def test_a_call_is_captured_in_a_cuda_graph(cu_seqlens, gate_form):
                          initial_state=True, output_final_state=True, gate_form=gate_form)
     kwargs = _call_kwargs(args)
     if cu_seqlens is not None:
-        kwargs["cu_seqlens_cpu"] = args["cu_seqlens"].cpu()  # ignored while capturing: planned on the device
+        kwargs["cu_seqlens_cpu"] = args["cu_seqlens"].cpu()  # FLA's chunk plan: made by the warm-up, reused by the capture
     call = lambda: chunk_kda(args["q"], args["k"], args["v"], args["g"], args["beta"], **kwargs)  # noqa: E731
     with torch.no_grad():
         want = call()

@@ -1,0 +1,261 @@
+"""Eager KDA prefill inference on our CUDA kernels with the host work done once per call signature.
+
+An eager ``chunk_kda`` call through the ordinary path checks its arguments, chooses a backend and kernels, plans
+the chunks of packed sequences, allocates a dozen tensors and builds each kernel's ctypes argument list: about
+540 Python calls, 250 us of host time on an H100 (idle GPU, 1 x 2048 x 32), where the kernels take 170 us. Here a
+*plan* keeps, per call signature, what that work decided: the loaded prepare and scan kernels (and, for packed
+sequences, ``cuda_chunk_plan``'s kernel, which replaces the planning ops and the zero fill of the output), their
+grids and argument blocks with the scalars filled in, and the byte layout of one workspace holding every
+intermediate. A call whose signature has a plan then allocates three tensors (``o``, the final state, the
+workspace), writes the pointers of its tensors into the argument blocks and launches 2 kernels (3 with
+``cu_seqlens``) on the current stream: no device synchronisation, no host-to-device copy, so it can be captured in
+a CUDA graph.
+
+The signature holds everything the argument checks and the kernel choice read: every input's shape, dtype,
+device and contiguity, the initial state's strides, every option, the kernel switches of the environment
+(``KDA_COMPILE_PREPARE_KERNEL``, ``KDA_COMPILE_SCAN_KERNEL``, ``KDA_COMPILE_PREFILL_SEGMENTS``,
+``KDA_COMPILE_CHECK_INPUTS``, ``TRITON_INTERPRET``) and the backend restriction (``backends.only_backends``).
+Plans are learned, never guessed: the first call of a signature runs the ordinary path (its checks, its
+logging, its fallbacks); then ``learn`` asks the ordinary path's own choice functions whether that call ran our
+CUDA prepare and scan kernels, and only then keeps a plan. A call that would run anything else (FLA, the Triton
+kernels, the reference), needs gradients, runs under a dispatch mode or a functorch transform, takes a DTensor,
+or asks for ``check_inputs`` never reaches a plan. Value checks that cost no synchronisation still run on every
+call (``cu_seqlens_cpu``'s offsets). At most ``MAX_PLANS`` signatures are kept (the oldest are dropped).
+``KDA_COMPILE_LAUNCH_PLANS=0`` sends every call through the ordinary path.
+
+Ops layer: nothing here knows of torch.compile beyond declining to run while Dynamo traces.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from kda_compile.ops._common import cuda_index, on_device
+from kda_compile.ops._nvrtc import ArgumentBlock, NvrtcUnavailable, current_raw_stream, ensure_thread_context
+from kda_compile.ops.kda import cuda_chunk_plan, cuda_prepare, cuda_scan
+from kda_compile.ops.kda import cuda_prepare_source as prepare_src
+from kda_compile.ops.kda.backends import KDAOptions, restricted_to, select_backend
+from kda_compile.ops.kda.triton_chunk import SEGMENTS_ENV, _device_sms, cuda_scan_is_faster
+
+logger = logging.getLogger("kda_compile.ops.kda")
+
+MAX_PLANS = 256
+HEAD_DIM = 128
+CHUNK = 64
+ALIGN = 256  # bytes between workspace regions
+PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary path (debugging, measuring)
+_ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, "KDA_COMPILE_CHECK_INPUTS",
+                "TRITON_INTERPRET")
+_plans: dict[tuple, "Plan | None"] = {}  # signature -> plan, or None: the ordinary path serves it
+_plans_lock = threading.Lock()
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _meta(t):
+    return None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous())
+
+
+def _environment_reader():
+    """A function returning the values of ``_ENVIRONMENT`` (None where unset) as ``os.environ`` has them. On CPython
+    it reads the mapping ``os.environ`` keeps its values in (``_data``, kept in sync by every ``os.environ`` write):
+    ``os.environ.get`` encodes its key on every call, 2 us each on a slow host, more than the rest of a signature."""
+    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
+    if isinstance(data, dict) and encode is not None:
+        keys = tuple(encode(name) for name in _ENVIRONMENT)
+        return lambda: tuple(map(data.get, keys))
+    return lambda: tuple(os.environ.get(name) for name in _ENVIRONMENT)
+
+
+_environment = _environment_reader()
+
+
+def signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, options: tuple):
+    """The plan key of a ``chunk_kda`` call, or None for calls no plan can serve (not bf16 CUDA q with K = 128, or
+    while Dynamo traces). ``options``: every other argument of the call, as given. The key holds only what is needed
+    (a signature costs host time on every call): per tensor its shape, dtype, device index and contiguity, and the
+    initial state's strides (the scan reads any)."""
+    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cuda or q.dtype != torch.bfloat16
+            or q.shape[-1] != HEAD_DIM):
+        return None
+    environment = _environment()
+    if environment[0] in ("0", b"0"):
+        return None
+    h0 = None if initial_state is None else (_meta(initial_state), initial_state.stride())
+    return (q.shape, q.get_device(), q.is_contiguous(), _meta(k), _meta(v), _meta(g), _meta(beta), h0,
+            _meta(cu_seqlens), _meta(cu_seqlens_cpu), _meta(A_log), _meta(dt_bias), options, environment,
+            restricted_to())
+
+
+def lookup(key) -> "Plan | None":
+    return _plans.get(key)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Byte offsets of the intermediates in the workspace."""
+
+    w: int
+    u: int
+    qg: int
+    kd: int
+    a_qk: int
+    decay: int
+    chunk_offsets: int
+    size: int
+
+
+def _layout(tokens: int, HV: int, slots: int, num_seqs: int) -> _Layout:
+    sizes = {"w": tokens * HV * HEAD_DIM * 2, "u": tokens * HV * HEAD_DIM * 2, "qg": tokens * HV * HEAD_DIM * 2,
+             "kd": tokens * HV * HEAD_DIM * 2, "a_qk": tokens * HV * CHUNK * 2, "decay": slots * HV * HEAD_DIM * 4,
+             "chunk_offsets": (num_seqs + 1) * 4}
+    offsets, at = {}, 0
+    for name, size in sizes.items():
+        offsets[name] = at
+        at += -(-size // ALIGN) * ALIGN
+    return _Layout(**offsets, size=at)
+
+
+class Plan:
+    """One signature's kernels, grids, argument blocks and workspace layout; calling it runs the forward."""
+
+    def __init__(self, *, device_index, o_shape, final_shape, layout, prepare, prepare_grid, scan, scan_grid,
+                 scan_threads, planner, planner_grid, has_a_log, has_dt_bias, has_h0, varlen, scale, beta_scale,
+                 lower_bound, T, N, H, HV, h0_strides, row_words):
+        self.device_index, self.o_shape, self.final_shape, self.layout = device_index, o_shape, final_shape, layout
+        self.prepare, self.prepare_grid, self.scan, self.scan_grid = prepare, prepare_grid, scan, scan_grid
+        self.scan_threads, self.planner, self.planner_grid = scan_threads, planner, planner_grid
+        self.has_a_log, self.has_dt_bias, self.has_h0, self.varlen = has_a_log, has_dt_bias, has_h0, varlen
+        pointers = lambda n: [ctypes.c_void_p() for _ in range(n)]  # noqa: E731
+        self.prepare_args = ArgumentBlock(pointers(16) + [ctypes.c_int(T), ctypes.c_int(N), ctypes.c_int(H),
+                                                          ctypes.c_int(HV), ctypes.c_float(scale),
+                                                          ctypes.c_float(beta_scale), ctypes.c_float(lower_bound)])
+        self.scan_args = ArgumentBlock(pointers(11) + [ctypes.c_int(T), ctypes.c_int(HV)]
+                                       + [ctypes.c_longlong(s) for s in h0_strides])
+        self.planner_args = ArgumentBlock(pointers(3) + [ctypes.c_int(N), ctypes.c_longlong(T),
+                                                         ctypes.c_longlong(row_words)]) if varlen else None
+        self._lock = threading.Lock()
+
+    def __call__(self, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
+        """``(o, final state or None)``; ``initial_state`` in the kernel's ``[N, HV, K, V]`` view (any strides)."""
+        device = q.device
+        o = torch.empty(self.o_shape, dtype=q.dtype, device=device)
+        final = torch.empty(self.final_shape, dtype=torch.float32, device=device) if self.final_shape else None
+        workspace = torch.empty(self.layout.size, dtype=torch.uint8, device=device)
+        at, lay = workspace.data_ptr(), self.layout
+        w, u, qg, kd, a_qk, decay = (at + lay.w, at + lay.u, at + lay.qg, at + lay.kd, at + lay.a_qk, at + lay.decay)
+        qp, op = q.data_ptr(), o.data_ptr()
+        cu = cu_seqlens.data_ptr() if self.varlen else qp
+        offsets = at + lay.chunk_offsets if self.varlen else qp
+        with self._lock:
+            self.prepare_args.set_pointers((
+                qp, k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                A_log.data_ptr() if self.has_a_log else w, dt_bias.data_ptr() if self.has_dt_bias else w,
+                w, u, qg, kd, a_qk, decay, w, cu, offsets))
+            self.scan_args.set_pointers((
+                w, u, qg, kd, a_qk, decay, op, initial_state.data_ptr() if self.has_h0 else w,
+                final.data_ptr() if final is not None else w, cu if self.varlen else w, offsets if self.varlen else w))
+            if self.varlen:
+                self.planner_args.set_pointers((cu, offsets, op))
+            if _get_device is not None and _get_device() == self.device_index:
+                self._launch()
+            else:
+                with torch.cuda.device(self.device_index):
+                    self._launch()
+        return o, final
+
+    def _launch(self):
+        index = self.device_index
+        ensure_thread_context(index)
+        stream = current_raw_stream(index)
+        if self.varlen:
+            self.planner.launch_block(self.planner_grid, cuda_chunk_plan.THREADS, self.planner_args.array, stream)
+        self.prepare.launch_block(self.prepare_grid, prepare_src.THREADS, self.prepare_args.array, stream)
+        self.scan.launch_block(self.scan_grid, self.scan_threads, self.scan_args.array, stream)
+
+
+def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale: float, output_final_state: bool,
+          use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
+          lower_bound: float | None, chunk_size: int) -> None:
+    """After the ordinary path served an eager inference call of signature ``key``: keep a plan when that call ran
+    our CUDA prepare and scan kernels (asked of the same choice functions), else remember that none applies.
+    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view; the gate is the in-kernel one (``signature``)."""
+    if key is None or key in _plans:
+        return
+    try:
+        plan = _build(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
+                      use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
+                      chunk_size)
+    except NvrtcUnavailable as exc:  # the ordinary path has recorded this as a fallback already
+        logger.debug("no launch plan: %s", exc)
+        plan = None
+    with _plans_lock:
+        if len(_plans) >= MAX_PLANS:
+            del _plans[next(iter(_plans))]
+        _plans[key] = plan
+
+
+def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final_state, l2norm, beta_sigmoid,
+           neg_eig, safe_gate, lower_bound, chunk_size) -> Plan | None:
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.shape[0] - 1 if varlen else B
+    if B * T == 0 or N <= 0 or K != HEAD_DIM or V != HEAD_DIM or lower_bound is None:
+        return None
+    if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
+        return None
+    for name, t, numel in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV * K)):
+        if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel):
+            return None  # the ordinary path converts them on every call
+    if varlen and (not cu_seqlens.is_contiguous() or cu_seqlens.device != q.device):
+        return None
+    if h0 is not None and h0.device != q.device:
+        return None
+    opts = KDAOptions(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True,
+                      use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig, lower_bound=lower_bound,
+                      safe_gate=safe_gate, chunk_size=chunk_size)
+    if select_backend("chunk_kda", q.device, q.dtype, K, V, opts).name != "triton_chunk":
+        return None
+    if cuda_prepare.choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, True, lower_bound) != "cuda":
+        return None
+    no_offsets = torch.empty(0, dtype=torch.int32)
+    scan_choice = cuda_scan.choose_scan_kernel(
+        q, v, h0, cu_seqlens if varlen else no_offsets, num_seqs=N, gate_cumsum=False, writes_chunk_states=False,
+        writes_o=True, segments_asked=bool(os.environ.get(SEGMENTS_ENV)),
+        cuda_faster=lambda: cuda_scan_is_faster(q.device, N, HV, K, V, T, varlen, h0 is not None))
+    if scan_choice != "cuda":
+        return None
+    index = cuda_index(q.device)
+    block_v = cuda_scan.block_v_for(N * HV, _device_sms(q.device))
+    slots = -(-T // CHUNK) + N if varlen else B * -(-T // CHUNK)
+    cu_dtype = cu_seqlens.dtype if varlen else None
+    flags = (varlen, l2norm, A_log is not None, dt_bias is not None, beta_sigmoid, False)
+    with on_device(index):
+        ensure_thread_context(index)
+        prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags)
+        scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v)
+        planner = cuda_chunk_plan.chunk_plan_kernel(index, str(cu_dtype).removeprefix("torch.")) if varlen else None
+    row_words = HV * V // 2
+    return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
+                layout=_layout(B * T, HV, slots, N), prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
+                scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
+                planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
+                has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
+                beta_scale=2.0 if neg_eig else 1.0, lower_bound=lower_bound, T=T, N=N, H=H, HV=HV,
+                h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words)
+
+
+def plan_count() -> int:
+    """How many signatures have a plan (tests)."""
+    return sum(plan is not None for plan in list(_plans.values()))
+
+
+def clear_plans() -> None:
+    """Forget every plan (tests; after changing what a signature cannot see, e.g. a kernel source)."""
+    with _plans_lock:
+        _plans.clear()

@@ -527,9 +527,24 @@ extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare_mma(
     }
     asm volatile("cp.async.wait_all;");
     __syncthreads();
+    // beta v, rounded to bf16, in place of the v tile (each row's 16-byte chunks stay in that row's 256 bytes
+    // whatever the swizzle): u = T (beta v) takes the same bf16 T as w = T x, as in the Triton kernel. Rounding
+    // T diag(beta) as u's operand instead gave u and w different roundings of T, and u - w S, small for nearly
+    // collinear keys, lost their cancellation (docs/kda-kernels.md section 4).
+    for (int c = tid; c < 64 * 16; c += 128) {
+        uint4* p = reinterpret_cast<uint4*>(vsm + c * 16);
+        uint4 x = *p;
+        const float b = betas[c >> 4];
+        x.x = pack(lo_bf(x.x) * b, hi_bf(x.x) * b);
+        x.y = pack(lo_bf(x.y) * b, hi_bf(x.y) * b);
+        x.z = pack(lo_bf(x.z) * b, hi_bf(x.z) * b);
+        x.w = pack(lo_bf(x.w) * b, hi_bf(x.w) * b);
+        *p = x;
+    }
+    __syncthreads();
 
-    // ---- pass 2: w = T x, u = (T diag(beta)) v for this warp's 16 rows ----------------------------------
-    u32 at[4][4], ab[4][4];
+    // ---- pass 2: w = T x, u = T (beta v) for this warp's 16 rows -----------------------------------------
+    u32 at[4][4];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
@@ -537,7 +552,6 @@ extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare_mma(
             const int rl = gid + 8 * (e & 1), col = 16 * kk + 2 * tig + 8 * (e >> 1);
             const float2 t = *reinterpret_cast<const float2*>(Ts + (16 * wp + rl) * LD + col);
             at[kk][e] = pack(t.x, t.y);
-            ab[kk][e] = pack(t.x * betas[col], t.y * betas[col + 1]);
         }
     }
 #if SAVE_AKK
@@ -573,8 +587,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare_mma(
                         u32 b0, b1, b2, b3;
                         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                                      : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3) : "r"(tile + swz(token, chunk16)));
-                        mma_bf16(acc[2 * pp], which ? ab[kk] : at[kk], b0, b1);
-                        mma_bf16(acc[2 * pp + 1], which ? ab[kk] : at[kk], b2, b3);
+                        mma_bf16(acc[2 * pp], at[kk], b0, b1);
+                        mma_bf16(acc[2 * pp + 1], at[kk], b2, b3);
                     }
                 }
             }

@@ -3,13 +3,14 @@ cross rank boundaries are chained through one differentiable all-gather (docs/co
 
 The state update is affine in the incoming state, and each column of the ``[K, V]`` state evolves on its own
 (``v`` enters column by column). So the piece of the sequence that continues from earlier ranks (local
-sequence 0 when ``pre_num_ranks > 0``) runs ONCE with ``K`` extra value columns that are zero, from the state
-``[0 | I]``: the first ``V`` columns give the piece's outputs and state as if it started from zero, the extra
-ones give ``A`` (its final state is the ``[K, K]`` map of the incoming state) and, per token, ``A_t^T q_t``.
-With the true incoming state ``S`` (composed from the earlier ranks' ``[B | A]``)::
+sequence 0 when ``pre_num_ranks > 0``) runs as two column blocks of the state ``[0 | I]`` with values ``[v | 0]``,
+each an ordinary call of the op: ``v`` from the zero state gives the piece's outputs ``o^0`` and state ``B`` as
+if it started from zero; zero values from the identity give ``A`` (its final state is the ``[K, K]`` map of the
+incoming state) and, per token, ``A_t^T q_t``. With the true incoming state ``S`` (composed from the earlier
+ranks' ``[B | A]``)::
 
-    o_t   = o_t[:V] + S^T o_t[V:]
-    final = final[:, :V] + final[:, V:] @ S
+    o_t   = o^0_t + S^T (A_t^T q_t)
+    final = B + A @ S
 
 The other local sequences start on this rank and run as in a one-process call. Backward is autograd
 through the ops, the all-gather (a reduce-scatter of the gradients) and these products: no custom code.
@@ -54,11 +55,20 @@ def context_parallel_chunk(run: RunChunked, ctx: CPContext, q: Tensor, k: Tensor
     return o, (parts[0][1] if len(parts) == 1 else torch.cat([final for _, final in parts], dim=0))
 
 
-def _run_continued(run: RunChunked, q, k, v, g, beta, end: int) -> tuple[Tensor, Tensor]:
-    """Tokens ``[0, end)``: K zero value columns appended, from the state ``[0 | I]``."""
-    return run(q[:, :end], k[:, :end], _with_zero_columns(v[:, :end], q.shape[-1]), g[:, :end], beta[:, :end],
-               initial_state=_zero_identity_state(q, v), cu_seqlens=None, cu_seqlens_cpu=None,
-               output_final_state=True)
+def _run_continued(run: RunChunked, q, k, v, g, beta, end: int) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """Tokens ``[0, end)`` as two column blocks of the state ``[0 | I]`` with values ``[v | 0]``: ``((o^0, A_t^T
+    q_t), [B | A])``. Two ordinary calls, not one with V + K value columns: each keeps the op's own widths, so the
+    kernels that serve a one-process call of these widths serve both (our CUDA kernels need K = V = 128; with
+    V + K = 256 columns the continued piece ran on the Triton kernels, and 2 H200s were slower than one at
+    equal slices)."""
+    pieces = q[:, :end], k[:, :end], g[:, :end], beta[:, :end]
+    o0, b = run(pieces[0], pieces[1], v[:, :end], *pieces[2:], initial_state=None, cu_seqlens=None,
+                cu_seqlens_cpu=None, output_final_state=True)
+    HV, K = v.shape[2], q.shape[3]
+    zeros = v.new_zeros(v.shape[0], end, HV, K)
+    o_a, a = run(pieces[0], pieces[1], zeros, *pieces[2:], initial_state=_identity_state(q, HV), cu_seqlens=None,
+                 cu_seqlens_cpu=None, output_final_state=True)
+    return (o0, o_a), torch.cat([b, a], dim=-1)
 
 
 def _run_started(run: RunChunked, ctx: CPContext, q, k, v, g, beta, initial_state, output_final_state: bool):
@@ -86,18 +96,13 @@ def _summary(continued, started, passes_on: bool, q: Tensor, v: Tensor, dtype: t
     if passes_on:  # the last sequence starts here: its A is 0
         last = started[1][-1]
         return torch.cat([last, last.new_zeros(*last.shape[:-1], q.shape[-1])], dim=-1)
-    return _zero_summary(continued[0] if continued is not None else started[0], q, v, dtype)
+    return _zero_summary(continued[1] if continued is not None else started[0], q, v, dtype)
 
 
-def _with_zero_columns(v: Tensor, K: int) -> Tensor:
-    return torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
-
-
-def _zero_identity_state(q: Tensor, v: Tensor) -> Tensor:
-    """``[1, HV, K, V + K]``: zero for the value columns, the identity for the ``K`` extra columns."""
-    HV, V, K = v.shape[2], v.shape[3], q.shape[3]
-    eye = torch.eye(K, dtype=_state_dtype(q), device=q.device).expand(1, HV, K, K)
-    return torch.cat([eye.new_zeros(1, HV, K, V), eye], dim=-1)
+def _identity_state(q: Tensor, HV: int) -> Tensor:
+    """``[1, HV, K, K]``: the identity per value head."""
+    K = q.shape[3]
+    return torch.eye(K, dtype=_state_dtype(q), device=q.device).expand(1, HV, K, K).contiguous()
 
 
 def _state_dtype(q: Tensor) -> torch.dtype:
@@ -147,10 +152,12 @@ def _incoming_state(gathered: Tensor, rank: int, pre_num_ranks: int, V: int) -> 
     return state
 
 
-def _apply_incoming(o: Tensor, final: Tensor, incoming: Tensor, V: int) -> tuple[Tensor, Tensor]:
-    """Outputs and final state of the continued piece from its ``[zero-start | A]`` columns."""
-    compute = torch.promote_types(o.dtype, torch.float32)
-    carried = torch.einsum("bthk,hkv->bthv", o[..., V:].to(compute), incoming.to(compute))
-    o = (o[..., :V].to(compute) + carried).to(o.dtype)
+def _apply_incoming(outputs: tuple[Tensor, Tensor], final: Tensor, incoming: Tensor, V: int) -> tuple[Tensor, Tensor]:
+    """Outputs and final state of the continued piece from its zero-start outputs and ``A_t^T q_t``, and its
+    ``[B | A]``."""
+    o0, o_a = outputs
+    compute = torch.promote_types(o0.dtype, torch.float32)
+    carried = torch.einsum("bthk,hkv->bthv", o_a.to(compute), incoming.to(compute))
+    o = (o0.to(compute) + carried).to(o0.dtype)
     state = final[..., :V].to(torch.float64) + final[..., V:].to(torch.float64) @ incoming
     return o, state.to(final.dtype)

@@ -7,13 +7,15 @@ process fails the caller with that process's traceback.
 
 Rendezvous: the parent opens a ``TCPStore`` on a port the operating system picks (port 0) and keeps it open
 while the children run, so parallel test workers (pytest-xdist) never race for a port. Collectives time out
-after ``timeout_s`` (a rank that never joins a collective fails the test instead of hanging it).
+after ``timeout_s`` (a rank that never joins a collective fails the test instead of hanging it); at 3/4 of it a
+rank still running prints its threads' stacks.
 
 gloo runs on CPU tensors; ``backend="nccl"`` gives each rank the GPU of its index (``cuda:<rank>``).
 """
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 from typing import Callable
 
@@ -46,7 +48,11 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(HOST, port, None, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    # A rank still running at 3/4 of the collective timeout prints every thread's stack (stderr), so a hang
+    # says where it is before the timeout turns it into a failure.
+    faulthandler.dump_traceback_later(max(10.0, 0.75 * timeout_s), exit=False)
     try:
         fn(rank, world_size, *args)
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()

@@ -13,7 +13,7 @@ from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
 from kda_compile.ops.kda.api import deferred_argument_error, dispatcher_needed
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
-                                            reject_unsupported_kwargs)
+                                            reject_unsupported_kwargs, state_layout_alias)
 
 
 def chunk_gated_delta_rule(
@@ -129,6 +129,7 @@ def fused_recurrent_gated_delta_rule(
     """
     compiling = torch.compiler.is_compiling()
     try:
+        state_v_first, kwargs = state_layout_alias("fused_recurrent_gated_delta_rule", kwargs, state_v_first)
         reject_unsupported_kwargs("fused_recurrent_gated_delta_rule", kwargs, {})
         reject_gk_gv(gk, gv)
         if use_gate_in_kernel and g is None:
@@ -158,7 +159,9 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     cp_context, one_process = cp
     try:
         if unsupported is not None:
-            reject_unsupported_kwargs(*unsupported)
+            fn, extra, defaults = unsupported
+            state_v_first, extra = state_layout_alias(fn, extra, state_v_first, stacklevel=4)
+            reject_unsupported_kwargs(fn, extra, defaults)
         if cp_context is not None:
             cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
         validate_gdn_arguments(

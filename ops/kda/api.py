@@ -11,7 +11,8 @@ from kda_compile.ops._common import record_fallback
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.kda import custom_ops, fast_path
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
-                                            reject_unsupported_kwargs, validate_kda_arguments)
+                                            reject_unsupported_kwargs, state_layout_alias,
+                                            validate_kda_arguments)
 
 # FLA options accepted only at their default value.
 _CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "use_graph": False, "max_num_seqs": None}
@@ -62,6 +63,8 @@ def chunk_kda(
         initial_state: ``[N, HV, K, V]`` float32 (``[N, HV, V, K]`` with ``state_v_first``); ``N = B``, or the
             number of sequences with ``cu_seqlens``.
         output_final_state: return the final state (float32, same layout as ``initial_state``).
+        state_v_first: states in the ``[N, HV, V, K]`` layout (FLA's deprecated name ``transpose_state_layout``
+            is accepted too, with a DeprecationWarning).
         use_qk_l2norm_in_kernel: normalise q and k as ``x / sqrt(sum(x^2) + 1e-6)``.
         use_gate_in_kernel: ``g = -exp(A_log[h]) * softplus(g + dt_bias[h])``, or, with ``lower_bound``,
             ``lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))`` (``A_log`` may then be None).
@@ -227,7 +230,9 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     cp_context, one_process = cp
     try:
         if unsupported is not None:
-            reject_unsupported_kwargs(*unsupported)
+            fn, extra, defaults = unsupported
+            state_v_first, extra = state_layout_alias(fn, extra, state_v_first, stacklevel=4)
+            reject_unsupported_kwargs(fn, extra, defaults)
         if cp_context is not None:
             cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
         validate_kda_arguments(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 
@@ -223,6 +224,27 @@ def _check_offsets(cu_seqlens, cu_seqlens_cpu, T: int) -> None:
     check_cu_seqlens_values(offsets, T)
     if cu_seqlens_cpu is not None and cu_seqlens_cpu.tolist() != offsets:
         raise arg_error("cu_seqlens_cpu", _offsets(cu_seqlens_cpu.tolist()), f"equal to cu_seqlens {_offsets(offsets)}")
+
+
+STATE_LAYOUT_ALIAS = "transpose_state_layout"
+
+
+def state_layout_alias(fn: str, kwargs: dict, state_v_first: bool, *, stacklevel: int = 3) -> tuple[bool, dict]:
+    """FLA 0.6's deprecated name of ``state_v_first``, accepted as FLA accepts it: ``(state_v_first, the other
+    keyword arguments)``; a DeprecationWarning in eager calls; both names given is an error."""
+    if STATE_LAYOUT_ALIAS not in kwargs:
+        return state_v_first, kwargs
+    kwargs = dict(kwargs)
+    alias = kwargs.pop(STATE_LAYOUT_ALIAS)
+    if state_v_first:
+        raise arg_error(STATE_LAYOUT_ALIAS, alias, f"absent when state_v_first=True is given ({fn}: "
+                        f"{STATE_LAYOUT_ALIAS} is the deprecated name of state_v_first)")
+    if not isinstance(alias, bool):
+        raise arg_error(STATE_LAYOUT_ALIAS, alias, "a bool (the deprecated name of state_v_first)")
+    if not torch.compiler.is_compiling():
+        warnings.warn(f"{fn}: `{STATE_LAYOUT_ALIAS}` is deprecated, use `state_v_first`", DeprecationWarning,
+                      stacklevel=stacklevel)
+    return alias, kwargs
 
 
 def reject_unsupported_kwargs(fn: str, kwargs: dict, defaults: dict) -> None:

@@ -37,10 +37,9 @@ import torch
 
 from kda_compile.ops._common import cuda_index, on_device
 from kda_compile.ops._nvrtc import ArgumentBlock, NvrtcUnavailable, current_raw_stream, ensure_thread_context
-from kda_compile.ops.kda import cuda_chunk_plan, cuda_prepare, cuda_scan
+from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare_src
 from kda_compile.ops.kda.backends import KDAOptions, restricted_to, select_backend
-from kda_compile.ops.kda.triton_chunk import SEGMENTS_ENV, _device_sms, cuda_scan_is_faster
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
@@ -48,6 +47,7 @@ MAX_PLANS = 256
 HEAD_DIM = 128
 CHUNK = 64
 ALIGN = 256  # bytes between workspace regions
+SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"  # triton_chunk.SEGMENTS_ENV (that module needs triton to import)
 PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary path (debugging, measuring)
 _ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, "KDA_COMPILE_CHECK_INPUTS",
                 "TRITON_INTERPRET")
@@ -201,6 +201,9 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
 
 def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final_state, l2norm, beta_sigmoid,
            neg_eig, safe_gate, lower_bound, chunk_size) -> Plan | None:
+    # here, not at import: these need triton, which CPU-only installs may lack
+    from kda_compile.ops.kda import cuda_prepare, cuda_scan
+    from kda_compile.ops.kda.triton_chunk import _device_sms, cuda_scan_is_faster
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None

@@ -40,6 +40,15 @@ def test_the_environment_reader_sees_every_change(monkeypatch):
     assert fast_path._environment() == before
 
 
+def test_the_signature_reads_the_switches_the_kernel_choice_reads():
+    pytest.importorskip("triton")
+    from kda_compile.ops.kda import cuda_prepare, cuda_scan, triton_chunk
+    from kda_compile.ops.kda.validation import CHECK_INPUTS_ENV
+
+    for name in (triton_chunk.SEGMENTS_ENV, cuda_prepare.KERNEL_ENV, cuda_scan.KERNEL_ENV, CHECK_INPUTS_ENV):
+        assert name in fast_path._ENVIRONMENT
+
+
 def test_workspace_regions_are_aligned_and_disjoint():
     lay = fast_path._layout(tokens=300, HV=3, slots=9, num_seqs=4)
     starts = [lay.w, lay.u, lay.qg, lay.kd, lay.a_qk, lay.decay, lay.chunk_offsets]

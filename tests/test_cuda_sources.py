@@ -1,0 +1,74 @@
+"""Every CUDA source we compile at run time with NVRTC compiles for its GPUs on any machine with NVRTC, no GPU
+needed (the test extra installs NVRTC 12.9's wheel on Linux x86_64; without it the tests skip): a typo in a kernel
+source, or a specialisation that stopped compiling, fails here on the CPU CI instead of on the GPU box, where a
+compile failure would only show as a recorded fallback to a slower kernel. ptxas's report is read too: the
+configurations the kernels are designed around must not spill registers (docs/kda-kernels.md sections 4 and 5)."""
+import itertools
+import logging
+import re
+
+import pytest
+
+from kda_compile.ops import _nvrtc
+from kda_compile.ops.kda import cuda_chunk_plan
+from kda_compile.ops.kda import cuda_prepare_source as prepare
+from kda_compile.ops.kda import cuda_scan_source as scan
+from kda_compile.ops.mla import wgmma_source as mla
+
+
+def _nvrtc_missing() -> str | None:
+    try:
+        _nvrtc.nvrtc_library()
+        return None
+    except (_nvrtc.NvrtcUnavailable, OSError) as exc:
+        return str(exc)[:200]
+
+
+pytestmark = pytest.mark.skipif(_nvrtc_missing() is not None, reason=f"NVRTC not found: {_nvrtc_missing()}")
+
+
+def _compile(source: str, name: str, arch: str, caplog) -> dict:
+    """Compile with ptxas's report; its spill numbers."""
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kda_compile.ops"):
+        cubin = _nvrtc.compile_cubin(source, name, arch, ("--ptxas-options=-v",))
+    assert len(cubin) > 1000 and name.encode() in cubin
+    report = caplog.text
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills, f"no ptxas report for {name}:\n{report}"
+    return {"stores": int(spills[0][0]), "loads": int(spills[0][1])}
+
+
+PREPARE_FLAGS = list(itertools.product(("bf16", "f32"), (True, False), (True, False)))
+
+
+@pytest.mark.parametrize("g_dtype, varlen, save_akk", PREPARE_FLAGS)
+def test_kda_prepare_kernel_compiles(g_dtype, varlen, save_akk, caplog):
+    source = prepare.kernel_source(g_dtype=g_dtype, beta_dtype=g_dtype, cu_dtype="long long" if varlen else "int",
+                                   varlen=varlen, l2norm=True, has_a_log=True, has_dt_bias=True, beta_sigmoid=True,
+                                   save_akk=save_akk)
+    for arch in ("80", "90a"):
+        spills = _compile(source, prepare.KERNEL_NAME, arch, caplog)
+        if arch == "90a" and g_dtype == "bf16":  # the benchmark's configuration (bf16 gate), inference and training
+            assert spills == {"stores": 0, "loads": 0}, spills
+
+
+@pytest.mark.parametrize("block_v", [32, 64])
+@pytest.mark.parametrize("varlen, has_h0, store_ht", [(False, True, True), (True, True, True), (True, False, False)])
+def test_kda_scan_kernel_compiles(block_v, varlen, has_h0, store_ht, caplog):
+    source = scan.kernel_source(cu_dtype="int", varlen=varlen, has_h0=has_h0, store_ht=store_ht, stages=2,
+                                block_v=block_v)
+    spills = _compile(source, scan.KERNEL_NAME, "90a", caplog)
+    if block_v == 64:  # 32 columns a CTA take 255 registers and spill 4 bytes in some specialisations (NVRTC 12.9)
+        assert spills == {"stores": 0, "loads": 0}, spills
+
+
+@pytest.mark.parametrize("cu_type", ["int", "long long"])
+def test_chunk_plan_kernel_compiles(cu_type, caplog):
+    _compile(cuda_chunk_plan._source(cu_type), cuda_chunk_plan.KERNEL_NAME, "80", caplog)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_mla_decode_kernel_compiles(partial, caplog):
+    source = mla.kernel_source(elem="bf16", is_causal=True, mask_kind=0, partial=partial)
+    _compile(source, mla.KERNEL_NAME, "90a", caplog)

@@ -2,7 +2,8 @@
 
 For kernels Triton cannot express (Hopper warpgroup MMA schedules). No compiler toolkit is needed:
 NVRTC ships with PyTorch's CUDA wheels, the driver with the GPU. Ops layer: nothing here knows about
-models or torch.compile. Compiled modules are cached per (source, kernel, device).
+models or torch.compile. Compiled modules are cached per (source, kernel, device) in the process, and the
+cubins on disk across processes (``cached_cubin``; ``KDA_COMPILE_CACHE_DIR``).
 
 Errors are raised as ``NvrtcUnavailable`` (no NVRTC / driver library, compile failure) so callers can
 fall back with the reason logged.
@@ -12,9 +13,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import logging
 import os
 import sys
+import tempfile
 import threading
 
 import torch
@@ -230,17 +233,89 @@ def current_raw_stream(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
+CACHE_DIR_ENV = "KDA_COMPILE_CACHE_DIR"  # where compiled cubins are kept across processes; "" switches it off
+_ELF_MAGIC = b"\x7fELF"
+
+
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    if nvrtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:
+        raise NvrtcUnavailable("nvrtcVersion failed")
+    return major.value, minor.value
+
+
+def cubin_cache_dir() -> str | None:
+    """The folder of the on-disk cubin cache: ``$KDA_COMPILE_CACHE_DIR/nvrtc``, by default under
+    ``$XDG_CACHE_HOME`` (``~/.cache``) ``/kda_compile``; None when ``KDA_COMPILE_CACHE_DIR`` is set empty."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+                            "kda_compile")
+    return os.path.join(root, "nvrtc") if root else None
+
+
+def _cache_path(source: str, name: str, arch: str, options: tuple[str, ...]) -> str | None:
+    folder = cubin_cache_dir()
+    if folder is None:
+        return None
+    digest = hashlib.sha256("\0".join([source, name, arch, *options, repr(nvrtc_version())]).encode()).hexdigest()
+    return os.path.join(folder, f"{name}-sm_{arch}-{digest[:24]}.cubin")
+
+
+def cached_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> tuple[bytes, str | None]:
+    """``compile_cubin``'s result through the on-disk cache: ``(cubin, path it was read from or None)``. A cubin
+    is kept per (source, kernel, arch, options, NVRTC version), so a fresh process skips NVRTC (about a second per
+    kernel); the cache is written atomically, and a folder that cannot be read or written only costs the compile."""
+    path = _cache_path(source, name, arch, options)
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                cubin = f.read()
+            if cubin.startswith(_ELF_MAGIC):
+                return cubin, path
+        except OSError:
+            pass
+    cubin = compile_cubin(source, name, arch, options)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            os.replace(tmp, path)
+        except OSError as exc:
+            logger.debug("cubin cache not written (%s): %s", path, exc)
+    return cubin, None
+
+
+def forget_cached_cubin(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
 _cache: dict[tuple, CompiledKernel] = {}
 _cache_lock = threading.Lock()
 
 
 def load_kernel(source: str, name: str, device_index: int, *, arch: str, shared_bytes: int) -> CompiledKernel:
-    """The compiled kernel for (source, name, device), compiling and loading it on first use."""
+    """The compiled kernel for (source, name, device), compiled (or read from the on-disk cache, ``cached_cubin``)
+    and loaded on first use in the process."""
     key = (source, name, device_index, arch, shared_bytes)
     with _cache_lock:
         kernel = _cache.get(key)
         if kernel is None:
-            cubin = compile_cubin(source, name, arch)
-            kernel = _cache[key] = CompiledKernel(cubin, name, device_index, shared_bytes)
-            logger.debug("compiled %s for sm_%s on cuda:%d", name, arch, device_index)
+            cubin, path = cached_cubin(source, name, arch)
+            try:
+                kernel = CompiledKernel(cubin, name, device_index, shared_bytes)
+            except RuntimeError:
+                if path is None:
+                    raise
+                logger.warning("the cached cubin %s did not load; compiling %s again", path, name)
+                forget_cached_cubin(path)
+                kernel = CompiledKernel(compile_cubin(source, name, arch), name, device_index, shared_bytes)
+            _cache[key] = kernel
+            logger.debug("%s %s for sm_%s on cuda:%d", "loaded cached" if path else "compiled", name, arch,
+                         device_index)
         return kernel

@@ -72,3 +72,49 @@ def test_chunk_plan_kernel_compiles(cu_type, caplog):
 def test_mla_decode_kernel_compiles(partial, caplog):
     source = mla.kernel_source(elem="bf16", is_causal=True, mask_kind=0, partial=partial)
     _compile(source, mla.KERNEL_NAME, "90a", caplog)
+
+
+# ---- the on-disk cubin cache ------------------------------------------------------------------------------
+def _small_source(value: int) -> str:
+    return cuda_chunk_plan._source("int").replace("O[e] = 0u;", f"O[e] = {value}u;")
+
+
+def test_cubins_are_kept_on_disk_and_read_back(tmp_path, monkeypatch):
+    monkeypatch.setenv(_nvrtc.CACHE_DIR_ENV, str(tmp_path))
+    first, path = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
+    assert path is None and len(list((tmp_path / "nvrtc").iterdir())) == 1
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled although the cubin is on disk")
+    monkeypatch.setattr(_nvrtc, "compile_cubin", no_compiler)
+    again, path = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
+    assert again == first and path is not None and path.startswith(str(tmp_path))
+
+
+def test_each_source_and_arch_has_its_own_cubin(tmp_path, monkeypatch):
+    monkeypatch.setenv(_nvrtc.CACHE_DIR_ENV, str(tmp_path))
+    for value, arch in ((0, "90a"), (1, "90a"), (0, "80")):
+        _, path = _nvrtc.cached_cubin(_small_source(value), cuda_chunk_plan.KERNEL_NAME, arch)
+        assert path is None
+    assert len(list((tmp_path / "nvrtc").iterdir())) == 3
+
+
+def test_a_damaged_cubin_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(_nvrtc.CACHE_DIR_ENV, str(tmp_path))
+    good, _ = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
+    (cached,) = (tmp_path / "nvrtc").iterdir()
+    cached.write_bytes(b"not a cubin")
+    again, path = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
+    assert path is None and again == good and cached.read_bytes() == good
+
+
+def test_the_cache_can_be_switched_off_or_unwritable(tmp_path, monkeypatch):
+    monkeypatch.setenv(_nvrtc.CACHE_DIR_ENV, "")
+    assert _nvrtc.cubin_cache_dir() is None
+    cubin, path = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
+    assert path is None and cubin.startswith(b"\x7fELF")
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder would go")
+    monkeypatch.setenv(_nvrtc.CACHE_DIR_ENV, str(blocker))
+    cubin, path = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
+    assert path is None and cubin.startswith(b"\x7fELF")

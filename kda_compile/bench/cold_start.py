@@ -1,8 +1,8 @@
 """Cold start of the KDA prefill (``python -m kda_compile.bench kda --modes cold_start``): the first call of each gate
 form and provider in a fresh process whose Triton cache is empty, as on a fresh machine.
 
-Each measurement runs in its own subprocess with ``TRITON_CACHE_DIR`` set to a new empty folder (so no compiled
-kernel and no autotuning result is reused; our NVRTC kernels are compiled per process anyway) and times, from an
+Each measurement runs in its own subprocess with ``TRITON_CACHE_DIR`` and ``KDA_COMPILE_CACHE_DIR`` (our NVRTC
+cubins) set to a new empty folder (so no compiled kernel and no autotuning result is reused) and times, from an
 idle GPU, one call of the provider on the first comparison shape: compiling, autotuning and the call itself.
 Imports and the inputs' allocation are outside the interval. A process that does not finish within the time
 limit is recorded as that limit with the status ``timeout`` in the log.
@@ -40,7 +40,7 @@ def first_call_seconds(gate: str, provider: str, shape: str, *, timeout: float =
     """``(seconds, status)`` of the first call in a fresh process with an empty Triton cache; status ``ok``,
     ``timeout`` (seconds = the limit) or ``failed: <last line of its output>`` (seconds = NaN)."""
     with tempfile.TemporaryDirectory(prefix="kda_cold_triton_") as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache, TRITON_CACHE_AUTOTUNING="0")
+        env = dict(os.environ, TRITON_CACHE_DIR=cache, TRITON_CACHE_AUTOTUNING="0", KDA_COMPILE_CACHE_DIR=cache)
         try:
             done = subprocess.run([sys.executable, "-c", _SCRIPT, gate, provider, shape], env=env,
                                   capture_output=True, text=True, timeout=timeout)

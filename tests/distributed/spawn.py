@@ -10,7 +10,8 @@ while the children run, so parallel test workers (pytest-xdist) never race for a
 after ``timeout_s`` (a rank that never joins a collective fails the test instead of hanging it); at 3/4 of it a
 rank still running prints its threads' stacks.
 
-gloo runs on CPU tensors; ``backend="nccl"`` gives each rank the GPU of its index (``cuda:<rank>``).
+gloo runs on CPU tensors; ``backend="nccl"`` gives each rank the GPU of its index (``cuda:<rank>``) and the test
+runner's one-config Triton autotuning.
 """
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     if backend == "nccl":
         torch.cuda.set_device(rank)
+        # Each rank autotunes as the test runner does: one config per Triton autotuner (tests/conftest.py patches
+        # it when imported). Full autotuning of FLA's and our kernels costs minutes per new shape in each rank.
+        import conftest  # noqa: F401
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(HOST, port, None, False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -210,8 +210,6 @@ def _check_case(rank: int, world_size: int, case: Case, device: str) -> None:
 
 def _check_cases(rank: int, world_size: int, cases: list, device_type: str) -> None:
     device = f"cuda:{rank}" if device_type == "cuda" else "cpu"
-    if device_type == "cuda":  # one autotuning config per kernel, as in the test runner
-        import conftest  # noqa: F401  (tests/conftest.py patches Triton's autotuner when imported)
     for case in cases:
         _check_case(rank, world_size, case, device)
 

@@ -6,7 +6,8 @@ They run on the Dynamo FX graph inside the ``kda_compile`` backend, before Induc
 - ``graph_tools.py``: example values, symbolic-size facts, inserting and erasing nodes;
 - ``manager.py``: the rewrite registry, the pass manager and the report entries;
 - one file per rewrite (``softmax_attention.py``, ``sdpa_attention.py``; ``attention_mask.py`` reads
-  eager and SDPA masks for them).
+  eager and SDPA masks for them; ``attention_spellings.py`` and ``attention_normalize.py`` bring more
+  spellings of eager attention to the form ``softmax_attention.py`` matches).
 """
 from kda_compile.passes import kda_recurrence  # noqa: F401  (registers the rewrite; runs first)
 from kda_compile.passes import kda_prologue  # noqa: F401  (registers the rewrite; runs after kda_recurrence)

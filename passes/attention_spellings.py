@@ -34,6 +34,7 @@ the folded [B*H, ...] of a 4-D tensor.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +53,14 @@ _SCALAR_LITERALS = (torch.tensor, torch.scalar_tensor)
 
 
 def fill_value(value: Any) -> float | None:
-    """The number a fill argument holds: a Python number, ``torch.tensor(x)`` or ``torch.scalar_tensor(x)``."""
+    """The number a fill argument holds: a Python number, ``torch.tensor(x)``, ``torch.scalar_tensor(x)``
+    or ``torch.full((), x)``."""
     if isinstance(value, torch.fx.Node):
         if value.op == "call_function" and value.target in _SCALAR_LITERALS and len(value.args) == 1:
             value = value.args[0]
+        elif value.op == "call_function" and value.target is torch.full and len(value.args) == 2 \
+                and isinstance(value.args[0], (tuple, list)) and len(value.args[0]) == 0:
+            value = value.args[1]
         else:
             return None
     return float(value) if _number(value) else None
@@ -372,3 +377,69 @@ def _from_matmul(node: torch.fx.Node, depth: int) -> bool:
             return False
         node = b["input"]
     return False
+
+
+# ----------------------------------------------------------------------------------------------
+# A clamp of the masked scores at the dtype minimum (xglm, models/xglm/modeling_xglm.py):
+#     scores = torch.max(scores + mask, torch.full((), torch.finfo(scores.dtype).min))
+# max(y, min) changes only the entries of y below the dtype minimum, i.e. -inf (an overflowed sum or a
+# -inf mask value), into min (NaN stays NaN). softmax subtracts the row max m; where m > min + 104 (745 when
+# the softmax runs in fp64) exp(min - m) underflows to exactly 0, like exp(-inf): the probabilities are
+# unchanged. In fp32 any entry above min is that far above it (the spacing of fp32 floats near min is
+# 2**104), so only a row with every entry at min or -inf can differ (fp16 / bf16 scores with the softmax
+# in fp32: also a row whose best score is within 104 of min): eager gives those keys equal weight.
+# softmax_attention.py drops the clamp and clamps the additive mask it passes to the op alike, so such a
+# row comes out uniform too (s + min rounds to min in fp32 for |s| < 2**103).
+# ----------------------------------------------------------------------------------------------
+MAXIMUM = family("maximum", ("input", "other"), functions=(torch.maximum, torch.max), methods=("maximum", "max"))
+CLAMP_MIN = family("clamp_min", ("input", "min"), functions=(torch.clamp_min, torch.clamp, torch.clip),
+                   methods=("clamp_min", "clamp", "clip"), defaults={"max": None})
+
+
+def clamp_bound(value: Any) -> float | None:
+    """The lower bound a clamp stage applies: a float, or a 0-d tensor literal holding one."""
+    if isinstance(value, int):  # bools too
+        return None
+    return fill_value(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sinks per query (inkling2, models/inkling2/modeling_inkling2.py): one extra logit column computed from
+# the hidden states, [B, H, Sq, 1], instead of one logit per head:
+#     logits = torch.cat([scores, sink_proj(hidden).transpose(1, 2).unsqueeze(-1)], dim=-1).float()
+#     probs = softmax(logits, dim=-1)[..., :-1].to(dtype)
+# With Z = sum_j exp(s_j) and sink t, probs @ v = (softmax(s) @ v) * Z / (Z + e^t), and
+# Z / (Z + e^t) = sigmoid(lse - t), lse = log Z: the op's output rescaled by its own log-sum-exp
+# (kda_compile.ops.attention_with_lse). A row with no key to attend has out 0 and lse -inf: 0, as in eager.
+# ----------------------------------------------------------------------------------------------
+def rescale_by_query_sinks(graph: torch.fx.Graph, at: torch.fx.Node, call: torch.fx.Node,
+                           sinks: torch.fx.Node) -> torch.fx.Node:
+    """``out * sigmoid(lse - sinks)`` in fp32, cast to ``out``'s dtype, for ``call`` = (out, lse) of
+    ``attention_with_lse`` and ``sinks`` [B or 1, H, Sq, 1]."""
+    out = insert_call(graph, at, operator.getitem, (call, 0), meta_from=at)
+    lse = insert_call(graph, at, operator.getitem, (call, 1), meta_from=at)
+    column = insert_call(graph, at, "float", (insert_call(graph, at, "squeeze", (sinks, -1), meta_from=at),),
+                         meta_from=at)
+    factor = insert_call(graph, at, torch.sigmoid, (insert_call(graph, at, operator.sub, (lse, column),
+                                                                meta_from=at),), meta_from=at)
+    factor = insert_call(graph, at, "unsqueeze", (factor, -1), meta_from=at)
+    scaled = insert_call(graph, at, operator.mul, (insert_call(graph, at, "float", (out,), meta_from=at), factor),
+                         meta_from=at)
+    return insert_call(graph, at, "to", (scaled, tensor_of(out).dtype), meta_from=at)
+
+
+def graph_input_behind(node: Any, depth: int = 6) -> torch.fx.Node | None:
+    """The placeholder ``node`` is a view, slice or cast of (within ``depth`` steps), or None."""
+    for _ in range(depth):
+        if not isinstance(node, torch.fx.Node):
+            return None
+        if node.op == "placeholder":
+            return node
+        if node.op not in ("call_function", "call_method") or not node.args:
+            return None
+        passes_through = (RESHAPE.bind(node) is not None or CAST.bind(node) is not None
+                          or node.target in (operator.getitem, "expand", "contiguous"))
+        if not passes_through:
+            return None
+        node = node.args[0]
+    return None

@@ -40,15 +40,23 @@ applied after the mask (codegen's ``(scores + mask) / scale_attn``: the op gets 
 the mask scaled alike), and a second additive float term (bloom's ALiBi, once
 ``attention_spellings.py`` has unfolded its ``baddbmm`` / ``bmm`` over [B*H, ...] into 4-D matmuls),
 combined with the mask into the op's float ``attn_mask``, ``masked_fill(scores, drop, -inf)`` with
-``masked_fill(probabilities, drop, 0)`` after the softmax (cpmant: the bool mask ``~drop``), and sinks
-applied to the output as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa: the op's ``sinks``).
+``masked_fill(probabilities, drop, 0)`` after the softmax (cpmant: the bool mask ``~drop``), sinks
+applied to the output as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa: the op's ``sinks``),
+``torch.max(scores + mask, finfo.min)`` (xglm: the clamp is dropped and the float mask the op gets is
+clamped alike, see ``attention_spellings.py``), and a sink logit per query as an extra [B, H, Sq, 1]
+column (inkling2: ``attention_with_lse``, whose output is rescaled by ``sigmoid(lse - sink)``).
+Before matching, ``attention_normalize.py`` rewrites, exactly, an in-place ``masked_fill_`` of the
+scores read again after it (xlm), ``einsum`` products (prophetnet) and softmax / dropout of
+[B*H, Sq, Sk] views of the 4-D scores (mvp, trocr, xglm); reads of the scores' shape or dtype only
+(xlm's ``mask.expand_as(scores)``) are rewritten to read the sizes of the query and keys.
 
-Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``),
-a softmax not over the key dimension, anything else between the two matmuls, shapes that do not
-pair up, in-place ops between the two matmuls (other than the in-place scale), arguments the op
-refuses. A softmax with no matmul on either side (a MoE router) is not a candidate; one with a matmul,
-bmm or einsum a few nodes away on both sides is, and is reported with what was found where the
-spelling is not matched (xglm's clamp between views, prophetnet's einsum).
+Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``; the
+weights as an output of the graph, which code after a graph break may read), a softmax not over the
+key dimension, anything else between the two matmuls, shapes that do not pair up (5-D attention
+included), in-place ops between the two matmuls (other than the in-place scale), a multiplicative
+mask (openai-gpt), arguments the op refuses. A softmax with no matmul on either side (a MoE router)
+is not a candidate; one with a matmul, bmm or einsum a few nodes away on both sides is, and is reported
+with what was found where the spelling is not matched.
 
 The new node calls the public function ``attention``, not ``torch.ops.kda_compile.attention_fwd``.
 Both pass AOTAutograd (a node of the op, then ``getitem``, was checked too, forward and backward
@@ -69,12 +77,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.ops.attention import attention
+from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.passes.attention_mask import mask_keywords
-from kda_compile.passes.attention_spellings import (MASKED_FILL, SinkRescale, batched_reason, fill_value,
-                                                    is_batched_product, match_sink_rescale, multiplied_scores,
-                                                    product_within,
-                                                    same_computation, unfold_batched_attention)
+from kda_compile.passes.attention_normalize import metadata_read, normalize_attention, replace_metadata_reads
+from kda_compile.passes.attention_spellings import (CLAMP_MIN, MASKED_FILL, MAXIMUM, SinkRescale, batched_reason,
+                                                    clamp_bound, fill_value, graph_input_behind, is_batched_product,
+                                                    match_sink_rescale, multiplied_scores, product_within,
+                                                    rescale_by_query_sinks, same_computation,
+                                                    unfold_batched_attention)
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
                                             source_line, tensor_of)
@@ -109,6 +119,7 @@ def _is_probability(p: Any) -> bool:
 
 LAST_DIM = Const(where=_is_last_dim_4d)
 LINKED = Capture(LINK)
+CLAMP_BOUND = Capture("clamp", lambda v: clamp_bound(v) is not None)
 
 # In-place spellings of the score chain (``scores /= divisor``, ``scores *= scale``). They mutate a
 # node of the chain itself (fresh tensors from q @ k^T on), which check_site proves has no other user.
@@ -137,9 +148,14 @@ ALL_SCORE_STAGES = (
     Stage("sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Call(
         EXPAND, look_through=True, name="sink_column", input=Call(
             RESHAPE, look_through=True, name="sink_view", input=Capture("sinks", is_tensor_node)))))),
+    # inkling2: a sink logit per query, an extra [B, H, Sq, 1] column (attention_spellings.py).
+    Stage("query_sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Capture("query_sinks", is_tensor_node)))),
     # codegen: (scores + mask) / scale, the scale after the mask (it then scales the mask too).
     Stage("scale_after_mask", OneOf(Call(MUL, commutative=True, input=LINKED, other=Const("post_scale")),
                                     Call(DIV, input=LINKED, other=Const("post_scale_divisor")))),
+    # xglm: torch.max(scores + mask, finfo.min), neutral for the softmax (attention_spellings.py).
+    Stage("clamp", OneOf(Call(MAXIMUM, commutative=True, name="clamped_scores", input=LINKED, other=CLAMP_BOUND),
+                         Call(CLAMP_MIN, name="clamped_scores", input=LINKED, min=CLAMP_BOUND, max=None))),
     # cpmant: masked_fill(scores, drop, -inf), a bool mask (True = masked).
     Stage("fill_mask", Call(MASKED_FILL, name="filled_scores", input=LINKED, mask=Capture("drop", is_tensor_node),
                             value=Capture("fill", lambda v: fill_value(v) is not None))),
@@ -162,7 +178,7 @@ ALL_SCORE_STAGES = (
 # Stages whose mask handling needs the graph edits of _replace (_scaled_mask, _with_bias, the ~drop
 # mask): matched by this rewrite only. mla_absorb.py and dsa_sparse.py build their calls from
 # SCORE_STAGES / PROBABILITY_STAGES and attention_arguments, so they see the sites without them.
-GRAPH_EDIT_STAGES = frozenset({"scale_after_mask", "fill_mask", "bias", "zero_masked"})
+GRAPH_EDIT_STAGES = frozenset({"scale_after_mask", "fill_mask", "bias", "zero_masked", "clamp", "query_sinks"})
 SCORE_STAGES = tuple(s for s in ALL_SCORE_STAGES if s.name not in GRAPH_EDIT_STAGES)
 SCORES = Call(MATMUL, name="scores", input=Capture("query", is_tensor_node), other=Call(
     TRANSPOSE, look_through=True, where=_swaps_last_two, input=Capture("key_states", is_tensor_node)))
@@ -219,7 +235,8 @@ def check_site(site: Site) -> str | None:
     soft = SOFTMAX.bind(site.softmax)
     q, k, v = (tensor_of(site[n]) for n in ("query", "key_states", "value_states"))
     if any(t is None or t.dim() != 4 for t in (q, k, v)):
-        return "query, keys and values are not all 4-D [batch, heads, seq, dim] tensors"
+        ranks = "/".join(f"{t.dim()}-D" if t is not None else "?" for t in (q, k, v))
+        return f"query, keys and values are not all 4-D [batch, heads, seq, dim] tensors ({ranks})"
     if not _is_last_dim_4d(soft["dim"]):
         return f"the softmax runs over dim {soft['dim']}, not over the keys (dim -1)"
     (b, h, sq, dqk), (_, _, sk, _) = q.shape, k.shape
@@ -229,11 +246,12 @@ def check_site(site: Site) -> str | None:
             and known_equal(v.shape[0], b) and known_equal(v.shape[1], kv_heads) and known_equal(v.shape[2], sk)):
         return (f"the shapes do not pair up as attention: query {list(q.shape)}, keys {list(k.shape)}, "
                 f"values {list(v.shape)}")
-    sinks = "sinks" in site.stages
-    if site.rescale is not None and sinks:
+    sinks, per_query = "sinks" in site.stages, "query_sinks" in site.stages
+    if (site.rescale is not None) + sinks + per_query > 1:
         return "sinks both as an extra softmax column and as a rescale of the output"
-    if sinks != ("drop_sink_column" in site.stages) or (sinks and not _per_head(site, h)):
-        return "the extra softmax column is not a per-head sink logit dropped after the softmax"
+    if (sinks or per_query) != ("drop_sink_column" in site.stages) or (sinks and not _per_head(site, h)) \
+            or (per_query and not _per_query(site, b, h, sq)):
+        return "the extra softmax column is not a per-head or per-query sink logit dropped after the softmax"
     if site.has("softcap") and not concrete_number(site["softcap"]) > 0:
         return f"the softcap {concrete_number(site['softcap'])} is not positive"
     for term, added in (("mask", "masked_scores"), ("bias", "biased_scores")):
@@ -250,6 +268,10 @@ def check_site(site: Site) -> str | None:
         return f"the scale after the mask ({post}) is not positive, so it does not keep masked keys masked"
     if post is not None and site.has("softcap"):
         return "the scale after the mask also scales the softcapped scores, which the op cannot express"
+    if site.has("clamp"):
+        reason = _clamp_reason(site, post)
+        if reason is not None:
+            return reason
     for cond, result, how in (("keep", "kept_scores", "torch.where"), ("drop", "filled_scores", "masked_fill")):
         if not site.has(cond):
             continue
@@ -288,12 +310,33 @@ def _per_head(site: Site, heads: Any) -> bool:
             and known_equal(column.shape[3], 1))
 
 
+def _per_query(site: Site, batch: Any, heads: Any, queries: Any) -> bool:
+    """Query sinks [B or 1, H, Sq, 1] of a float dtype."""
+    t = tensor_of(site["query_sinks"])
+    return (t is not None and t.dim() == 4 and t.dtype.is_floating_point
+            and (known_equal(t.shape[0], batch) or known_equal(t.shape[0], 1)) and known_equal(t.shape[1], heads)
+            and known_equal(t.shape[2], queries) and known_equal(t.shape[3], 1))
+
+
+def _clamp_reason(site: Site, post: float | None) -> str | None:
+    """Why the clamp of the scores is not neutral (attention_spellings.py), or None."""
+    bound, clamped = clamp_bound(site["clamp"]), tensor_of(site["clamped_scores"])
+    if clamped is None or not known_shape_equal(clamped.shape, tensor_of(site["scores"]).shape):
+        return "the clamp broadcasts the scores to a larger shape"
+    if not (bound == -math.inf or bound <= float(torch.finfo(clamped.dtype).min)):
+        return f"the scores are clamped below at {bound}, above the dtype minimum: that changes finite scores"
+    if post is not None:
+        return "the clamped scores are scaled after the mask, which the op cannot express"
+    return None
+
+
 def _used_outside(site: Site) -> str | None:
     inside = set(site.replaced)
+    full = tensor_of(site["scores"]).shape
     for node in site.replaced:
         if node is site.output:
             continue
-        others = [u for u in node.users if u not in inside]
+        others = [u for u in node.users if u not in inside and not metadata_read(u, node, full)]
         if others:
             what = "attention weights" if node is site.softmax or node in site.probabilities.nodes else "scores"
             users = ", ".join(describe_node(u) for u in others)
@@ -330,6 +373,10 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
         kwargs["softcap"] = details["softcap"] = float(concrete_number(site["softcap"]))
     if site.has("sinks"):
         kwargs["sinks"], details["sinks"] = site["sinks"], True
+    if site.has("query_sinks"):
+        details["sinks"] = "per query (rescaled by the op's lse)"
+    if site.has("clamp"):
+        details["clamp"] = "neutral (mask clamped alike)"
     if dropout_p:
         details["dropout_p"] = dropout_p
     if site.has("mask"):
@@ -383,7 +430,7 @@ class SoftmaxAttentionRewrite(GraphRewrite):
 
     def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
         graph = gm.graph
-        unfold_batched_attention(graph)
+        normalized = normalize_attention(graph) + unfold_batched_attention(graph)
         rewritten, erased = 0, set()
         for softmax in [n for n in graph.nodes if SOFTMAX.bind(n) is not None]:
             if softmax in erased:
@@ -398,6 +445,9 @@ class SoftmaxAttentionRewrite(GraphRewrite):
                 log.left_alone.append(LeftAlone(self.name, *where, reason))
                 continue
             rewritten += self.replace_site(log, where, OP_NAME, lambda: self._replace(graph, site, erased))
+        if normalized and not rewritten:  # the pass manager recompiles only after a rewrite
+            graph.lint()
+            gm.recompile()
         return rewritten
 
     @staticmethod
@@ -419,6 +469,10 @@ class SoftmaxAttentionRewrite(GraphRewrite):
         failed, side = (up, "scores") if not up else (down, "attention weights")
         if failed.other_users:
             users = ", ".join(describe_node(u) for u in failed.other_users)
+            if any(u.op == "output" for u in failed.other_users):
+                return None, (f"the attention weights ({describe_node(failed.stopped_at)}) are an output of the "
+                              f"graph besides the value product ({users}): the caller may read them (code after a "
+                              f"graph break, output_attentions=True) and {OP_NAME} does not return them")
             return None, (f"the attention weights ({describe_node(failed.stopped_at)}) have users besides one value "
                           f"product: {users} (e.g. output_attentions=True)")
         batched = batched_reason(up.stopped_at) or batched_reason(down.stopped_at)
@@ -426,9 +480,13 @@ class SoftmaxAttentionRewrite(GraphRewrite):
             return None, f"batched attention left as written: {batched}"
         product = None if up else multiplied_scores(SOFTMAX.bind(softmax)["input"])
         if product is not None:
+            source = graph_input_behind(product[1])
+            kind = "a module buffer" if source is not None and "_buffers_" in source.name else "an input"
+            unknown = (f": it reads {kind}, a graph input whose values the graph does not fix, so it is not "
+                       f"provably a 0/1 causal mask" if source is not None else "")
             return None, (f"the scores are multiplied by a tensor ({describe_node(product[0])} by "
-                          f"{describe_node(product[1])}), not masked by an additive or bool mask the op takes "
-                          f"(e.g. scores * b - 1e4 * (1 - b) with a 0/1 causal buffer b: finite masked scores)")
+                          f"{describe_node(product[1])}{unknown}), not masked by an additive or bool mask the op "
+                          f"takes (e.g. scores * b - 1e4 * (1 - b) with a 0/1 causal buffer b: finite masked scores)")
         after = f" after {' -> '.join(failed.stages)}" if failed.stages else ""
         return None, (f"the {side} do not follow eager attention: found {describe_node(failed.stopped_at)}{after}, "
                       f"expected {failed.expected}")
@@ -450,12 +508,22 @@ class SoftmaxAttentionRewrite(GraphRewrite):
             kwargs["attn_mask"] = _and_kept(graph, site, kwargs["attn_mask"], keep)
         if site.has("bias"):
             kwargs["attn_mask"] = _with_bias(graph, site, kwargs["attn_mask"])
+        mask = kwargs["attn_mask"]
+        if site.has("clamp") and clamp_bound(site["clamp"]) > -math.inf and mask is not None \
+                and tensor_of(mask).dtype.is_floating_point:
+            kwargs["attn_mask"] = insert_call(graph, out, torch.clamp_min, (mask, clamp_bound(site["clamp"])),
+                                              meta_from=out)
+        per_query = site.has("query_sinks")
         try:
-            new = insert_call(graph, out, attention, (site["query"], key, value), kwargs, meta_from=out)
+            new = insert_call(graph, out, attention_with_lse if per_query else attention, (site["query"], key, value),
+                              kwargs, meta_from=out)
         except (TypeError, ValueError):
             if isinstance(kwargs["attn_mask"], torch.fx.Node):  # the mask nodes inserted above, if any
                 erase_unused(graph, [kwargs["attn_mask"]])
             raise
+        if per_query:
+            new = rescale_by_query_sinks(graph, out, new, site["query_sinks"])
+        replace_metadata_reads(graph, site.replaced, tensor_of(site["scores"]).shape, site["query"], key)
         want = tensor_of(out).dtype
         if tensor_of(new).dtype != want:
             new = insert_call(graph, out, "to", (new, want), meta_from=out)

@@ -3,9 +3,9 @@ the probabilities (gpt2), an fp32 cast of the scores, an in-place ``/=`` / ``*=`
 and value with one head broadcast by the matmuls (falcon multi-query), and
 ``torch.where(keep, scores, finfo.min)`` (gpt_neo), a scale after the mask (codegen), ``baddbmm`` / ``bmm``
 over [B*H, ...] with an additive ALiBi bias (bloom), ``masked_fill`` on both sides of the softmax (cpmant) and
-sinks applied as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa). Spellings not matched but
-reported with a reason rather than passed over: ``einsum`` products (prophetnet), bmm scores clamped
-between views (xglm); a router's softmax over a linear projection stays no candidate."""
+sinks applied as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa). A router's softmax over a
+linear projection is no candidate. test_attention_normalize.py has the spellings passes/attention_normalize.py
+brings to this form (xlm, prophetnet, mvp, trocr, xglm) and the per-query sinks of inkling2."""
 from __future__ import annotations
 
 import math
@@ -197,23 +197,13 @@ def lse_sinks_flipped(q, k, v, mask):  # sigmoid(sink - lse): not a softmax-deno
     return torch.matmul(F.softmax(w, dim=-1), v) * scale.unsqueeze(-1)
 
 
-def einsum_products(q, k, v, mask):  # prophetnet: not matched, but reported (not passed over as a router)
-    w = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.3
+def einsum_outer(q, k, v, mask):  # an einsum that is no matrix product: not matched, but reported
+    w = torch.einsum("bhqd,bhkd->bhqkd", q, k).sum(-1) * 0.3
     return torch.einsum("bhqk,bhkd->bhqd", F.softmax(w + mask, dim=-1), v)
 
 
-def clamped_between_views(q, k, v, mask):  # xglm: bmm scores clamped at the dtype minimum between views
-    b, h, sq, d = q.shape
-    w = torch.bmm(q.reshape(b * h, sq, d), k.reshape(b * h, -1, d).transpose(1, 2))
-    w = torch.max(w.view(b, h, sq, -1) + mask, torch.full((), torch.finfo(w.dtype).min))
-    w = F.softmax(w.view(b * h, sq, -1), dim=-1)
-    w = F.dropout(w.view(b, h, sq, -1).view(b * h, sq, -1), p=0.0, training=False)
-    return torch.bmm(w, v.reshape(b * h, -1, d)).view(b, h, sq, d)
-
-
 NEGATIVE = {
-    einsum_products: "found einsum",
-    clamped_between_views: "do not follow eager attention",
+    einsum_outer: "found sum",
     where_fills_a_number: "not -inf or the dtype minimum",
     inplace_scores_kept: "also used by",
     negative_scale_after_mask: "is not positive",

@@ -68,8 +68,8 @@ class TinyMLA(torch.nn.Module):
         k_rot = torch.cat([rope_cache, k_rot.view(b, 1, s, self.dr)], dim=-2)
         key_states, value_states = self.expand_kv(latent, k_rot)
         extra = 0.0
-        if self.variant == "mutation":
-            q.mul_(1.0)
+        if self.variant == "mutation":  # a slice: q.mul_ of the whole fresh q is made out-of-place
+            q[..., :1].mul_(1.0)        # (passes/attention_normalize.py), this one cannot be
         elif self.variant == "keys_used":
             extra = key_states.sum()
         elif self.variant == "values_used":

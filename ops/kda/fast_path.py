@@ -15,9 +15,11 @@ The signature holds everything the argument checks and the kernel choice read: e
 device and contiguity, the initial state's strides, every option, the kernel switches of the environment
 (``KDA_COMPILE_PREPARE_KERNEL``, ``KDA_COMPILE_SCAN_KERNEL``, ``KDA_COMPILE_PREFILL_SEGMENTS``,
 ``KDA_COMPILE_CHECK_INPUTS``, ``TRITON_INTERPRET``) and the backend restriction (``backends.only_backends``).
-Plans are learned, never guessed: the first call of a signature runs the ordinary path (its checks, its
-logging, its fallbacks); then ``learn`` asks the ordinary path's own choice functions whether that call ran our
-CUDA prepare and scan kernels, and only then keeps a plan. A call that would run anything else (FLA, the Triton
+Plans are learned, never guessed: a call of a new signature runs the ordinary path (its checks, its logging, its
+fallbacks); at the second such call ``learn`` asks the ordinary path's own choice functions whether it ran our
+CUDA prepare and scan kernels, and only then keeps a plan (a shape seen once, e.g. a new prompt length, costs only
+its signature; the plan depends on the sequence length and count, so calls whose lengths always differ keep the
+ordinary path). A call that would run anything else (FLA, the Triton
 kernels, the reference), needs gradients, runs under a dispatch mode or a functorch transform, takes a DTensor,
 or asks for ``check_inputs`` never reaches a plan. Value checks that cost no synchronisation still run on every
 call (``cu_seqlens_cpu``'s offsets). At most ``MAX_PLANS`` signatures are kept (the oldest are dropped).
@@ -52,6 +54,7 @@ PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary pat
 _ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, "KDA_COMPILE_CHECK_INPUTS",
                 "TRITON_INTERPRET")
 _plans: dict[tuple, "Plan | None"] = {}  # signature -> plan, or None: the ordinary path serves it
+_seen: dict[tuple, None] = {}  # signatures served once by the ordinary path (insertion-ordered, bounded)
 _plans_lock = threading.Lock()
 _get_device = getattr(torch._C, "_cuda_getDevice", None)
 
@@ -186,6 +189,13 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
     ``initial_state`` in the kernel's ``[N, HV, K, V]`` view; the gate is the in-kernel one (``signature``)."""
     if key is None or key in _plans:
         return
+    with _plans_lock:  # a plan from the second call of a signature on: a shape seen once (a new prompt length)
+        if key not in _seen:  # costs its signature and this insert, not a plan it would never use
+            if len(_seen) >= MAX_PLANS:
+                del _seen[next(iter(_seen))]
+            _seen[key] = None
+            return
+        del _seen[key]
     try:
         plan = _build(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
@@ -262,3 +272,4 @@ def clear_plans() -> None:
     """Forget every plan (tests; after changing what a signature cannot see, e.g. a kernel source)."""
     with _plans_lock:
         _plans.clear()
+        _seen.clear()

@@ -110,7 +110,9 @@ def test_planned_call_equals_the_ordinary_path(case, monkeypatch):
     calls = _Calls(monkeypatch)
     x = _inputs(**CASES[case])
     with torch.inference_mode():
-        o_ref, s_ref = chunk_kda(**x)  # learns the plan
+        o_ref, s_ref = chunk_kda(**x)  # the ordinary path: a signature seen once gets no plan
+        assert fast_path.plan_count() == 0
+        chunk_kda(**x)  # seen twice: the plan is learned
         assert fast_path.plan_count() == 1 and calls.n == 0
         for _ in range(2):
             _poison_free_memory(o_ref.numel() * 2 * 8)
@@ -126,6 +128,7 @@ def test_no_plan_where_the_ordinary_path_runs_other_kernels(monkeypatch):
     calls = _Calls(monkeypatch)
     x = _inputs(1, 200, 2, 2)
     with torch.inference_mode():
+        chunk_kda(**x)
         chunk_kda(**x)
         monkeypatch.setenv("KDA_COMPILE_PREPARE_KERNEL", "triton")  # a new signature: the Triton prepare runs
         chunk_kda(**x)
@@ -156,6 +159,7 @@ def test_gradients_take_the_op(monkeypatch):
     x = _inputs(1, 200, 2, 2)
     with torch.no_grad():
         chunk_kda(**x)
+        chunk_kda(**x)
     q = x["q"].clone().requires_grad_()
     o, _ = chunk_kda(**{**x, "q": q})
     assert o.grad_fn is not None and calls.n == 0
@@ -177,6 +181,7 @@ def test_side_stream_and_another_current_device(monkeypatch):
     calls = _Calls(monkeypatch)
     x = _inputs(2, 300, 2, 2)
     with torch.inference_mode():
+        chunk_kda(**x)
         o_ref, s_ref = chunk_kda(**x)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -37,7 +37,8 @@ latent + rope rows, no ``kv_b_proj`` over the cache; prefill and decode)::
 glm5_next's pooled indexer returns indices that are already visible-only and -1 padded; its attention
 (``build_attention_mask_from_topk``: ``zeros(B, S, T).scatter_add_(-1, indices.clamp(0, T - 1), valid)
 .ne(0)``, the selection alone as the mask) becomes the same op over those indices, out-of-range ones -1
-(``dsa_patterns.COUNTS``); the indexer itself stays as written.
+(``dsa_patterns.COUNTS``); the indexer itself becomes ``dsa_pooled_indexer_topk`` (``dsa_pooled.py``, run first),
+so no [B, S, T] tensor remains there either.
 
 HF's attention sinks (hy_v4) are kept exactly: a sink only adds to the softmax's denominator, so the op's
 output is scaled by ``sigmoid(lse - sink)`` from its log-sum-exp.
@@ -56,7 +57,7 @@ sequences, a sliding window: the indexer op has no window), scores or weights us
 (``output_attentions=True``), dropout in training, softcap on the attention, indices used
 anywhere besides a rewritable attention, shapes that do not pair up, arguments an op refuses.
 Block-sparse DSA variants (deepseek_v4, minimax_m3_vl, qwen4_exp: indexers over compressed or pooled
-keys, see ``dsa_patterns.BLOCK_SPARSE_MODULES``) and glm5_next's pooled indexer are reported as left alone.
+keys, see ``dsa_patterns.BLOCK_SPARSE_MODULES``) are reported as left alone.
 
 Runs before ``softmax_attention``, ``sdpa_attention`` and ``mla_absorb``: those would otherwise take
 the attention with its dense top-k mask.
@@ -73,6 +74,7 @@ import torch.fx
 from kda_compile.passes.attention_mask import NEW_ONES, MaskMeaning, read_additive_mask, read_bool_mask
 from kda_compile.passes.dsa_patterns import (COUNTS, INDEX_MASK, LONG, SCATTER, SCATTER_ADD_, SELECTION, TOPK, NotDSA,
                                              block_sparse_sites, is_mask_slice)
+from kda_compile.passes.dsa_pooled import rewrite_pooled_indexers
 from kda_compile.passes.dsa_sparse import (AttentionSite, check_attention, eager_sites_by_mask, read_attention,
                                            read_pooled_attention, replace_attention)
 from kda_compile.passes.graph_tools import (_example, _fake_mode, concrete_number, describe_node, erase_unused,
@@ -202,6 +204,14 @@ def _dsa_ops():
     return (dsa_indexer_topk, dsa_sparse_attention), None
 
 
+def _pooled_op():
+    try:
+        from kda_compile.ops import dsa_pooled_indexer_topk
+    except ImportError:
+        return None
+    return dsa_pooled_indexer_topk
+
+
 @register_rewrite
 class DSAAttentionRewrite(GraphRewrite):
     """Replace each matched DSA indexer with ``dsa_indexer_topk`` and each attention over its top-k mask with
@@ -213,15 +223,16 @@ class DSAAttentionRewrite(GraphRewrite):
         graph = gm.graph
         for path, reason in block_sparse_sites(graph).items():
             log.left_alone.append(LeftAlone(self.name, path, "", f"block-sparse DSA, not rewritten: {reason}"))
+        pooled = rewrite_pooled_indexers(graph, _pooled_op(), self.name, log)
         topks = [(n, b) for n in graph.nodes if TOPK.bind(n) is not None for b in SELECTION.matches(n, Bindings())]
         scatters = [(n, b) for n in graph.nodes if SCATTER.bind(n) is not None and len(n.users) == 1
                     for b in INDEX_MASK.matches(next(iter(n.users)), Bindings())]
         counts = [(n, b) for n in graph.nodes if SCATTER_ADD_.bind(n) is not None
                   for b in COUNTS.matches(n, Bindings())]
         if not topks and not scatters and not counts:
-            return 0
+            return pooled
         ops, missing = _dsa_ops()
-        rewritten = self._pooled(graph, counts, ops, missing, log) if counts else 0
+        rewritten = pooled + (self._pooled(graph, counts, ops, missing, log) if counts else 0)
         memo: dict = {}
         indexers: dict[torch.fx.Node, IndexerSite] = {}
         for topk, bindings in self._first_per_node(topks):

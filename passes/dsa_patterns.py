@@ -17,7 +17,8 @@ from kda_compile.passes.matching import (ADD, CAST, MATMUL, MUL, TRANSPOSE, Call
                                          family)
 
 # Block-sparse DSA variants: their indexers score compressed / pooled key blocks, which the token-level
-# indexer op does not compute. Keyed on the transformers modeling module -> (the module class suffix the
+# indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa_pooled.py). Keyed on
+# the transformers modeling module -> (the module class suffix the
 # report names, reason); a new variant is one more entry.
 BLOCK_SPARSE_MODULES = {
     "transformers.models.deepseek_v4.modeling_deepseek_v4": (
@@ -26,10 +27,6 @@ BLOCK_SPARSE_MODULES = {
         "Attention", "minimax_m3_vl selects 128-token blocks (top-16 plus a local block), not tokens"),
     "transformers.models.qwen4_exp.modeling_qwen4_exp": (
         "Attention", "qwen4_exp scores pooled key blocks in a Python loop over queries, not token-level top-k"),
-    "transformers.models.glm5_next.modeling_glm5_next": (
-        "Indexer", "glm5_next's indexer selects pools of index_kpool tokens (softmax-gated pooled keys) plus the "
-        "visible tail, not token-level top-k; it stays as written, [B, S, T] visibility mask included (the "
-        "attention over its selection is rewritten)"),
 }
 
 TOPK = family("topk", ("input", "k", "dim", "largest", "sorted"), functions=(torch.topk,), methods=("topk",),

@@ -1,4 +1,5 @@
-"""Public entry points of DeepSeek Sparse Attention: ``dsa_indexer_topk`` and ``dsa_sparse_attention``.
+"""Public entry points of DeepSeek Sparse Attention: ``dsa_indexer_topk``, ``dsa_pooled_indexer_topk``
+(glm5_next's pooled indexer) and ``dsa_sparse_attention``.
 
 Plain Python (argument checks, then one custom-op call each), so Dynamo traces them without a graph
 break; ``register_autograd`` on the attention op supplies its backward.
@@ -15,6 +16,7 @@ from kda_compile.ops.dsa import custom_ops  # noqa: F401  (registers torch.ops.k
 
 _INDEXER_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_POOLED_DTYPES = _ATTENTION_DTYPES
 
 
 def dsa_indexer_topk(
@@ -83,6 +85,91 @@ def dsa_indexer_topk(
                             f"used only with packed inputs (B == 1 and S == T), but B = {b}, S = {s_len}, "
                             f"T = {t_len}")
     return torch.ops.kda_compile.dsa_indexer_topk(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+
+
+def dsa_pooled_indexer_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    topk: int,
+    *,
+    scale: float,
+    key_valid: torch.Tensor | None = None,
+    query_mask: torch.Tensor | None = None,
+    q_offset: int | None = None,
+    select_tail: bool = True,
+) -> torch.Tensor:
+    """glm5_next's pooled DSA indexer (HF's ``Glm5NextTextIndexer``) without its [B, S, T] tensors.
+
+    Keys are grouped into pools of ``P = ape.shape[0]`` tokens from each row's first valid key; a pool's key
+    is the softmax(``gate + ape``)-weighted sum of its tokens' keys. Each query scores the complete valid
+    pools whose last token it sees, ``sum_h weights[h] * relu(scale * q[h] . pool_key)`` in float32, keeps
+    the best ``topk // P`` pools (at most the number of pools some row has, as HF), expands them to their
+    tokens and, with ``select_tail``, appends the visible tokens past the last complete pool. Math and
+    layout: ``ops/dsa/pooled.py``.
+
+    Args:
+        q: [B, S, H_I, D] indexer queries (HF's ``wq_b(q_resid)``); float16, bfloat16, float32 or float64.
+        k: [B, T, D] indexer keys (HF's cached ``k_norm(wk(x))``); q's dtype.
+        weights: [B, S, H_I] head weights, ``n_heads ** -0.5`` already folded in; floating.
+        gate: [B, T, D] pool gate scores (HF's cached ``index_kpool_compress_gate`` projection); floating.
+        ape: [P, D] the per-position gate bias ``index_kpool_compress_ape``, P >= 1; floating.
+        topk: HF's ``index_topk`` (tokens), >= 1; ``topk // P`` pools are selected.
+        scale: multiplies the dot product inside the ReLU (HF: ``head_dim ** -0.5``).
+        key_valid: None (all valid) or bool [B, T], HF's cached padding channel.
+        query_mask: None or bool [B, S]; False rows (padded queries) come back all -1.
+        q_offset: position of query 0 (query i sees keys ``s <= q_offset + i``); default ``T - S`` (HF:
+            ``current_length - S``; a static cache passes its filled length).
+        select_tail: append the visible tail (``index_kpool_always_select_tail``).
+
+    Returns:
+        int32 [B, S, topk + (P - 1 if select_tail else 0)], HF's layout: the selected pools' tokens (pools by
+        score descending, equal scores by the lower pool index: deterministic), then the tail, -1 elsewhere.
+        Only visible keys are named. No gradient.
+    """
+    check_tensor("q", q, ndim=4, dtypes=_POOLED_DTYPES)
+    check_tensor("k", k, ndim=3, dtypes=_POOLED_DTYPES)
+    for name, t, ndim in (("weights", weights, 3), ("gate", gate, 3), ("ape", ape, 2)):
+        check_tensor(name, t, ndim=ndim)
+        if not t.is_floating_point():
+            raise arg_error(name, describe(t), "a floating-point tensor", kind=TypeError)
+    b, s_len, heads, dim = q.shape
+    t_len = k.shape[1]
+    for name, t in (("k", k), ("weights", weights), ("gate", gate), ("ape", ape), ("key_valid", key_valid),
+                    ("query_mask", query_mask)):
+        if t is not None and t.device != q.device:
+            raise arg_error(name, describe(t), f"on q's device {q.device}")
+    if k.dtype != q.dtype:
+        raise arg_error("k", describe(k), f"of q's dtype {q.dtype}", kind=TypeError)
+    if heads == 0 or dim == 0:
+        raise arg_error("q", describe(q), "a tensor with H_I >= 1 heads of width D >= 1")
+    if k.shape[0] != b or k.shape[2] != dim:
+        raise arg_error("k", describe(k), f"[B, T, D] with B = {b} and D = {dim} (q's)")
+    if weights.shape[0] != b or weights.shape[1] != s_len or weights.shape[2] != heads:
+        raise arg_error("weights", describe(weights), f"[B, S, H_I] = [{b}, {s_len}, {heads}] (q's)")
+    if gate.shape[0] != b or gate.shape[1] != t_len or gate.shape[2] != dim:
+        raise arg_error("gate", describe(gate), f"[B, T, D] = [{b}, {t_len}, {dim}] (k's)")
+    if ape.shape[0] < 1 or ape.shape[1] != dim:
+        raise arg_error("ape", describe(ape), f"[P, D] with P >= 1 and D = {dim} (q's)")
+    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)):
+        raise arg_error("topk", repr(topk), "an int >= 1", kind=TypeError)
+    if topk < 1:
+        raise arg_error("topk", topk, "an int >= 1")
+    scale = _finite_float("scale", scale, "a finite float")
+    _check_bool("select_tail", select_tail)
+    if key_valid is not None:
+        check_tensor("key_valid", key_valid, ndim=2, dtypes=(torch.bool,))
+        if key_valid.shape[0] != b or key_valid.shape[1] != t_len:
+            raise arg_error("key_valid", describe(key_valid), f"None or bool [B, T] = [{b}, {t_len}]")
+    if query_mask is not None:
+        check_tensor("query_mask", query_mask, ndim=2, dtypes=(torch.bool,))
+        if query_mask.shape[0] != b or query_mask.shape[1] != s_len:
+            raise arg_error("query_mask", describe(query_mask), f"None or bool [B, S] = [{b}, {s_len}]")
+    q_offset = t_len - s_len if q_offset is None else _int("q_offset", q_offset)
+    return torch.ops.kda_compile.dsa_pooled_indexer_topk(q, k, gate, weights, key_valid, ape, query_mask, topk,
+                                                         scale, q_offset, select_tail)
 
 
 def dsa_sparse_attention(

@@ -3,6 +3,10 @@
 ``dsa_indexer_topk(q, k, weights, key_mask?, cu_seqlens?, topk, scale, is_causal) -> indices``
     int32 [B, S, topk], contiguous; no autograd (the selection is discrete).
 
+``dsa_pooled_indexer_topk(q, k, gate, weights, key_valid?, ape, query_mask?, topk, scale, q_offset, select_tail)``
+    int32 [B, S, topk (+ P - 1)], contiguous; glm5_next's pooled indexer (``pooled.py``); every device runs
+    the blockwise torch implementation; no autograd.
+
 ``dsa_sparse_attention_fwd(q, k, v?, indices, scale, d_v) -> (o, lse)``
     o [B, S, Hq, d_v] contiguous in q's dtype, lse [B, S, Hq] float32 contiguous. ``v`` None is the
     absorbed MQA form (the value is ``k[..., :d_v]``).
@@ -24,6 +28,7 @@ from torch import Tensor
 
 from kda_compile.ops._common import empty_like_absent
 from kda_compile.ops.dsa import kernels
+from kda_compile.ops.dsa.pooled import output_width, pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     indexer_topk_reference,
     sparse_attention_backward_reference,
@@ -57,6 +62,23 @@ def _dsa_indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_
 def _dsa_indexer_topk_fake(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
     b, s = q.shape[0], q.shape[1]
     return q.new_empty((b, s, topk), dtype=torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pooled indexer + top-k (glm5_next)
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("kda_compile::dsa_pooled_indexer_topk", mutates_args=())
+def dsa_pooled_indexer_topk_op(q: Tensor, k: Tensor, gate: Tensor, weights: Tensor, key_valid: Optional[Tensor],
+                               ape: Tensor, query_mask: Optional[Tensor], topk: int, scale: float, q_offset: int,
+                               select_tail: bool) -> Tensor:
+    return pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
+                                         select_tail)
+
+
+@dsa_pooled_indexer_topk_op.register_fake
+def _dsa_pooled_indexer_topk_fake(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
+                                  select_tail):
+    return q.new_empty((q.shape[0], q.shape[1], output_width(topk, ape.shape[0], select_tail)), dtype=torch.int32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """DTensor placements of the DSA ops. docs/distributed.md has the table.
 
-``dsa_indexer_topk`` is replicated only. Its score ``sum_h w[h] * relu(q[h] . k)`` sums over the H_I indexer
+``dsa_indexer_topk`` (and glm5_next's ``dsa_pooled_indexer_topk``, for the same reason) is replicated only. Its score ``sum_h w[h] * relu(q[h] . k)`` sums over the H_I indexer
 heads before the top-k, and the top-k of a sum is not a function of per-rank partial sums: a rank holding
 some indexer heads can only produce a partial score ``[B, S, T]``, the very tensor the op exists to avoid. So
 head-sharded indexer inputs are gathered (DTensor redistributes them to replicated) and every rank selects the
@@ -54,5 +54,5 @@ def sparse_backward(call: OpCall) -> list[Strategy]:
     return [replicated(call), Strategy((Shard(2), kv_grad, dv), inputs)]
 
 
-RULES = {"dsa_indexer_topk": indexer_topk, "dsa_sparse_attention_fwd": sparse_forward,
-         "dsa_sparse_attention_bwd": sparse_backward}
+RULES = {"dsa_indexer_topk": indexer_topk, "dsa_pooled_indexer_topk": indexer_topk,
+         "dsa_sparse_attention_fwd": sparse_forward, "dsa_sparse_attention_bwd": sparse_backward}

@@ -4,8 +4,8 @@ Families: deepseek_v32 (half-split indexer RoPE), glm_moe_dsa (interleaved RoPE;
 selection), mistral_large4 (indexer queries from the hidden states; a shared layer; text model only:
 transformers has no causal-LM head for it, so no generate()), dots3_note (a sliding-window layer beside
 the indexed one, left to the softmax rewrite), hy_v4 (softmax scale folded into the weights, attention
-sinks, a shared layer), axk2, and glm5_next's text model (no RoPE; its pooled indexer stays as written, the
-attention over its selection and a shared layer's is rewritten; its KDA layers are not built here). Two
+sinks, a shared layer), axk2, and glm5_next (no RoPE; its pooled indexer becomes dsa_pooled_indexer_topk, the attention over its
+selection and a shared layer's dsa_sparse_attention; its KDA layers are not built here). Two
 layers, hidden 64, MLA 16 + 8 / 16, indexer 8 heads x 16, top-k 6.
 
 Checked for each, through ``kda_compile.optimize(model.forward, fullgraph=True)`` (aot_eager) on a
@@ -135,32 +135,98 @@ def test_prefill_and_decode_match_eager(name):
     assert_sites(graphs, name)
 
 
-def test_glm5_next_attention_over_its_pooled_selection():
-    """glm5_next's pooled indexer stays as written (reported); the attention over its selection (its own and,
-    on the shared layer, the previous layer's) becomes dsa_sparse_attention, for eager and SDPA attention."""
+def s_by_t_values(gm: torch.fx.GraphModule, s_len: int, t_len: int) -> list[str]:
+    """Nodes whose example value has S x T elements or more in two dims of sizes S and T (any order)."""
+    found = []
+    for node in gm.graph.nodes:
+        values = node.meta.get("example_value")
+        for value in values if isinstance(values, (tuple, list)) else (values,):
+            if isinstance(value, torch.Tensor):
+                dims = [d for d in value.shape if isinstance(d, int)]
+                if s_len in dims and t_len in dims and (s_len != t_len or dims.count(s_len) >= 2):
+                    found.append(node.format_node())
+    return found
+
+
+def _glm5_next_config(**extra):
     if not hasattr(transformers, "Glm5NextTextConfig"):
         pytest.skip(f"transformers {transformers.__version__} has no Glm5NextTextConfig")
-    config = transformers.Glm5NextTextConfig(**{**_DSA, **dict(
+    return transformers.Glm5NextTextConfig(**{**_DSA, **dict(
         qk_rope_head_dim=0, index_topk=8, index_kpool=4, layer_types=["full_attention"] * 2,
-        indexer_types=["full", "shared"], mlp_layer_types=["dense"] * 2, hc_mult=2, hc_sinkhorn_iters=2)})
+        indexer_types=["full", "shared"], mlp_layer_types=["dense"] * 2, hc_mult=2, hc_sinkhorn_iters=2), **extra})
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_glm5_next_pooled_indexer_and_attention(tail):
+    """glm5_next's pooled indexer becomes dsa_pooled_indexer_topk and the attention over its selection (its own
+    and, on the shared layer, the previous layer's) dsa_sparse_attention, for eager and SDPA attention: the
+    rewritten graph holds no tensor of S x T elements (every example value walked; the traced one did)."""
+    config = _glm5_next_config(index_kpool_always_select_tail=tail, index_topk=12)  # widths 15 / 12, not T = 11
     ids, mask = batch()
     keep = mask.bool()
     for attn in ("eager", "sdpa"):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = transformers.Glm5NextTextModel._from_config(config, attn_implementation=attn).eval()
+        before, after = [], []
+
+        def backend(gm, example_inputs):
+            before.append(s_by_t_values(gm, PROMPT, PROMPT))
+            PassManager(QUICK).run(gm)
+            after.append(s_by_t_values(gm, PROMPT, PROMPT))
+            return lookup_backend("aot_eager")(gm, example_inputs)
+
+        with torch.no_grad():
+            have = torch.compile(model, backend=backend, fullgraph=True)(ids, attention_mask=mask).last_hidden_state
+            want = model(ids, attention_mask=mask).last_hidden_state
+        # Without the tail a query's first index_kpool - 1 tokens select nothing: HF's eager softmax then spreads
+        # over every key (future ones too), the op gives 0 (docs/dsa-rewrite.md, Limits); values only with it.
+        assert not tail or rel_error(have[keep], want[keep]) < TOL, attn
+        assert before[0], "the traced graph holds no S x T tensor: the check below cannot fail"
+        assert after == [[]], after
         fast = optimize(model, QUICK, fullgraph=True)
         with torch.no_grad():
-            have = fast(ids, attention_mask=mask).last_hidden_state
-            want = model(ids, attention_mask=mask).last_hidden_state
-        assert rel_error(have[keep], want[keep]) < TOL, attn
+            again = fast(ids, attention_mask=mask).last_hidden_state
+        assert not tail or rel_error(again[keep], want[keep]) < TOL, attn
         (graph,) = kda_compile.report(fast).graphs
         sites = [r.details["indices"] for r in graph.rewritten if r.op == "kda_compile.dsa_sparse_attention"]
         assert sites == ["pooled indexer", "pooled indexer, shared: layers.0.self_attn.indexer"], graph.summary()
         forms = [r.details["form"] for r in graph.rewritten if r.op == "kda_compile.dsa_sparse_attention"]
         assert forms == ["absorbed"] * 2, graph.summary()  # no rope part (qk_rope_head_dim=0)
-        reported = [c for c in graph.left_alone if c.rewrite == "dsa_attention"]
-        assert [c.site for c in reported] == ["layers.0.self_attn.indexer"], graph.summary()
+        pooled = [r for r in graph.rewritten if r.op == "kda_compile.dsa_pooled_indexer_topk"]
+        assert [r.site for r in pooled] == ["layers.0.self_attn.indexer"], graph.summary()
+        assert pooled[0].details["select_tail"] is tail and pooled[0].details["topk"] == 12, graph.summary()
+        assert not [c for c in graph.left_alone if c.rewrite == "dsa_attention"], graph.summary()
+
+
+def test_glm5_next_generate_matches_eager():
+    """generate() through the rewritten graphs (prefill, then decode steps reading HF's indexer cache with a
+    query offset): eager's tokens, each step's logits within 1e-4, the pooled indexer rewritten in every graph."""
+    config = _glm5_next_config(vocab_size=VOCAB)
+    if not hasattr(transformers, "Glm5NextForCausalLM"):  # TODO: drive the text model through a causal-LM head
+        pytest.skip(f"transformers {transformers.__version__} has no Glm5NextForCausalLM")
+    torch.manual_seed(0)
+    model = transformers.Glm5NextForCausalLM._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_()
+    ids, mask = batch()
+    expected = generate(model, ids, mask)
+    fast = optimize(model.forward, QUICK, fullgraph=True)
+    model.forward = fast
+    try:
+        got = generate(model, ids, mask)
+    finally:
+        del model.forward
+    assert torch.equal(got.sequences, expected.sequences)
+    for step, (have, want) in enumerate(zip(got.logits, expected.logits)):
+        assert rel_error(have, want) < TOL, step
+    graphs = kda_compile.report(fast).graphs
+    assert len(graphs) == NEW_TOKENS
+    for graph in graphs:
+        ops = [r.op for r in graph.rewritten if r.rewrite == "dsa_attention"]
+        assert ops.count("kda_compile.dsa_pooled_indexer_topk") == 1, graph.summary()
+        assert ops.count("kda_compile.dsa_sparse_attention") == 2, graph.summary()
+        assert not [c for c in graph.left_alone if c.rewrite == "dsa_attention"], graph.summary()
 
 
 _MATMULS = (torch.matmul, torch.nn.functional.linear, torch.bmm, torch.mm, torch.einsum, operator.matmul)

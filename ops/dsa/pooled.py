@@ -1,0 +1,145 @@
+"""glm5_next's pooled DSA indexer in plain torch, blockwise: the op's implementation (every device) and the
+math the tests check against Hugging Face's ``Glm5NextTextIndexer``.
+
+The keys are grouped into pools of ``P`` consecutive tokens starting at each row's first valid key
+(``first[b]``; left padding is skipped): pool ``p`` holds the tokens ``first + p * P + j``, ``j < P``, and is
+*valid* when all of them exist (``< T``) and are valid keys. Its key is a softmax-gated mean::
+
+    g[b, p, j]  = softmax_j(gate[b, tok] + ape[j])                 (float32; invalid tokens excluded)
+    pk[b, p]    = sum_j g[b, p, j].to(k.dtype) * k[b, tok]         (in k's dtype, as HF sums it)
+
+Query ``i`` sits at position ``pos_i = q_offset + i`` and sees a valid key ``s`` when ``s <= pos_i``. It
+scores the valid pools whose last token it sees (float32, as HF):
+``score[b, i, p] = sum_h weights[b, i, h] * relu(scale * q[b, i, h] . pk[b, p])`` and keeps the best
+``n_sel = min(topk // P, n_kept)`` pools, where ``n_kept`` counts the pools valid in at least one batch row
+(HF drops the others before its top-k). The output row is the selected pools' tokens (``P`` each, pools by
+score descending, equal scores by the lower pool index; a slot without a pool is ``P`` times -1), then, with
+``select_tail``, the visible tail (the ``P - 1`` slots after the pools: the tokens past the last complete
+pool, ``cnt % P`` of them, ``cnt`` = the query's visible count), then -1 up to ``topk (+ P - 1)``; rows of
+padded queries (``query_mask`` False) are all -1.
+
+Memory: queries go in blocks and the pools in blocks, with a running top-k of int64 order keys (the
+tie rule of ``reference.order_keys``), so the largest temporary is one block's ``[B, s_blk, H_I, p_blk]``
+float32 logits (under ``BLOCK_BYTES``): no ``[B, S, T]`` or ``[B, S, H_I, T]`` tensor (nor ``[B, S, T / P]``)
+exists. Per row the work stops at the last pool the block's queries can see (causal prefill: half).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kda_compile.ops.dsa.reference import BLOCK_BYTES
+
+logger = logging.getLogger("kda_compile.ops.dsa.pooled")
+
+_LOW31 = (1 << 31) - 1
+POOL_BLOCK = 1024  # pools scored per step of the running top-k (tests lower it to exercise the merge)
+QUERY_BLOCK = 1 << 30  # an upper bound on the query block (the byte budget decides; tests lower it)
+
+
+def output_width(topk: int, pool: int, select_tail: bool) -> int:
+    """HF's ``index_topk`` plus ``index_kpool - 1`` tail slots when the tail is appended."""
+    return topk + (pool - 1 if select_tail else 0)
+
+
+def first_valid(key_valid: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: each row's first valid key, T for a row without one."""
+    t_len = key_valid.shape[1]
+    return torch.where(key_valid.any(-1), key_valid.long().argmax(-1),
+                       torch.full_like(key_valid[:, 0], t_len, dtype=torch.long))
+
+
+def pooled_keys(k, gate, key_valid, ape, first):
+    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring)."""
+    b, t_len, _ = k.shape
+    pool = ape.shape[0]
+    n_pools = (t_len + pool - 1) // pool
+    tok = first[:, None, None] + torch.arange(n_pools * pool, device=k.device).view(1, n_pools, pool)
+    safe = tok.clamp(0, max(t_len - 1, 0))
+    b_ix = torch.arange(b, device=k.device)[:, None, None]
+    valid = key_valid[b_ix, safe] & (tok < t_len)
+    logits = gate[b_ix, safe].float() + ape.float()[None, None]
+    logits = logits.masked_fill(~valid[..., None], float("-inf"))
+    probs = torch.nan_to_num(logits.softmax(dim=2)).to(k.dtype)
+    return (probs * k[b_ix, safe]).sum(dim=2), valid.all(-1)
+
+
+def _order_keys(scores: torch.Tensor, visible: torch.Tensor, start: int) -> torch.Tensor:
+    """int64 keys of float32 ``scores`` [..., n] for pools ``start..start+n-1`` (``reference.order_keys``'s
+    rule: score descending, equal scores by the lower pool index; -1 for a pool the query may not take)."""
+    s = scores.float() + 0.0
+    bits = s.view(torch.int32).to(torch.int64)
+    unsigned = bits & 0xFFFFFFFF
+    ordered = torch.where(bits >= 0, unsigned | 0x80000000, unsigned ^ 0xFFFFFFFF)
+    index = torch.arange(start, start + s.shape[-1], device=s.device, dtype=torch.int64)
+    key = (ordered << 31) | (_LOW31 - index)
+    return torch.where(visible, key, torch.full_like(key, -1))
+
+
+def _visible_count(key_valid: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """int64 [B, S]: how many valid keys ``s <= pos_i`` each query sees (a prefix sum; no [S, T])."""
+    b, t_len = key_valid.shape
+    prefix = torch.cat((key_valid.new_zeros((b, 1), dtype=torch.long), key_valid.long().cumsum(-1)), dim=1)
+    upto = (pos + 1).clamp(0, t_len)
+    return prefix[:, upto]
+
+
+def _tail(key_valid, first, pos, pool: int) -> torch.Tensor:
+    """int64 [B, S, P - 1]: HF's ``append_visible_tail``, from the visible counts."""
+    t_len = key_valid.shape[1]
+    count = _visible_count(key_valid, pos)
+    tail_count = count.remainder(pool)
+    offsets = torch.arange(pool - 1, device=key_valid.device)
+    tail = (first[:, None] + count - tail_count)[..., None] + offsets
+    safe = tail.clamp(0, max(t_len - 1, 0))
+    b_ix = torch.arange(key_valid.shape[0], device=key_valid.device)[:, None, None]
+    seen = key_valid[b_ix, safe] & (safe <= pos[None, :, None])
+    keep = (offsets < tail_count[..., None]) & (tail < t_len) & seen
+    return tail.masked_fill(~keep, -1)
+
+
+def pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mask, topk: int, scale: float,
+                                  q_offset: int, select_tail: bool) -> torch.Tensor:
+    """int32 [B, S, topk (+ P - 1 with the tail)]: the pooled selection (module docstring), blockwise."""
+    b, s_len, heads, _ = q.shape
+    t_len, pool = k.shape[1], ape.shape[0]
+    width = output_width(topk, pool, select_tail)
+    out = torch.full((b, s_len, width), -1, dtype=torch.int32, device=q.device)
+    if b == 0 or s_len == 0:
+        return out
+    if key_valid is None:
+        key_valid = torch.ones((b, t_len), dtype=torch.bool, device=q.device)
+    first = first_valid(key_valid)
+    pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
+    pk, pool_valid = pooled_keys(k, gate, key_valid, ape, first)
+    n_pools = pool_valid.shape[1]
+    n_sel = min(topk // pool, int(pool_valid.any(0).sum()))  # HF drops pools no row has, then tops k
+    if n_sel > 0:
+        pool_last = first[:, None] + torch.arange(n_pools, device=q.device) * pool + (pool - 1)  # [B, NP]
+        lowest_first = int(first.min())
+        pk32, w32 = pk.float(), weights.float()
+        step = min(QUERY_BLOCK, s_len, max(1, BLOCK_BYTES // max(1, b * (heads + 6) * min(POOL_BLOCK, n_pools) * 8)))
+        for start in range(0, s_len, step):
+            stop = min(s_len, start + step)
+            last_pos = q_offset + stop - 1
+            # pools whose last token lies past every query of the block are never candidates
+            reach = max(0, min(n_pools, (last_pos - lowest_first - (pool - 1)) // pool + 1))
+            best = torch.full((b, stop - start, n_sel), -1, dtype=torch.int64, device=q.device)
+            qb = q[:, start:stop].float()
+            for p0 in range(0, reach, POOL_BLOCK):
+                p1 = min(reach, p0 + POOL_BLOCK)
+                logits = torch.relu(torch.einsum("bshd,bpd->bshp", qb, pk32[:, p0:p1]) * scale)
+                scores = torch.einsum("bshp,bsh->bsp", logits, w32[:, start:stop])
+                visible = pool_valid[:, None, p0:p1] & (pool_last[:, None, p0:p1] <= pos[None, start:stop, None])
+                keys = torch.cat((best, _order_keys(scores, visible, p0)), dim=-1)
+                best = torch.topk(keys, n_sel, dim=-1, sorted=True).values
+            chosen = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, -1))
+            tokens = first[:, None, None, None] + chosen[..., None] * pool + torch.arange(pool, device=q.device)
+            tokens = torch.where(chosen[..., None] >= 0, tokens, torch.full_like(tokens, -1))
+            out[:, start:stop, :n_sel * pool] = tokens.flatten(-2).to(torch.int32)
+    if select_tail and pool > 1:
+        out[:, :, n_sel * pool:n_sel * pool + pool - 1] = _tail(key_valid, first, pos, pool).to(torch.int32)
+    if query_mask is not None:
+        out.masked_fill_(~query_mask[..., None], -1)
+    return out

@@ -1,0 +1,170 @@
+"""``dsa_pooled_indexer_topk`` (glm5_next's pooled indexer) against Hugging Face's own
+``Glm5NextTextIndexer`` and a dense float64 oracle that follows HF's code (``pooled_naive.py``): prefill with
+left padding, batch > 1, several T / pool sizes / top-k (more than the visible pools), the tail on and off,
+decode (S = 1) and chunks over a cache (a query offset), a static-cache-like length, ties (exact integer
+scores: the lower pool wins), blockwise merging (small blocks give the same selection), opcheck (with
+non-contiguous inputs) and torch.compile(fullgraph=True, dynamic=True) with no graph break."""
+import pytest
+import torch
+
+import kda_compile.ops.dsa.pooled as pooled
+from kda_compile.ops import dsa_pooled_indexer_topk
+
+from .pooled_naive import StubCache, dense_pooled, hf_inputs
+
+transformers = pytest.importorskip("transformers")
+modeling = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+
+
+def _indexer(pool, topk, tail, seed=0, heads=8, dim=16):
+    config = transformers.Glm5NextTextConfig(
+        hidden_size=32, q_lora_rank=24, index_n_heads=heads, index_head_dim=dim, index_topk=topk, index_kpool=pool,
+        index_kpool_always_select_tail=tail, qk_rope_head_dim=0)
+    torch.manual_seed(seed)
+    module = modeling.Glm5NextTextIndexer(config, 0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    return module.eval()
+
+
+def _padding(b, t, seed):
+    valid = torch.ones(b, t, dtype=torch.bool)
+    lead = torch.randint(0, max(1, t // 2), (b,), generator=torch.Generator().manual_seed(seed))
+    for bi in range(1, b):  # row 0 unpadded, the others left-padded
+        valid[bi, :lead[bi]] = False
+    return valid
+
+
+def _run_both(module, b, s, t, seed, dtype=torch.float32, length=None):
+    """(HF's selection, the op's) for S queries at the end of a T-key cache (``length`` filled slots)."""
+    module = module.to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    length = t if length is None else length
+    hidden = torch.randn(b, t, module.hidden_size, generator=g, dtype=dtype)
+    q_resid = torch.randn(b, t, module.q_lora_rank, generator=g, dtype=dtype)
+    valid = _padding(b, t, seed)
+    valid[:, length:] = False  # a static cache's unfilled slots
+    with torch.no_grad():
+        q, k, gate, weights = hf_inputs(module, hidden, q_resid)
+        rows = slice(length - s, length)
+        if s == t and length == t:
+            want = module(hidden, q_resid, valid, None)
+        else:
+            packed = torch.cat([k, gate, valid.to(dtype)[..., None]], dim=-1)
+            want = module(hidden[:, rows], q_resid[:, rows], valid[:, rows], StubCache(packed, length))
+        got = dsa_pooled_indexer_topk(
+            q[:, rows], k, weights[:, rows], gate, module.index_kpool_compress_ape, module.index_topk,
+            scale=module.softmax_scale, key_valid=valid, query_mask=valid[:, rows], q_offset=length - s,
+            select_tail=module.index_kpool_always_select_tail)
+        dense = dense_pooled(q[:, rows], k, gate, weights[:, rows], valid, module.index_kpool_compress_ape,
+                             valid[:, rows], module.index_topk, module.softmax_scale, length - s,
+                             module.index_kpool_always_select_tail)
+    return want, got, dense
+
+
+CASES = [  # (B, S, T, pool, topk, tail)
+    (2, 11, 11, 4, 8, True), (2, 13, 13, 4, 8, False), (3, 16, 16, 2, 6, True), (1, 9, 9, 1, 4, True),
+    (2, 20, 20, 4, 64, True),  # top-k above every visible pool count
+    (2, 1, 17, 4, 8, True), (2, 1, 12, 4, 8, True),  # decode: S = 1 after a cache (T % P == 0 too)
+    (2, 5, 23, 3, 9, True),  # a chunk over a cache
+    (2, 18, 18, 5, 10, True), (2, 7, 7, 8, 8, True),  # a pool of 5; T below one pool
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("b,s,t,pool,topk,tail", CASES)
+def test_matches_hf_indexer(b, s, t, pool, topk, tail, dtype):
+    want, got, dense = _run_both(_indexer(pool, topk, tail), b, s, t, seed=b + s + t, dtype=dtype)
+    assert got.dtype == torch.int32 and got.shape == want.shape
+    assert torch.equal(got, want)
+    assert torch.equal(got, dense)
+
+
+def test_static_cache_length():
+    """Unfilled cache slots past the current length are never selected; queries sit at length - S + i."""
+    want, got, dense = _run_both(_indexer(4, 8, True), 2, 3, 20, seed=3, length=14)
+    assert torch.equal(got, want) and torch.equal(got, dense)
+    assert int(got.max()) < 14
+
+
+def test_small_blocks_merge_the_same(monkeypatch):
+    """Pool and query blocks of a few rows (the running top-k merges across blocks) give the same answer."""
+    module = _indexer(2, 10, True)
+    want, whole, _ = _run_both(module, 2, 24, 24, seed=5)
+    monkeypatch.setattr(pooled, "POOL_BLOCK", 3)
+    monkeypatch.setattr(pooled, "QUERY_BLOCK", 5)
+    _, blocked, _ = _run_both(module, 2, 24, 24, seed=5)
+    assert torch.equal(blocked, whole) and torch.equal(blocked, want)
+
+
+def test_ties_take_the_lower_pool():
+    """Exact integer scores with many equal values: the selection is the dense oracle's stable order."""
+    g = torch.Generator().manual_seed(7)
+    b, s, t, heads, dim, pool = 2, 10, 16, 2, 4, 4
+    q = torch.randint(-1, 2, (b, s, heads, dim), generator=g).float()
+    q[0, 3] = 0  # a zero query: every pool scores 0
+    k = torch.randint(-2, 3, (b, t, dim), generator=g).float()
+    weights = torch.randint(0, 2, (b, s, heads), generator=g).float()
+    gate, ape = torch.zeros(b, t, dim), torch.zeros(pool, dim)  # equal gates: exact means over 4 tokens
+    got = dsa_pooled_indexer_topk(q, k, weights, gate, ape, 8, scale=0.5)
+    assert torch.equal(got, dense_pooled(q, k, gate, weights, None, ape, None, 8, 0.5, t - s, True))
+    assert got[0, 3, :8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # pools 0 and 1 of the two visible
+
+
+def test_validation_names_the_argument():
+    q, k, w = torch.randn(1, 3, 2, 4), torch.randn(1, 5, 4), torch.randn(1, 3, 2)
+    gate, ape = torch.randn(1, 5, 4), torch.randn(2, 4)
+    with pytest.raises(ValueError, match="gate must be"):
+        dsa_pooled_indexer_topk(q, k, w, gate[:, :4], ape, 4, scale=1.0)
+    with pytest.raises(ValueError, match="ape must be"):
+        dsa_pooled_indexer_topk(q, k, w, gate, ape[:, :3], 4, scale=1.0)
+    with pytest.raises(ValueError, match="topk must be an int >= 1"):
+        dsa_pooled_indexer_topk(q, k, w, gate, ape, 0, scale=1.0)
+    with pytest.raises(TypeError, match="key_valid must be"):
+        dsa_pooled_indexer_topk(q, k, w, gate, ape, 4, scale=1.0, key_valid=torch.ones(1, 5))
+    with pytest.raises(TypeError, match="k must be"):
+        dsa_pooled_indexer_topk(q, k.double(), w, gate, ape, 4, scale=1.0)
+
+
+def _args(b=2, s=6, t=9, heads=3, dim=8, pool=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :2] = False
+    return dict(q=torch.randn(b, s, heads, dim, generator=g), k=torch.randn(b, t, dim, generator=g),
+                weights=torch.randn(b, s, heads, generator=g), gate=torch.randn(b, t, dim, generator=g),
+                ape=torch.randn(pool, dim, generator=g), key_valid=valid, query_mask=valid[:, t - s:].clone())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_opcheck(transposed):
+    a = _args()
+    q, k, w, gate = a["q"], a["k"], a["weights"], a["gate"]
+    if transposed:  # non-contiguous views with the same values
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+        k = k.transpose(0, 1).contiguous().transpose(0, 1)
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+        gate = gate.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(torch.ops.kda_compile.dsa_pooled_indexer_topk.default,
+                          (q, k, gate, w, a["key_valid"], a["ape"], a["query_mask"], 7, 0.25, 3, True))
+
+
+def test_compile_fullgraph_dynamic():
+    calls = []
+
+    def count(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    def layer(q, k, weights, gate, ape, key_valid, query_mask):
+        idx = dsa_pooled_indexer_topk(q, k, weights, gate, ape, 8, scale=0.25, key_valid=key_valid,
+                                      query_mask=query_mask)
+        return idx.long().clamp_min(0).sum(-1)
+
+    compiled = torch.compile(layer, backend=count, fullgraph=True, dynamic=True)
+    for s, t in ((6, 9), (5, 13), (8, 11)):  # (S = 1 and S == T specialise, as for every op)
+        a = _args(s=s, t=t, pool=4, seed=s + t)
+        a["key_valid"][1, :2] = False
+        args = (a["q"], a["k"], a["weights"], a["gate"], a["ape"], a["key_valid"], a["query_mask"])
+        assert torch.equal(compiled(*args), layer(*args))
+    assert len(calls) == 1

@@ -271,3 +271,49 @@ def test_cli_writes_the_table(tmp_path, capsys):
     text = out.read_text()
     assert "| `llama` | ok | softmax | 2 | kda_compile.attention x2 | - | 0 (1 graphs) |" in text
     assert "families: 1, built: 1, compiled: 1, fully rewritten: 1" in capsys.readouterr().out
+
+
+def test_sizes_the_config_derives_are_derived_again_from_the_tiny_sizes():
+    # declared None, a number in the default config: rwkv attention_hidden_size, xlnet d_head
+    assert tiny_config("rwkv").attention_hidden_size == 64
+    assert tiny_config("xlnet").d_head == 16  # d_model // n_head, which xlnet validates
+    xlstm = tiny_config("xlstm")
+    assert (xlstm.embedding_dim, xlstm.num_blocks) == (64, xlstm.num_hidden_layers)
+    # no declared field, set by the config when absent (an extra keyword would override it): zamba2
+    zamba2 = tiny_config("zamba2")
+    assert zamba2.mamba_headdim == zamba2.mamba_expand * zamba2.hidden_size // zamba2.n_mamba_heads
+    assert zamba2.attention_hidden_size == 2 * zamba2.hidden_size
+
+
+def test_unset_sizes_the_model_reads_are_filled():
+    from kda_compile.coverage.models import _fill_unset
+
+    assert _fill_unset(shrink({"num_attention_heads": 48, "num_key_value_heads": None}))["num_key_value_heads"] == 4
+    moe = _fill_unset(shrink({"moe_intermediate_size": 1408, "n_routed_experts": None, "n_shared_experts": None,
+                              "num_experts_per_tok": None}))
+    assert (moe["n_routed_experts"], moe["n_shared_experts"], moe["num_experts_per_tok"]) == (4, 1, 2)
+    assert _fill_unset({"num_experts_per_tok": None})["num_experts_per_tok"] is None  # not a MoE config
+
+
+def test_a_top_1_router_stays_top_1():
+    assert shrink({"num_experts_per_tok": 1, "num_experts": 16})["num_experts_per_tok"] == 1
+    assert shrink({"num_experts_per_tok": 8, "num_experts": 64})["num_experts_per_tok"] == 2
+
+
+def test_a_hybrid_without_attention_layer_gets_one():
+    from kda_compile.coverage.models import _fill_unset
+
+    linear = _fill_unset(shrink({"num_hidden_layers": 32, "layer_types": ["linear_attention"] * 32}))
+    assert linear["layer_types"] == ["linear_attention", "full_attention"]
+    assert _fill_unset(shrink({"num_hidden_layers": 32, "attn_layer_indices": None}))["attn_layer_indices"] == [1]
+    assert tiny_config("bamba").layers_block_type == ["linear_attention", "full_attention"]
+
+
+def test_an_unset_default_language_is_the_first_language():
+    from kda_compile.coverage.models import _fill_unset
+
+    assert _fill_unset({"languages": ["en_XX", "de_DE"], "default_language": None})["default_language"] == "en_XX"
+
+
+def test_zamba_keeps_two_hybrid_layers_for_its_tied_shared_transformer():
+    assert tiny_config("zamba").layers_block_type == ["linear_attention", "hybrid", "hybrid"]

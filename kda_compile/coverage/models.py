@@ -29,6 +29,9 @@ logger = logging.getLogger("kda_compile.coverage")
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, VOCAB, POSITIONS = 64, 4, 2, 16, 256, 256
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers", "encoder_layers",
               "num_decoder_layers", "num_encoder_layers")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_selected_experts", "num_experts_per_token")
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts",
+               "n_experts", "n_shared_experts", "num_shared_experts", *TOP_K_KEYS)
 SIZES = {  # config attribute -> tiny value (only set where the default config has a number there)
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "word_embed_proj_dim",
                      "embedding_size", "projection_dim",
@@ -44,8 +47,7 @@ SIZES = {  # config attribute -> tiny value (only set where the default config h
                      "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts",
                      "num_routed_experts", "n_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_selected_experts",
-                     "num_experts_per_token"), 2),
+    **dict.fromkeys(TOP_K_KEYS, 2),  # a top-1 router stays top-1 (zaya accepts only 1)
     **dict.fromkeys(("n_group", "topk_group", "n_shared_experts", "num_shared_experts", "num_expert_group"), 1),
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
                      "seq_length"), POSITIONS),
@@ -170,7 +172,7 @@ def shrink(d: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dict) and ("config" in key or key.endswith("_cfg") or "model_type" in value):
             out[key] = shrink(value)
         elif key in SIZES and isinstance(value, int) and not isinstance(value, bool) and value != 0:
-            out[key] = SIZES[key]  # a zero size switches a part off (glm5_next's NoPE: qk_rope_head_dim=0)
+            out[key] = min(value, SIZES[key]) if key in TOP_K_KEYS else SIZES[key]  # a zero size switches a part off (glm5_next's NoPE: qk_rope_head_dim=0)
         elif (key.endswith("_period") or key.endswith("_freq")) and isinstance(value, int) and value > 1:
             out[key] = 2
         elif key.endswith("_offset") and isinstance(value, int) and value > 0:
@@ -226,6 +228,26 @@ QSA_INDEXER = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 
 def _fill_unset(d: dict[str, Any]) -> dict[str, Any]:
     out = {key: (_fill_unset(value) if isinstance(value, dict) and "config" in key else value)
            for key, value in d.items()}
+    if "num_key_value_heads" in out and out["num_key_value_heads"] is None and isinstance(
+            out.get("num_attention_heads"), int):  # unset means one per head (nemotron divides by it)
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    if out.get("default_language") is None and out.get("languages"):  # xmod's adapters need a language
+        out["default_language"] = out["languages"][0]
+    n = out.get("num_hidden_layers")
+    for key in ("layer_types", "layers_block_type"):  # a hybrid whose default has no attention layer (every
+        types = out.get(key)  # layer linear: granitemoehybrid) gets one: HF's cache needs it for the length
+        if isinstance(types, list) and len(types) >= 2 and set(types) == {"linear_attention"}:
+            out[key] = types[:-1] + ["full_attention"]
+    if "attn_layer_indices" in out and not out["attn_layer_indices"] and isinstance(n, int) and n >= 2:
+        out["attn_layer_indices"] = [n - 1]  # bamba: unset means no attention layer
+    types = out.get("layers_block_type")
+    if out.get("model_type") == "zamba" and isinstance(types, list) and types.count("hybrid") == 1:
+        out["layers_block_type"] = types + ["hybrid"]  # its shared transformer is tied from the first hybrid
+        out["num_hidden_layers"] = len(types) + 1  # layer to the others: HF raises when there is no other
+    if isinstance(out.get("moe_intermediate_size"), int):  # a MoE config: expert counts left unset (None)
+        for key in EXPERT_KEYS:  # are read by the model (deepseek_v2's top-k, dots1's expert weights)
+            if key in out and out[key] is None:
+                out[key] = SIZES[key]
     if "head_dim" in out and out["head_dim"] is None and isinstance(out.get("num_attention_heads"), int):
         out["head_dim"] = out.get("hidden_size", HIDDEN) // out["num_attention_heads"]  # hunyuan_v1 reads it
     if isinstance(out.get("num_layers_per_stack"), int):  # hrm_text derives it (and the cache slots) again
@@ -235,6 +257,38 @@ def _fill_unset(d: dict[str, Any]) -> dict[str, Any]:
         out["layer_types"] = ["conv"] * (n - 1) + ["full_attention"]
     if out.get("model_type", "").startswith("qwen4_exp") and "indexer_budget" in out:
         out.update({key: value for key, value in QSA_INDEXER.items() if out.get(key) is None})
+    return out
+
+
+def _derive_again(cls: type, full: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
+    """Sizes the config derives itself go back to unset where :func:`shrink` left them as they were, so that
+    the config derives them again from the tiny sizes: a field declared ``None`` or ``"auto"`` that is a
+    number in the default config (rwkv's ``attention_hidden_size``, xlstm's ``embedding_dim`` /
+    ``num_blocks``, xlnet's ``d_head``, zamba's ``attention_hidden_size`` / ``mamba_dt_rank``), and a number
+    that is no declared field but that the config sets when it is absent (zamba2's ``mamba_headdim``,
+    ``attention_hidden_size``: an extra keyword would override what it derives). A derived size
+    :func:`shrink` set (``head_dim``, ``num_key_value_heads``...) is kept, and so are lists (layer patterns)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(cls):
+        return tiny
+    declared = {f.name: f.default for f in dataclasses.fields(cls)}
+    out = dict(tiny)
+    stale = [key for key, value in full.items()
+             if isinstance(value, int) and not isinstance(value, bool) and tiny.get(key) == value
+             and key not in TOKEN_KEYS and key not in LAYER_KEYS]
+    for key in stale:
+        if key in declared and (declared[key] is None or declared[key] == "auto"):
+            out[key] = declared[key]
+    undeclared = [key for key in stale if key not in declared]
+    if undeclared:
+        try:
+            rebuilt = cls.from_dict({k: v for k, v in out.items() if k not in undeclared}).to_dict()
+        except Exception:  # noqa: BLE001  (then keep them as they are)
+            return out
+        for key in undeclared:
+            if rebuilt.get(key) is not None:
+                del out[key]
     return out
 
 
@@ -253,7 +307,8 @@ def tiny_config(model_type: str) -> Any:
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    d = _fill_unset(shrink(default.to_dict()))
+    full = default.to_dict()
+    d = _derive_again(type(default), full, _fill_unset(shrink(full)))
     for key in ("transformers_version", "architectures", "_name_or_path"):
         d.pop(key, None)
     return _fix_built(type(default).from_dict(d))

@@ -66,11 +66,7 @@ def dsa_indexer_topk(
         raise arg_error("weights", describe(weights), f"[B, S, H_I] = [{b}, {s_len}, {heads}] (q's)")
     if heads == 0 or dim == 0:
         raise arg_error("q", describe(q), "a tensor with H_I >= 1 heads of width D >= 1")
-    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)):
-        raise arg_error("topk", repr(topk), "an int >= 1", kind=TypeError)
-    if topk < 1:
-        raise arg_error("topk", topk, "an int >= 1")
-    scale = _finite_float("scale", scale, "a finite float")
+    scale = _check_topk_and_scale(topk, scale)
     _check_bool("is_causal", is_causal)
     if key_mask is not None:
         check_tensor("key_mask", key_mask, ndim=2, dtypes=(torch.bool,))
@@ -153,11 +149,7 @@ def dsa_pooled_indexer_topk(
         raise arg_error("gate", describe(gate), f"[B, T, D] = [{b}, {t_len}, {dim}] (k's)")
     if ape.shape[0] < 1 or ape.shape[1] != dim:
         raise arg_error("ape", describe(ape), f"[P, D] with P >= 1 and D = {dim} (q's)")
-    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)):
-        raise arg_error("topk", repr(topk), "an int >= 1", kind=TypeError)
-    if topk < 1:
-        raise arg_error("topk", topk, "an int >= 1")
-    scale = _finite_float("scale", scale, "a finite float")
+    scale = _check_topk_and_scale(topk, scale)
     _check_bool("select_tail", select_tail)
     if key_valid is not None:
         check_tensor("key_valid", key_valid, ndim=2, dtypes=(torch.bool,))
@@ -246,6 +238,15 @@ def _int(name: str, value):
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise arg_error(name, repr(value), "an int", kind=TypeError)
     return value
+
+
+def _check_topk_and_scale(topk, scale) -> float:
+    """An indexer's ``topk`` (an int >= 1) and ``scale`` (a finite float, returned as one)."""
+    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)):
+        raise arg_error("topk", repr(topk), "an int >= 1", kind=TypeError)
+    if topk < 1:
+        raise arg_error("topk", topk, "an int >= 1")
+    return _finite_float("scale", scale, "a finite float")
 
 
 def _finite_float(name: str, value, accepted: str):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kda_compile.ops.attention import attention, attention_with_lse
 
 from .graph_capture import GraphCapture
+from .test_attention_spellings import check_left_alone, compile_capture
 from .test_softmax_attention import B, D, FP32_TOL, H, SK, SQ, inputs, rel_err, repeat_kv
 
 
@@ -79,11 +80,6 @@ CASES = {f.__name__: f for f in (inplace_fill, einsum_products, einsum_implicit_
 def op_calls(cap: GraphCapture) -> int:
     """Calls of the attention op: ``attention``, or ``attention_with_lse`` (per-query sinks)."""
     return cap.after[-1].count(attention, attention_with_lse)
-
-
-def compile_capture(fn, dynamic=False):
-    cap = GraphCapture()
-    return torch.compile(fn, backend=cap, fullgraph=True, dynamic=dynamic), cap
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -192,16 +188,7 @@ NEGATIVE = {
 
 @pytest.mark.parametrize("fn", list(NEGATIVE), ids=lambda f: f.__name__)
 def test_spelling_differing_in_meaning_is_left_alone(fn):
-    q, k, v, mask = inputs()
-    k, v = repeat_kv(k, 2), repeat_kv(v, 2)
-    compiled, cap = compile_capture(fn)
-    out = compiled(q, k, v, mask)
-    ref = fn(q, k, v, mask)
-    report = cap.reports[-1]
-    assert op_calls(cap) == 0 and not report.rewritten and len(report.left_alone) == 1, report
-    assert NEGATIVE[fn] in report.left_alone[0].reason, report.left_alone[0].reason
-    for a, b in zip(out if isinstance(out, tuple) else (out,), ref if isinstance(ref, tuple) else (ref,)):
-        assert rel_err(a, b) < FP32_TOL
+    check_left_alone(fn, NEGATIVE[fn])
 
 
 def test_inplace_fill_outside_attention_is_kept_exact():

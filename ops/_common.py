@@ -209,10 +209,19 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def gradients_needed(*tensors) -> bool:
+    """Whether autograd will differentiate a call: grad mode on and an input (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def on_device(index: int):
     """``torch.cuda.device(index)``, or nothing when that device is already current (the usual case: the
-    switch and switch back cost host time on every launch)."""
-    return contextlib.nullcontext() if torch.cuda.current_device() == index else torch.cuda.device(index)
+    switch and switch back cost host time on every launch). Callers hold CUDA tensors, so CUDA is initialised
+    and the current device is read straight from the binding ``torch.cuda.current_device`` wraps."""
+    return contextlib.nullcontext() if _current_device() == index else torch.cuda.device(index)
 
 
 def cdiv(a: int, b: int) -> int:

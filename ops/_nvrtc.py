@@ -180,7 +180,7 @@ class CompiledKernel:
     def launch(self, grid: tuple[int, int, int], threads: int, args: list) -> None:
         """Launch with ``args`` already as ctypes values (c_void_p, c_longlong, c_int, c_float) or
         ``TensorMap``s; the caller has made ``device_index`` PyTorch's current device."""
-        _ensure_context(self.device_index)
+        ensure_thread_context(self.device_index)
         # addressof, not cast(pointer(a)): the same address, without two ctypes objects per argument (a prefill
         # launches about twenty arguments per kernel; host time is the cost of small calls)
         params = (ctypes.c_void_p * len(args))(*[
@@ -224,19 +224,20 @@ def ensure_thread_context(device_index: int) -> None:
         done.add(device_index)
 
 
-def current_raw_stream(device_index: int) -> int:
-    """The handle of PyTorch's current stream on the device (what ``torch.cuda.current_stream(i).cuda_stream``
-    returns, through the direct binding Inductor's generated code uses when the build has it)."""
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if getter is not None:
-        return getter(device_index)
+def _stream_by_module(device_index: int) -> int:
     return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# The handle of PyTorch's current stream on a device (what ``torch.cuda.current_stream(i).cuda_stream`` returns),
+# through the direct binding Inductor's generated code uses where the build has it.
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_by_module
 
 
 CACHE_DIR_ENV = "KDA_COMPILE_CACHE_DIR"  # where compiled cubins are kept across processes; "" switches it off
 _ELF_MAGIC = b"\x7fELF"
 
 
+@functools.cache
 def nvrtc_version() -> tuple[int, int]:
     major, minor = ctypes.c_int(), ctypes.c_int()
     if nvrtc_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)) != 0:

@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe
+from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe, gradients_needed
 from kda_compile.ops.attention import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.attention_*)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -87,8 +87,7 @@ def _attention(query, key, value, attn_mask, is_causal, scale, softcap, sinks, d
                want_lse: bool):
     scale, softcap, dropout_p, window = _check_arguments(query, key, value, attn_mask, is_causal, scale, softcap,
                                                          sinks, dropout_p, sliding_window)
-    differentiable = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_mask, sinks))
+    differentiable = gradients_needed(query, key, value, attn_mask, sinks)
     out, lse, _ = torch.ops.kda_compile.attention_fwd(query, key, value, attn_mask, sinks, scale, softcap,
                                                       dropout_p, bool(is_causal), window, want_lse and differentiable)
     if want_lse and sinks is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kda_compile.ops._common import gradients_needed
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
@@ -186,7 +187,7 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    needs_grad = gradients_needed(*tensors)
     flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
              bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval))
     if cp_context is not None:

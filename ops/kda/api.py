@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kda_compile.ops._common import record_fallback
+from kda_compile.ops._common import gradients_needed, record_fallback
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.kda import custom_ops, fast_path
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
@@ -158,8 +158,7 @@ def _planned_call(key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_c
     if plan is None:
         return None
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    if (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or \
-            dispatcher_needed(*tensors):
+    if gradients_needed(*tensors) or dispatcher_needed(*tensors):
         return None
     if cu_seqlens_cpu is not None:
         check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -260,7 +259,7 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    needs_grad = gradients_needed(*tensors)
     flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
              bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound)
     if cp_context is not None:

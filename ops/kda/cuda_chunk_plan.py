@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from kda_compile.ops._common import device_capability
 from kda_compile.ops._nvrtc import load_kernel
 
@@ -22,7 +24,7 @@ KERNEL_NAME = "kda_chunk_plan"
 THREADS = 1024
 CHUNK = 64
 MAX_ZERO_BLOCKS = 64
-_CU = {"int32": "int", "int64": "long long"}
+_CU = {torch.int32: "int", torch.int64: "long long"}
 
 _BODY = r"""
 extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, int* __restrict__ chunk_offsets,
@@ -78,11 +80,11 @@ def _source(cu_type: str) -> str:
     return f"#define CU_T {cu_type}\n#define CHUNK {CHUNK}\n" + _BODY
 
 
-def chunk_plan_kernel(device_index: int, cu_dtype_name: str):
-    """The compiled kernel for offsets of ``cu_dtype_name`` ("int32" / "int64"); the caller has made the device
-    current. Raises NvrtcUnavailable."""
+def chunk_plan_kernel(device_index: int, cu_dtype: torch.dtype):
+    """The compiled kernel for offsets of ``cu_dtype`` (int32 / int64); the caller has made the device current.
+    Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
-    return load_kernel(_source(_CU[cu_dtype_name]), KERNEL_NAME, device_index, arch=f"{major}{minor}", shared_bytes=0)
+    return load_kernel(_source(_CU[cu_dtype]), KERNEL_NAME, device_index, arch=f"{major}{minor}", shared_bytes=0)
 
 
 def zero_blocks(T: int, row_words: int) -> int:

@@ -42,6 +42,7 @@ from kda_compile.ops._nvrtc import ArgumentBlock, NvrtcUnavailable, current_raw_
 from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare_src
 from kda_compile.ops.kda.backends import KDAOptions, restricted_to, select_backend
+from kda_compile.ops.kda.validation import CHECK_INPUTS_ENV
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
@@ -51,12 +52,11 @@ CHUNK = 64
 ALIGN = 256  # bytes between workspace regions
 SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"  # triton_chunk.SEGMENTS_ENV (that module needs triton to import)
 PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary path (debugging, measuring)
-_ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, "KDA_COMPILE_CHECK_INPUTS",
+_ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, CHECK_INPUTS_ENV,
                 "TRITON_INTERPRET")
 _plans: dict[tuple, "Plan | None"] = {}  # signature -> plan, or None: the ordinary path serves it
 _seen: dict[tuple, None] = {}  # signatures served once by the ordinary path (insertion-ordered, bounded)
 _plans_lock = threading.Lock()
-_get_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _meta(t):
@@ -164,11 +164,8 @@ class Plan:
                 final.data_ptr() if final is not None else w, cu if self.varlen else w, offsets if self.varlen else w))
             if self.varlen:
                 self.planner_args.set_pointers((cu, offsets, op))
-            if _get_device is not None and _get_device() == self.device_index:
+            with on_device(self.device_index):
                 self._launch()
-            else:
-                with torch.cuda.device(self.device_index):
-                    self._launch()
         return o, final
 
     def _launch(self):
@@ -252,7 +249,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
         ensure_thread_context(index)
         prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags)
         scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v)
-        planner = cuda_chunk_plan.chunk_plan_kernel(index, str(cu_dtype).removeprefix("torch.")) if varlen else None
+        planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
     row_words = HV * V // 2
     return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
                 layout=_layout(B * T, HV, slots, N), prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,

@@ -9,6 +9,8 @@ import torch
 from kda_compile.ops._common import cuda_index, device_capability, kernel_switch
 
 KERNELS = ("auto", "triton", "cuda")
+# The C type of each ``cu_seqlens`` dtype the NVRTC kernels take (their sources are specialised on it).
+CU_TYPES = {torch.int32: "int", torch.int64: "long long"}
 
 
 def requested_kernel(env: str) -> str:

@@ -19,12 +19,12 @@ import torch
 
 from kda_compile.ops._common import device_capability
 from kda_compile.ops._nvrtc import load_kernel
+from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 
 KERNEL_NAME = "kda_chunk_plan"
 THREADS = 1024
 CHUNK = 64
 MAX_ZERO_BLOCKS = 64
-_CU = {torch.int32: "int", torch.int64: "long long"}
 
 _BODY = r"""
 extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, int* __restrict__ chunk_offsets,

@@ -20,6 +20,7 @@ import torch
 
 from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_prepare_source as src
@@ -28,7 +29,6 @@ from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY
 KERNEL_ENV = "KDA_COMPILE_PREPARE_KERNEL"
 _OP = "chunk_kda"
 _ELEM = {torch.bfloat16: "bf16", torch.float32: "f32"}
-_CU = {torch.int32: "int", torch.int64: "long long"}
 
 
 def requested_kernel() -> str:

@@ -21,13 +21,13 @@ import torch
 
 from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_scan_source as src
 
 KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
 _OP = "chunk_kda"
-_CU = {torch.int32: "int", torch.int64: "long long"}
 MAX_SEQUENCES = 65535  # the grid's z dimension
 STAGES = 2  # chunks of tiles in shared memory (cuda_scan_source.shared_bytes); 3 measured no faster
 

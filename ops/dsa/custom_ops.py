@@ -4,8 +4,8 @@
     int32 [B, S, topk], contiguous; no autograd (the selection is discrete).
 
 ``dsa_pooled_indexer_topk(q, k, gate, weights, key_valid?, ape, query_mask?, topk, scale, q_offset, select_tail)``
-    int32 [B, S, topk (+ P - 1)], contiguous; glm5_next's pooled indexer (``pooled.py``); every device runs
-    the blockwise torch implementation; no autograd.
+    int32 [B, S, topk (+ P - 1)], contiguous; glm5_next's pooled indexer (``pooled.py``; CUDA: the fused
+    pool-score kernels of ``triton_pooled.py``); no autograd.
 
 ``dsa_sparse_attention_fwd(q, k, v?, indices, scale, d_v) -> (o, lse)``
     o [B, S, Hq, d_v] contiguous in q's dtype, lse [B, S, Hq] float32 contiguous. ``v`` None is the
@@ -73,6 +73,13 @@ def dsa_pooled_indexer_topk_op(q: Tensor, k: Tensor, gate: Tensor, weights: Tens
                                select_tail: bool) -> Tensor:
     return pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
                                          select_tail)
+
+
+@dsa_pooled_indexer_topk_op.register_kernel("cuda")
+def _dsa_pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
+                                  select_tail):
+    return kernels.pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
+                                            select_tail)
 
 
 @dsa_pooled_indexer_topk_op.register_fake

@@ -10,6 +10,7 @@ import functools
 import torch
 
 from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     check_cu_seqlens_values,
     indexer_topk_reference,
@@ -28,8 +29,9 @@ def _unusable(module: str) -> str | None:
     return module_unusable(module)
 
 
-def _why_not_indexer(q, k) -> str | None:
-    why = _unusable("kda_compile.ops.dsa.triton_indexer")
+def _why_not_indexer(q, k, module: str = "kda_compile.ops.dsa.triton_indexer") -> str | None:
+    """Why the token-level (or, with ``module``, the pooled) indexer kernel cannot take q / k, or None."""
+    why = _unusable(module)
     if why:
         return why
     if q.dtype not in _TRITON_DTYPES or k.dtype not in _TRITON_DTYPES:
@@ -66,6 +68,17 @@ def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causa
     if cu_seqlens is not None:
         check_cu_seqlens_values(cu_seqlens, k.shape[1])
     return indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+
+
+def pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail):
+    args = (q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail)
+    why = _why_not_indexer(q, k, "kda_compile.ops.dsa.triton_pooled")
+    if why:
+        record_fallback("dsa_pooled_indexer_topk", "torch reference", why)
+        return pooled_indexer_topk_reference(*args)
+    from kda_compile.ops.dsa.triton_pooled import pooled_indexer_topk_triton
+
+    return pooled_indexer_topk_triton(*args)
 
 
 def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):

@@ -1,5 +1,6 @@
-"""glm5_next's pooled DSA indexer in plain torch, blockwise: the op's implementation (every device) and the
-math the tests check against Hugging Face's ``Glm5NextTextIndexer``.
+"""glm5_next's pooled DSA indexer in plain torch, blockwise: the op's CPU path, the reference of its CUDA
+kernels (``triton_pooled.py``, which share this file's pooling, merge and layout steps) and the math the tests
+check against Hugging Face's ``Glm5NextTextIndexer``.
 
 The keys are grouped into pools of ``P`` consecutive tokens starting at each row's first valid key
 (``first[b]``; left padding is skipped): pool ``p`` holds the tokens ``first + p * P + j``, ``j < P``, and is
@@ -99,47 +100,82 @@ def _tail(key_valid, first, pos, pool: int) -> torch.Tensor:
     return tail.masked_fill(~keep, -1)
 
 
-def pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mask, topk: int, scale: float,
-                                  q_offset: int, select_tail: bool) -> torch.Tensor:
-    """int32 [B, S, topk (+ P - 1 with the tail)]: the pooled selection (module docstring), blockwise."""
-    b, s_len, heads, _ = q.shape
+def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int):
+    """What both implementations start from: (key_valid, first [B], pos [S], pk [B, NP, D], pool_valid [B, NP],
+    n_sel, lowest_first). One host read for ``n_sel`` (it places the tail) and the lowest first key."""
+    b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
-    width = output_width(topk, pool, select_tail)
-    out = torch.full((b, s_len, width), -1, dtype=torch.int32, device=q.device)
-    if b == 0 or s_len == 0:
-        return out
     if key_valid is None:
         key_valid = torch.ones((b, t_len), dtype=torch.bool, device=q.device)
     first = first_valid(key_valid)
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
     pk, pool_valid = pooled_keys(k, gate, key_valid, ape, first)
+    kept, lowest_first = torch.stack((pool_valid.any(0).sum(), first.min())).tolist()
+    n_sel = min(topk // pool, kept)  # HF drops pools no row has, then tops k
+    return key_valid, first, pos, pk, pool_valid, n_sel, lowest_first
+
+
+def pool_reach(last_pos: int, lowest_first: int, pool: int, n_pools: int) -> int:
+    """How many pools (from pool 0) a block of queries up to position ``last_pos`` may see: the pools whose last
+    token lies past every query of the block are never candidates."""
+    return max(0, min(n_pools, (last_pos - lowest_first - (pool - 1)) // pool + 1))
+
+
+def merge_best(best, keys: torch.Tensor, n_sel: int) -> torch.Tensor:
+    """The running top-k: int64 [..., n_sel], the ``n_sel`` largest order keys of ``best`` (None before the first
+    pool block) and ``keys``, descending, -1 where fewer keys exist."""
+    if best is not None:
+        keys = torch.cat((best, keys), dim=-1)
+    width = min(n_sel, keys.shape[-1])
+    top = torch.topk(keys, width, dim=-1, sorted=True).values
+    if width < n_sel:
+        top = torch.nn.functional.pad(top, (0, n_sel - width), value=-1)
+    return top
+
+
+def write_pools(out: torch.Tensor, start: int, stop: int, best: torch.Tensor, first: torch.Tensor, pool: int):
+    """Expand the chosen pools' order keys ``best`` [B, stop - start, n_sel] into their tokens in ``out``."""
+    n_sel = best.shape[-1]
+    chosen = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, -1))
+    tokens = first[:, None, None, None] + chosen[..., None] * pool + torch.arange(pool, device=best.device)
+    tokens = torch.where(chosen[..., None] >= 0, tokens, torch.full_like(tokens, -1))
+    out[:, start:stop, :n_sel * pool] = tokens.flatten(-2).to(torch.int32)
+
+
+def finish(out, key_valid, first, pos, pool: int, n_sel: int, select_tail: bool, query_mask) -> torch.Tensor:
+    """The tail after the ``n_sel`` pools and the padded queries' -1 rows (both implementations)."""
+    if select_tail and pool > 1:
+        out[:, :, n_sel * pool:n_sel * pool + pool - 1] = _tail(key_valid, first, pos, pool).to(torch.int32)
+    if query_mask is not None:
+        out.masked_fill_(~query_mask[..., None], -1)
+    return out
+
+
+def pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mask, topk: int, scale: float,
+                                  q_offset: int, select_tail: bool) -> torch.Tensor:
+    """int32 [B, S, topk (+ P - 1 with the tail)]: the pooled selection (module docstring), blockwise."""
+    b, s_len, heads, _ = q.shape
+    pool = ape.shape[0]
+    out = torch.full((b, s_len, output_width(topk, pool, select_tail)), -1, dtype=torch.int32, device=q.device)
+    if b == 0 or s_len == 0:
+        return out
+    key_valid, first, pos, pk, pool_valid, n_sel, lowest_first = prepare(q, k, gate, key_valid, ape, topk, q_offset)
     n_pools = pool_valid.shape[1]
-    n_sel = min(topk // pool, int(pool_valid.any(0).sum()))  # HF drops pools no row has, then tops k
     if n_sel > 0:
         pool_last = first[:, None] + torch.arange(n_pools, device=q.device) * pool + (pool - 1)  # [B, NP]
-        lowest_first = int(first.min())
         pk32, w32 = pk.float(), weights.float()
         step = min(QUERY_BLOCK, s_len, max(1, BLOCK_BYTES // max(1, b * (heads + 6) * min(POOL_BLOCK, n_pools) * 8)))
         for start in range(0, s_len, step):
             stop = min(s_len, start + step)
-            last_pos = q_offset + stop - 1
-            # pools whose last token lies past every query of the block are never candidates
-            reach = max(0, min(n_pools, (last_pos - lowest_first - (pool - 1)) // pool + 1))
-            best = torch.full((b, stop - start, n_sel), -1, dtype=torch.int64, device=q.device)
+            reach = pool_reach(q_offset + stop - 1, lowest_first, pool, n_pools)
+            best = None
             qb = q[:, start:stop].float()
             for p0 in range(0, reach, POOL_BLOCK):
                 p1 = min(reach, p0 + POOL_BLOCK)
                 logits = torch.relu(torch.einsum("bshd,bpd->bshp", qb, pk32[:, p0:p1]) * scale)
                 scores = torch.einsum("bshp,bsh->bsp", logits, w32[:, start:stop])
                 visible = pool_valid[:, None, p0:p1] & (pool_last[:, None, p0:p1] <= pos[None, start:stop, None])
-                keys = torch.cat((best, _order_keys(scores, visible, p0)), dim=-1)
-                best = torch.topk(keys, n_sel, dim=-1, sorted=True).values
-            chosen = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, -1))
-            tokens = first[:, None, None, None] + chosen[..., None] * pool + torch.arange(pool, device=q.device)
-            tokens = torch.where(chosen[..., None] >= 0, tokens, torch.full_like(tokens, -1))
-            out[:, start:stop, :n_sel * pool] = tokens.flatten(-2).to(torch.int32)
-    if select_tail and pool > 1:
-        out[:, :, n_sel * pool:n_sel * pool + pool - 1] = _tail(key_valid, first, pos, pool).to(torch.int32)
-    if query_mask is not None:
-        out.masked_fill_(~query_mask[..., None], -1)
-    return out
+                best = merge_best(best, _order_keys(scores, visible, p0), n_sel)
+            if best is not None:
+                write_pools(out, start, stop, best, first, pool)
+    return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask)

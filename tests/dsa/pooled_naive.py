@@ -82,3 +82,74 @@ def hf_inputs(module, hidden, q_resid):
     gate = torch.nn.functional.linear(hidden, module.index_kpool_compress_gate)
     weights = module.weights_proj(hidden).float() * module.n_heads ** -0.5
     return q, k, gate, weights
+
+
+def quantised_pooled_inputs(b, s, t, heads, dim, pool, *, device, dtype=torch.float32, seed=0, length=None,
+                            pad=True):
+    """Pooled indexer inputs whose float32 pool scores are exact on any device and in any summation order
+    (small-integer queries and keys, head weights in quarters, a gate whose softmax picks one token's key per
+    feature: ``exp(-1000)`` is 0), as a dict of the op's arguments (scale 0.5 keeps them exact). Left padding
+    in rows 1.. (row 0 unpadded); a static cache's slots past ``length`` invalid; the S queries end at the
+    filled length; padded queries masked."""
+    g = torch.Generator().manual_seed(seed)
+    length = t if length is None else length
+    q = torch.randint(-2, 3, (b, s, heads, dim), generator=g).to(dtype)
+    k = torch.randint(-2, 3, (b, t, dim), generator=g).to(dtype)
+    weights = torch.randint(-2, 3, (b, s, heads), generator=g).float() / 4
+    gate = torch.randn(b, t, dim, generator=g)
+    leader = torch.randint(0, pool, (dim,), generator=g)
+    ape = torch.where(torch.arange(pool)[:, None] == leader[None, :], 0.0, -1000.0)
+    key_valid = torch.ones(b, t, dtype=torch.bool)
+    if pad:
+        lead = torch.randint(0, max(1, length // 2), (b,), generator=g)
+        for bi in range(1, b):
+            key_valid[bi, :lead[bi]] = False
+    key_valid[:, length:] = False
+    q_offset = length - s
+    query_mask = key_valid[:, q_offset:length].clone()
+    tensors = dict(q=q, k=k, gate=gate, weights=weights, key_valid=key_valid, ape=ape, query_mask=query_mask)
+    return {**{n: v.to(device) for n, v in tensors.items()}, "q_offset": q_offset}
+
+
+def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
+    """Where rounding may order near-equal pools differently: ``got`` and ``want`` (the torch path) agree on
+    the layout (same tail and padding slots, the same number of pools per row, each pool's P consecutive
+    tokens), ``got``'s pools are distinct, complete, valid and visible, in score order, and no visible pool
+    left out scores above a chosen one, up to ``rtol`` of the row's largest score (float64 scores over the
+    pool keys both paths use, ``pooled.pooled_keys``)."""
+    from kda_compile.ops.dsa.pooled import first_valid, pooled_keys
+
+    got, want = got.long(), want.long()
+    b, s_len, _ = got.shape
+    t_len, pool = a["k"].shape[1], a["ape"].shape[0]
+    key_valid = a["key_valid"]
+    if key_valid is None:
+        key_valid = torch.ones(b, t_len, dtype=torch.bool, device=got.device)
+    first = first_valid(key_valid)
+    pk, pool_valid = pooled_keys(a["k"], a["gate"], key_valid, a["ape"], first)
+    n_pools = pool_valid.shape[1]
+    n_sel = min(topk // pool, int(pool_valid.any(0).sum()))
+    assert torch.equal(got[..., n_sel * pool:], want[..., n_sel * pool:])
+    blocks, ref_blocks = got[..., :n_sel * pool].view(b, s_len, n_sel, pool), want[..., :n_sel * pool]
+    assert torch.equal((blocks[..., 0] >= 0).sum(-1), (ref_blocks.view(b, s_len, n_sel, pool)[..., 0] >= 0).sum(-1))
+    taken = blocks[..., :1] >= 0
+    steps = torch.arange(pool, device=got.device)
+    assert torch.equal(blocks, torch.where(taken, blocks[..., :1] + steps, -1))
+    chosen = torch.where(taken[..., 0], (blocks[..., 0] - first[:, None, None]) // pool, -1)  # [B, S, n_sel]
+    ordered = chosen.sort(-1).values
+    assert not bool(((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)).any()), "a pool chosen twice"
+    scores = torch.einsum("bshd,bpd->bshp", a["q"].double(), pk.double()).mul(scale).relu()
+    scores = torch.einsum("bshp,bsh->bsp", scores, a["weights"].double())
+    pos = a["q_offset"] + torch.arange(s_len, device=got.device)
+    last = first[:, None] + torch.arange(n_pools, device=got.device) * pool + pool - 1
+    visible = pool_valid[:, None, :] & (last[:, None, :] <= pos[None, :, None])
+    mask = torch.zeros_like(visible)
+    mask.scatter_(-1, chosen.clamp_min(0), chosen >= 0)
+    assert bool((mask <= visible).all()), "a chosen pool the query may not see"
+    slack = rtol * scores.abs().amax(-1)
+    picked = scores.gather(-1, chosen.clamp_min(0)).masked_fill(chosen < 0, float("-inf"))
+    falls = picked[..., 1:] - picked[..., :-1]
+    assert bool((falls.nan_to_num(0.0, neginf=0.0) <= slack[..., None]).all()), "pools out of score order"
+    worst = scores.masked_fill(~mask, float("inf")).amin(-1)
+    best_left = scores.masked_fill(mask | ~visible, float("-inf")).amax(-1)
+    assert bool((best_left <= worst + slack).all()), "a better visible pool left out"

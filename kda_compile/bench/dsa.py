@@ -1,24 +1,29 @@
 """DeepSeek Sparse Attention per layer: our indexer + top-k and sparse attention ops against dense torch.
 
 Widths: ``deepseek_v32`` (128 heads, latent 512 + rope 64 = d_qk 576, d_v 512 in the absorbed MQA form;
-indexer 64 heads x 128; top-k 2048) and ``glm5`` (GLM-MoE-DSA-like: 64 heads, the same latent widths,
-indexer 32 heads x 128, top-k 2048). Shapes: prefill of one sequence of 4k / 16k / 32k / 64k tokens (causal)
-and decode (one query) at batch 1 / 64 against 8k / 32k cached tokens; bf16 inputs, fp32 indexer weights.
+indexer 64 heads x 128; top-k 2048), ``glm5`` (GLM-MoE-DSA-like: 64 heads, the same latent widths, indexer
+32 heads x 128, top-k 2048) and ``glm5_next`` (its pooled indexer: 32 heads x 128 over pools of 16 keys, top-k
+2048 tokens = 128 pools plus the 15-slot visible tail; attention 64 heads over latent 512, no rope). Shapes:
+prefill of one sequence of 4k / 16k / 32k / 64k tokens (causal) and decode (one query) at batch 1 / 64 against
+8k / 32k cached tokens; bf16 inputs, fp32 indexer weights.
 
-Providers: ``ours`` (``kda_compile.ops.dsa_indexer_topk`` / ``dsa_sparse_attention``) and ``dense torch``:
-the indexer as Hugging Face computes it (the [B, S, H_I, T] fp32 logits, ReLU, weighted head sum, masked
-top-k) and the attention as SDPA over the whole cache with a dense [B, 1, S, T] mask made from the indices
-(scores materialised where SDPA has no fused kernel for d_qk 576); a dense shape whose temporaries would not
-fit in free memory is reported as ``OOM`` instead of run. Ops: ``dsa_indexer`` and ``dsa_sparse_attention``
-(mode ``fwd``; ``fwd+bwd`` with ``--modes fwd,fwd+bwd``: the attention's gradients of q and kv).
+Providers: ``ours`` (``kda_compile.ops.dsa_indexer_topk`` / ``dsa_pooled_indexer_topk`` /
+``dsa_sparse_attention``) and ``dense torch``: the indexer as Hugging Face computes it (the [B, S, H_I, T] fp32
+logits, ReLU, weighted head sum, masked top-k; glm5_next: the [B, S, H_I, T / 16] pool logits, top-k over the
+pools a query has passed, expanded to tokens) and the attention as SDPA over the whole cache with a dense
+[B, 1, S, T] mask made from the indices (scores materialised where SDPA has no fused kernel for d_qk 576); a
+dense shape whose temporaries would not fit in free memory is reported as ``OOM`` instead of run. Ops:
+``dsa_indexer`` (glm5_next: ``dsa_pooled_indexer``) and ``dsa_sparse_attention`` (mode ``fwd``; ``fwd+bwd``
+with ``--modes fwd,fwd+bwd``: the attention's gradients of q and kv).
 
 Metrics per (op, provider, mode, shape): ``time`` (GPU time, triton's do_bench), ``wall_time`` (one call as
 its caller waits, host included, L2 flushed), ``tflops`` (FlashMLA's convention for the attention,
 2 * B * s_q * topk * heads * (d_qk + d_v), forward only; the indexer's QK FLOPs 2 * H_I * D per visible
-(query, key) pair), ``peak_memory`` (MiB allocated above the inputs during one call).
+(query, key) pair, or (query, complete pool) pair for the pooled indexer), ``peak_memory`` (MiB allocated
+above the inputs during one call).
 
 ``--modes configs`` sweeps the sparse attention kernel's tile configs (deepseek_v32 widths, 4k prefill).
-``--smoke`` runs one tiny shape on the CPU (the reference path) to check the command end to end.
+``--smoke`` runs tiny shapes (token-level and pooled) on the CPU (the reference path) to check the command end to end.
 """
 from __future__ import annotations
 
@@ -40,13 +45,16 @@ class Widths:
     indexer_heads: int
     indexer_dim: int
     topk: int
+    pool: int = 0  # > 0: glm5_next's pooled indexer over pools of this many keys (0: the token-level indexer)
 
 
 MODELS = {
     "deepseek_v32": Widths(heads=128, latent=512, rope=64, indexer_heads=64, indexer_dim=128, topk=2048),
     "glm5": Widths(heads=64, latent=512, rope=64, indexer_heads=32, indexer_dim=128, topk=2048),
+    "glm5_next": Widths(heads=64, latent=512, rope=0, indexer_heads=32, indexer_dim=128, topk=2048, pool=16),
 }
 SMOKE = Widths(heads=4, latent=16, rope=8, indexer_heads=2, indexer_dim=8, topk=6)
+SMOKE_POOLED = Widths(heads=4, latent=16, rope=0, indexer_heads=2, indexer_dim=8, topk=8, pool=4)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,8 @@ DECODE = tuple(Case(b, 1, t) for b in (1, 64) for t in (8192, 32768))
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--models", default="deepseek_v32,glm5", help="comma-separated subset of " + ",".join(MODELS))
+    parser.add_argument("--models", default="deepseek_v32,glm5,glm5_next",
+                        help="comma-separated subset of " + ",".join(MODELS))
     parser.add_argument("--cases", default="prefill,decode", help="comma-separated subset of prefill,decode")
     parser.add_argument("--max-prefill", type=int, default=65536, help="longest prefill to run (default: %(default)s)")
     parser.add_argument("--modes", default="fwd", help="comma-separated subset of fwd,fwd+bwd,configs")
@@ -91,11 +100,19 @@ def make_inputs(w: Widths, case: Case, device, dtype=torch.bfloat16, seed: int =
             make(b, s, w.heads, d_qk), make(b, t, 1, d_qk))
 
 
-def visible_pairs(case: Case) -> int:
-    """(query, key) pairs the causal indexer scores: query i sees min(i + T - S + 1, T) keys."""
+def pooled_inputs(w: Widths, case: Case, device, dtype=torch.bfloat16, seed: int = 1):
+    """(gate [B, T, D], ape [P, D] fp32): the pooled indexer's gate scores and per-position bias."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate = torch.randn(case.batch, case.keys, w.indexer_dim, generator=gen, device=device).to(dtype)
+    return gate, torch.randn(w.pool, w.indexer_dim, generator=gen, device=device)
+
+
+def visible_pairs(case: Case, pool: int = 1) -> int:
+    """(query, key) pairs the causal indexer scores: query i sees min(i + T - S + 1, T) keys; with ``pool`` > 1,
+    (query, complete pool) pairs."""
     s, t = case.queries, case.keys
     offset = t - s
-    return case.batch * sum(min(i + offset + 1, t) for i in range(s))
+    return case.batch * sum(min(i + offset + 1, t) // pool for i in range(s))
 
 
 def attention_flops(w: Widths, case: Case) -> float:
@@ -103,7 +120,7 @@ def attention_flops(w: Widths, case: Case) -> float:
 
 
 def indexer_flops(w: Widths, case: Case) -> float:
-    return 2.0 * visible_pairs(case) * w.indexer_heads * w.indexer_dim
+    return 2.0 * visible_pairs(case, max(1, w.pool)) * w.indexer_heads * w.indexer_dim
 
 
 def dense_indexer(q_index, k_index, weights, topk: int, scale: float):
@@ -114,6 +131,25 @@ def dense_indexer(q_index, k_index, weights, topk: int, scale: float):
     causal = torch.arange(t, device=scores.device)[None, :] <= torch.arange(s, device=scores.device)[:, None] + t - s
     scores = scores.masked_fill(~causal, float("-inf"))
     return torch.topk(scores, min(topk, t), dim=-1).indices.to(torch.int32)
+
+
+def dense_pooled_indexer(q_index, k_index, weights, gate, ape, topk: int, scale: float):
+    """Hugging Face's way for glm5_next (no padding): the [B, S, H_I, T / P] fp32 pool logits, ReLU, weighted
+    head sum, the pools a query has not passed masked, top-k over pools, expanded to their tokens."""
+    from kda_compile.ops.dsa.pooled import pooled_keys
+
+    b, s, t = q_index.shape[0], q_index.shape[1], k_index.shape[1]
+    pool = ape.shape[0]
+    valid = torch.ones(b, t, dtype=torch.bool, device=q_index.device)
+    pk, pool_valid = pooled_keys(k_index, gate, valid, ape, valid.new_zeros(b, dtype=torch.long))
+    logits = torch.einsum("bshd,bpd->bshp", q_index.float(), pk.float()) * scale
+    scores = (logits.relu() * weights[..., None]).sum(2)
+    last = torch.arange(pk.shape[1], device=scores.device) * pool + pool - 1
+    seen = (last[None, :] <= torch.arange(s, device=scores.device)[:, None] + t - s) & pool_valid[:, None]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    chosen = torch.topk(scores, min(topk // pool, scores.shape[-1]), dim=-1).indices
+    tokens = chosen[..., None] * pool + torch.arange(pool, device=scores.device)
+    return tokens.flatten(-2).to(torch.int32)
 
 
 def dense_attention(q, kv, indices, d_v: int, scale: float):
@@ -133,6 +169,8 @@ def dense_bytes(w: Widths, case: Case, op: str) -> int:
     b, s, t = case.batch, case.queries, case.keys
     if op == "dsa_indexer":
         return b * s * t * (w.indexer_heads * 4 * 2 + 12)
+    if op == "dsa_pooled_indexer":
+        return b * s * (t // w.pool) * (w.indexer_heads * 4 * 2 + 12)
     return b * s * t * (1 + w.heads * 10)
 
 
@@ -189,16 +227,25 @@ def _oom_row(rows, table, model, case, op, mode, why):
 
 
 def bench_case(model: str, w: Widths, case: Case, modes, dense: bool, device, smoke: bool, rows, table):
-    from kda_compile.ops import dsa_indexer_topk, dsa_sparse_attention
+    from kda_compile.ops import dsa_indexer_topk, dsa_pooled_indexer_topk, dsa_sparse_attention
 
-    qi, ki, weights, q, kv = make_inputs(w, case, device, torch.float32 if smoke else torch.bfloat16)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    qi, ki, weights, q, kv = make_inputs(w, case, device, dtype)
     iscale, scale = w.indexer_dim ** -0.5, (w.latent + w.rope) ** -0.5 * 1.3
-    with torch.no_grad():
-        idx = dsa_indexer_topk(qi, ki, weights, w.topk, scale=iscale)
+    if w.pool:
+        gate, ape = pooled_inputs(w, case, device, dtype)
+        index_op = "dsa_pooled_indexer"
+        indexer = lambda: dsa_pooled_indexer_topk(qi, ki, weights, gate, ape, w.topk, scale=iscale)  # noqa: E731
+        dense_index = lambda: dense_pooled_indexer(qi, ki, weights, gate, ape, w.topk, iscale)  # noqa: E731
+    else:
+        index_op = "dsa_indexer"
         indexer = lambda: dsa_indexer_topk(qi, ki, weights, w.topk, scale=iscale)  # noqa: E731
+        dense_index = lambda: dense_indexer(qi, ki, weights, w.topk, iscale)  # noqa: E731
+    with torch.no_grad():
+        idx = indexer()
         attend = lambda: dsa_sparse_attention(q, kv, None, idx, scale, d_v=w.latent)  # noqa: E731
         if "fwd" in modes:
-            _bench_one(rows, table, model, w, case, "dsa_indexer", "ours", "fwd", indexer, indexer_flops(w, case),
+            _bench_one(rows, table, model, w, case, index_op, "ours", "fwd", indexer, indexer_flops(w, case),
                        device, smoke)
             _bench_one(rows, table, model, w, case, "dsa_sparse_attention", "ours", "fwd", attend,
                        attention_flops(w, case), device, smoke)
@@ -217,7 +264,7 @@ def bench_case(model: str, w: Widths, case: Case, modes, dense: bool, device, sm
     free = torch.cuda.mem_get_info()[0] if device.type == "cuda" else 1 << 62
     with torch.no_grad():
         for op, fn, flops in (
-                ("dsa_indexer", lambda: dense_indexer(qi, ki, weights, w.topk, iscale), indexer_flops(w, case)),
+                (index_op, dense_index, indexer_flops(w, case)),
                 ("dsa_sparse_attention", lambda: dense_attention(q, kv, idx, w.latent, scale),
                  attention_flops(w, case))):
             need = dense_bytes(w, case, op)
@@ -292,8 +339,9 @@ def run(args) -> list[dict]:
     if "decode" in args.cases:
         cases += list(DECODE)
     rows, table = [], []
-    plan = [("smoke", SMOKE, Case(1, 12, 12)), ("smoke", SMOKE, Case(2, 1, 20))] if smoke else [
-        (m, MODELS[m], c) for m in models for c in cases]
+    smoke_plan = [(name, widths, case) for name, widths in (("smoke", SMOKE), ("smoke_pooled", SMOKE_POOLED))
+                  for case in (Case(1, 12, 12), Case(2, 1, 20))]
+    plan = smoke_plan if smoke else [(m, MODELS[m], c) for m in models for c in cases]
     for model, widths, case in plan:
         logger.info("%s %s", model, case.name)
         bench_case(model, widths, case, modes, not args.no_dense, device, smoke, rows, table)

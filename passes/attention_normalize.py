@@ -20,15 +20,28 @@ would have seen the update); the storage is read from the fake tensors Dynamo ke
 which keep the aliasing of the ops that made them. ``y`` must also have the dtype and shape of ``x``
 (the in-place call neither promotes nor broadcasts ``x``).
 
-einsum products (prophetnet, models/prophetnet/modeling_prophetnet.py)::
+einsum products (prophetnet, models/prophetnet/modeling_prophetnet.py; xlnet, models/xlnet/modeling_xlnet.py)::
 
     weights = torch.einsum("bntc,bncs->bnts", query, key.transpose(2, 3))     # q @ k^T
     output = torch.einsum("bntc,bncs->bnts", probs, value)                    # p @ v
+    ac = torch.einsum("ibnd,jbnd->bnij", q_head + self.r_w_bias, k_head_h)    # xlnet: [S, B, H, D] operands
+    attn_vec = torch.einsum("bnij,jbnd->ibnd", attn_prob, v_head_h)
 
-:func:`einsum_to_matmul` turns a two-operand einsum whose equation is a batched matrix product
-(``<batch>ij,<batch>jk-><batch>ik``, the same batch letters in the same order) into
-``matmul(a, b)``, and ``<batch>ij,<batch>kj-><batch>ik`` (q . k without the transpose written out)
-into ``matmul(a, b.transpose(-1, -2))``. Other equations stay.
+:func:`einsum_to_matmul` turns a two-operand einsum that is one batched matrix product into ``matmul``:
+batch letters in both operands and the output, one row letter (first operand and output), one column
+letter (second operand and output), one contracted letter (both operands), in any order
+(:func:`matmul_plan`). The operands are permuted to [batch..., i, j] and [batch..., j, k] (or [batch...,
+k, j] then ``transpose(-1, -2)`` when the contracted letter comes last, as keys are laid out: q . k
+without the transpose written out), and the product is permuted to the output's order. Other equations
+(projections with two contracted letters, ``"ibh,hnd->ibnd"``) stay.
+
+Pre-transposed keys (openai-gpt, models/openai/modeling_openai.py)::
+
+    key = x.view(B, S, H, D).permute(0, 2, 3, 1)                                # [B, H, D, S]
+    w = torch.matmul(query, key)
+
+:func:`transposed_keys` writes the permute as ``x.permute(0, 2, 1, 3).transpose(-1, -2)`` (the same view)
+where a matmul reads it as its second operand and it puts the last dim of ``x`` second to last.
 
 Row-wise ops of a folded tensor (mvp, trocr, xglm: models/mvp/modeling_mvp.py)::
 
@@ -51,6 +64,7 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,7 +72,7 @@ import torch.fx
 
 from kda_compile.passes.graph_tools import (insert_call, is_inplace, is_last_dim, known_equal, known_shape_equal,
                                             tensor_of)
-from kda_compile.passes.matching import DROPOUT, RESHAPE, SOFTMAX, cast_dtype
+from kda_compile.passes.matching import DROPOUT, MATMUL, RESHAPE, SOFTMAX, cast_dtype, family
 
 logger = logging.getLogger("kda_compile.passes.attention_normalize")
 
@@ -119,9 +133,28 @@ def functionalize_inplace(graph: torch.fx.Graph) -> int:
 _LETTERS = re.compile(r"^[A-Za-z]+$")
 
 
-def _matmul_equation(equation: Any) -> bool | None:
-    """For an einsum equation of two operands: False when it is ``<batch>ij,<batch>jk-><batch>ik``,
-    True when it is ``<batch>ij,<batch>kj-><batch>ik`` (second operand transposed), else None."""
+@dataclass(frozen=True)
+class MatmulPlan:
+    """How a two-operand einsum is one ``matmul``: permute the first operand to [batch..., i, j] and the
+    second to [batch..., j, k] (or to [batch..., k, j], then ``transpose(-1, -2)``), multiply, and
+    permute [batch..., i, k] to the output's order. A permutation is None where it is the identity."""
+
+    first: tuple[int, ...] | None
+    second: tuple[int, ...] | None
+    transposed: bool
+    out: tuple[int, ...] | None
+
+
+def _permutation(letters: str, order: str) -> tuple[int, ...] | None:
+    perm = tuple(letters.index(c) for c in order)
+    return None if perm == tuple(range(len(perm))) else perm
+
+
+def matmul_plan(equation: Any) -> MatmulPlan | None:
+    """The :class:`MatmulPlan` of a two-operand einsum equation with batch letters (in both operands and
+    the output), one letter only in the first operand and the output (i), one only in the second and the
+    output (k), and one contracted letter in both operands only (j), in any order; else None.
+    ``"bhqd,bhkd->bhqk"`` is ``q @ k^T``; ``"ibnd,jbnd->bnij"`` (xlnet) the same with permuted operands."""
     if not isinstance(equation, str) or "->" not in equation:
         return None
     inputs, out = equation.replace(" ", "").split("->")
@@ -129,15 +162,16 @@ def _matmul_equation(equation: Any) -> bool | None:
     if len(operands) != 2:
         return None
     a, b = operands
-    if not all(_LETTERS.match(s) and len(set(s)) == len(s) for s in (a, b, out)) \
-            or not len(a) == len(b) == len(out) >= 2:
+    if not all(_LETTERS.match(s) and len(set(s)) == len(s) for s in (a, b, out)):
         return None
-    batch, (i, j), k = a[:-2], a[-2:], out[-1]
-    if b[:-2] != batch or out[:-2] != batch or out[-2] != i or len({i, j, k} - set(batch)) != 3:
+    rows, cols, contracted = set(a) & set(out) - set(b), set(b) & set(out) - set(a), set(a) & set(b) - set(out)
+    batch = "".join(c for c in out if c in a and c in b)
+    if not (len(rows) == len(cols) == len(contracted) == 1) or set(a) | set(b) != set(out) | contracted:
         return None
-    if b[-2:] == j + k:
-        return False
-    return True if b[-2:] == k + j else None
+    (i,), (j,), (k,) = rows, contracted, cols
+    transposed = b.index(j) > b.index(k)  # the contracted letter last, as keys [.., Sk, D] are laid out
+    return MatmulPlan(_permutation(a, batch + i + j), _permutation(b, batch + (k + j if transposed else j + k)),
+                      transposed, _permutation(batch + i + k, out))
 
 
 def _einsum_operands(node: torch.fx.Node) -> tuple[str, list] | None:
@@ -149,21 +183,32 @@ def _einsum_operands(node: torch.fx.Node) -> tuple[str, list] | None:
     return (equation, rest) if len(rest) == 2 and all(tensor_of(r) is not None for r in rest) else None
 
 
+def _planned_matmul(graph: torch.fx.Graph, node: torch.fx.Node, plan: MatmulPlan, a: Any, b: Any,
+                    inserted: list) -> None:
+    """Insert the nodes of ``plan`` before ``node`` (recorded in ``inserted``; a call that fails raises)."""
+    def call(target, args):
+        inserted.append(insert_call(graph, node, target, args, meta_from=node))
+        return inserted[-1]
+
+    a = call("permute", (a, plan.first)) if plan.first else a
+    b = call("permute", (b, plan.second)) if plan.second else b
+    b = call("transpose", (b, -1, -2)) if plan.transposed else b
+    product = call(torch.matmul, (a, b))
+    if plan.out:
+        call("permute", (product, plan.out))
+
+
 def einsum_to_matmul(graph: torch.fx.Graph) -> int:
-    """Replace einsum batched matrix products with ``matmul`` (module docstring); the number replaced."""
+    """Replace einsum matrix products with ``matmul`` (module docstring); the number replaced."""
     count = 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target in EINSUM]:
         found = _einsum_operands(node)
-        transposed = _matmul_equation(found[0]) if found is not None else None
-        if transposed is None or tensor_of(node) is None:
+        plan = matmul_plan(found[0]) if found is not None else None
+        if plan is None or tensor_of(node) is None:
             continue
-        a, b = found[1]
         inserted: list[torch.fx.Node] = []
         try:
-            if transposed:
-                inserted.append(insert_call(graph, node, "transpose", (b, -1, -2), meta_from=node))
-                b = inserted[-1]
-            inserted.append(insert_call(graph, node, torch.matmul, (a, b), meta_from=node))
+            _planned_matmul(graph, node, plan, *found[1], inserted)
         except (TypeError, ValueError, RuntimeError):  # operands matmul does not broadcast like einsum
             inserted.append(None)
         new, want = inserted[-1], tensor_of(node)
@@ -175,6 +220,43 @@ def einsum_to_matmul(graph: torch.fx.Graph) -> int:
             continue
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+        count += 1
+    return count
+
+
+PERMUTE = family("permute", ("input", "*dims"), functions=(torch.permute,), methods=("permute",))
+
+
+def _pre_transposed(node: Any) -> tuple[torch.fx.Node, tuple[int, ...]] | None:
+    """(x, p) when ``node`` is ``x.permute(p)`` of an N-D ``x`` (N >= 2) that puts the last dim of ``x``
+    second to last (openai-gpt's keys: [B, S, H, D].permute(0, 2, 3, 1) is [B, H, D, S])."""
+    b = PERMUTE.bind(node)
+    x = tensor_of(b["input"]) if b is not None else None
+    dims = tuple(b["dims"]) if b is not None else ()
+    if x is None or x.dim() < 2 or len(dims) != x.dim() or not all(isinstance(d, int) for d in dims):
+        return None
+    dims = tuple(d % x.dim() for d in dims)
+    return (b["input"], dims) if sorted(dims) == list(range(x.dim())) and dims[-2] == x.dim() - 1 else None
+
+
+def transposed_keys(graph: torch.fx.Graph) -> int:
+    """``matmul(q, x.permute(p))`` with ``p`` putting the last dim of ``x`` second to last ->
+    ``matmul(q, x.permute(p').transpose(-1, -2))``, ``p'`` = ``p`` with its last two entries swapped (the
+    same view of ``x``): the keys [.., Sk, D] then reach the score product as ``k.transpose(-1, -2)``,
+    the form softmax_attention.py matches. The number rewritten."""
+    count = 0
+    for node in [n for n in graph.nodes if MATMUL.bind(n) is not None]:
+        other = MATMUL.bind(node)["other"]
+        found = _pre_transposed(other)
+        if found is None or set(other.users) != {node} or MATMUL.bind(node)["input"] is other:
+            continue
+        x, dims = found
+        keys = dims[:-2] + (dims[-1], dims[-2])
+        if keys != tuple(range(len(keys))):
+            x = insert_call(graph, node, "permute", (x, keys), meta_from=other)
+        new = insert_call(graph, node, "transpose", (x, -1, -2), meta_from=other)
+        other.replace_all_uses_with(new)
+        graph.erase_node(other)
         count += 1
     return count
 
@@ -275,7 +357,7 @@ def erase_unused_views(graph: torch.fx.Graph) -> int:
 def normalize_attention(graph: torch.fx.Graph) -> int:
     """Every normalisation of this module, in order; the number of changes."""
     count = (erase_unused_views(graph) + functionalize_inplace(graph) + einsum_to_matmul(graph)
-             + sink_folds(graph))
+             + transposed_keys(graph) + sink_folds(graph))
     if count:
         logger.debug("normalised %d attention spellings", count)
     return count

@@ -34,6 +34,7 @@ the folded [B*H, ...] of a 4-D tensor.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import (insert_call, is_last_dim, known_equal, known_shape_equal, same_value,
-                                            tensor_of)
-from kda_compile.passes.matching import ADD, CAST, DIV, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE, cast_dtype, family
+from kda_compile.passes.graph_tools import (describe_node, insert_call, is_last_dim, known_equal, known_shape_equal,
+                                            same_value, tensor_of)
+from kda_compile.passes.matching import (ADD, CAST, DIV, GETITEM, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE, cast_dtype,
+                                         family)
 
 logger = logging.getLogger("kda_compile.passes.attention_spellings")
 
@@ -346,10 +348,8 @@ def match_sink_rescale(scores: torch.fx.Node, output: torch.fx.Node, heads: Any)
 
 def multiplied_scores(start: torch.fx.Node, depth: int = 6) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     """(product, factor) when, within ``depth`` arithmetic steps above the softmax input ``start``, the
-    scores (a matmul) are multiplied elementwise by another tensor: openai-gpt's
-    ``w * b + -1e4 * (1 - b)`` with a 0/1 causal buffer ``b``. That is no additive or bool mask the op
-    takes: which positions it masks depends on the buffer's values, and a masked score is -1e4, not
-    -inf or the dtype minimum."""
+    scores (a matmul) are multiplied elementwise by another tensor in a form the ``mult_mask`` stage
+    (``w * b + fill * (1 - b)``, below) does not match: the reason of a site left alone."""
     frontier = [start]
     for _ in range(depth):
         nxt = []
@@ -443,3 +443,105 @@ def graph_input_behind(node: Any, depth: int = 6) -> torch.fx.Node | None:
             return None
         node = node.args[0]
     return None
+
+
+def is_zero(value: Any) -> bool:
+    """A literal 0 (xlnet's segment term without segment ids: ``(content + position + 0) * scale``); the
+    stage that reads it drops the addition, exact but for the sign of a zero score, which the softmax
+    does not see."""
+    return _number(value) and value == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# A float mask subtracted after the scale (xlnet, models/xlnet/modeling_xlnet.py):
+#     attn_score = (ac + bd + ef) * self.scale - 1e30 * torch.einsum("ijbn->bnij", attn_mask)
+# s - m is s + (-m) in IEEE arithmetic, so the op gets -m added to the mask it already has (not scaled by
+# a scale after the mask, which this term follows), or -m where a bool mask keeps a key.
+# ----------------------------------------------------------------------------------------------
+def subtracted_reason(subtracted: Any, result: Any, scores: Any, clamped: bool) -> str | None:
+    """Why ``scores - subtracted`` (``result``) cannot become part of the op's float mask, or None."""
+    if subtracted is None or not subtracted.dtype.is_floating_point:
+        return "a tensor subtracted from the scores is not a float mask"
+    if result is None or not known_shape_equal(result.shape, scores.shape):
+        return "the subtracted mask broadcasts the scores to a larger shape"
+    return "a mask is subtracted after the clamp of the scores, which the op cannot express" if clamped else None
+
+
+def with_subtracted(graph: torch.fx.Graph, at: torch.fx.Node, mask: Any, subtracted: torch.fx.Node) -> torch.fx.Node:
+    """The op's mask once ``subtracted`` is subtracted from the masked scores."""
+    if mask is None:
+        return insert_call(graph, at, operator.neg, (subtracted,), meta_from=at)
+    if tensor_of(mask).dtype == torch.bool:
+        negated = insert_call(graph, at, operator.neg, (subtracted,), meta_from=at)
+        return insert_call(graph, at, torch.where, (mask, negated, float("-inf")), meta_from=at)
+    return insert_call(graph, at, operator.sub, (mask, subtracted), meta_from=at)
+
+
+# ----------------------------------------------------------------------------------------------
+# A multiplicative 0/1 mask with a finite fill (openai-gpt, models/openai/modeling_openai.py):
+#     b = self.bias[:, :, : w.size(-2), : w.size(-1)]       # torch.tril(torch.ones(n, n)), a buffer
+#     w = w * b + -1e4 * (1 - b)
+# Where b is 1: w * 1 + -1e4 * 0 = w + -0 = w, bit for bit; where b is 0: w * 0 + -1e4 = -1e4 (finite w).
+# So for a 0/1 b the scores are torch.where(b != 0, w, -1e4), and the op gets the bool mask b != 0, read
+# from the live buffer in the graph. A key masked with -1e4 gets weight exp(-1e4 - m) / Z, where m is the
+# row's largest score: exactly 0 in fp32 once m > -1e4 + 104 (e^-104 rounds to 0), in fp64 once
+# m > -1e4 + 745, sooner in fp16 / bf16; the op gives it exactly 0 weight. A row with every key masked would
+# differ (eager: equal weights on all keys; the op: 0), so every row of the buffer must keep its first
+# key and the slice must start at the first key. Only a module buffer is taken (not an argument, whose
+# values change from call to call): a graph input, its values are read when compiling (Dynamo's example
+# of the input) and not guarded, so a later buffer with other 0/1 values of that kind stays exact; one with
+# values other than 0 and 1 would not.
+# ----------------------------------------------------------------------------------------------
+MULT_FILL_MAX = -1e4
+
+
+def _first_key_kept(factor: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """``factor`` is ``source`` or ``source[..slices..]`` whose last slice starts at the first key."""
+    if factor is source:
+        return True
+    b = GETITEM.bind(factor)
+    index, src = (b["index"], tensor_of(source)) if b is not None and b["input"] is source else (None, None)
+    if not isinstance(index, tuple) or src is None or len(index) != src.dim() \
+            or not all(isinstance(i, slice) for i in index):
+        return False
+    return index[-1].start in (None, 0) and index[-1].step in (None, 1)
+
+
+def _buffer_value(placeholder: torch.fx.Node) -> torch.Tensor | None:
+    """The real tensor Dynamo compiled a graph input for (its example), when that input is a module
+    buffer (``..._buffers['bias']``: an argument may hold other values at the next call); else None."""
+    try:
+        arg = placeholder.meta["grapharg"]
+        value, source = arg.example, arg.source.name
+        source = source() if callable(source) else source
+    except (KeyError, AttributeError, RuntimeError, TypeError):
+        return None
+    if "._buffers[" not in str(source) or not isinstance(value, torch.Tensor) \
+            or isinstance(value, torch._subclasses.FakeTensor):
+        return None
+    return value
+
+
+def multiplicative_mask_reason(factor: Any, fill: Any, result: Any, scores: Any) -> str | None:
+    """Why ``scores * factor + fill * (1 - factor)`` (``result``) is not the bool mask ``factor != 0``
+    (the comment above), or None."""
+    what = f"the scores are multiplied by {describe_node(factor)} and masked with {fill}"
+    if not (_number(fill) and math.isfinite(fill) and fill <= MULT_FILL_MAX):
+        return f"{what}: a fill above {MULT_FILL_MAX:g} (or not finite) does not give masked keys zero weight"
+    if result is None or not known_shape_equal(result.shape, scores.shape):
+        return f"{what}: the mask broadcasts the scores to a larger shape"
+    source = graph_input_behind(factor)
+    value = _buffer_value(source) if source is not None else None
+    if value is None:
+        return (f"{what}: it is no module buffer whose values are known when compiling (an input may change "
+                f"from call to call), so it is not provably a 0/1 mask")
+    if not bool(((value == 0) | (value == 1)).all()):
+        return f"{what}: {source.name} holds values other than 0 and 1"
+    if value.dim() < 2 or not bool((value[..., 0] == 1).all()) or not _first_key_kept(factor, source):
+        return f"{what}: a query could have every key masked ({source.name} or its slice drops the first key)"
+    return None
+
+
+def keep_of_factor(graph: torch.fx.Graph, at: torch.fx.Node, factor: torch.fx.Node) -> torch.fx.Node:
+    """The bool mask ``factor != 0`` (True = attend), read from the live factor."""
+    return insert_call(graph, at, operator.ne, (factor, 0), meta_from=at)

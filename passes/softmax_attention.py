@@ -44,17 +44,22 @@ combined with the mask into the op's float ``attn_mask``, ``masked_fill(scores, 
 applied to the output as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa: the op's ``sinks``),
 ``torch.max(scores + mask, finfo.min)`` (xglm: the clamp is dropped and the float mask the op gets is
 clamped alike, see ``attention_spellings.py``), and a sink logit per query as an extra [B, H, Sq, 1]
-column (inkling2: ``attention_with_lse``, whose output is rescaled by ``sigmoid(lse - sink)``).
+column (inkling2: ``attention_with_lse``, whose output is rescaled by ``sigmoid(lse - sink)``),
+scores summed from several terms (xlnet's ``(content + position + 0) * scale - 1e30 * mask``: the
+content product is the scores, the position term and the subtracted mask the op's float mask, the
+literal 0 dropped) and ``scores * b + -1e4 * (1 - b)`` with ``b`` a 0/1 module buffer (openai-gpt: the
+bool mask ``b != 0``; see ``attention_spellings.py`` for when that is exact).
 Before matching, ``attention_normalize.py`` rewrites, exactly, an in-place ``masked_fill_`` of the
-scores read again after it (xlm), ``einsum`` products (prophetnet) and softmax / dropout of
+scores read again after it (xlm), ``einsum`` products (prophetnet, xlnet), pre-transposed keys
+(openai-gpt) and softmax / dropout of
 [B*H, Sq, Sk] views of the 4-D scores (mvp, trocr, xglm); reads of the scores' shape or dtype only
 (xlm's ``mask.expand_as(scores)``) are rewritten to read the sizes of the query and keys.
 
 Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``; the
 weights as an output of the graph, which code after a graph break may read), a softmax not over the
 key dimension, anything else between the two matmuls, shapes that do not pair up (5-D attention
-included), in-place ops between the two matmuls (other than the in-place scale), a multiplicative
-mask (openai-gpt), arguments the op refuses. A softmax with no matmul on either side (a MoE router)
+included), in-place ops between the two matmuls (other than the in-place scale), any other multiplicative
+mask (an argument, a buffer with values other than 0 / 1, a fill above -1e4), arguments the op refuses. A softmax with no matmul on either side (a MoE router)
 is not a candidate; one with a matmul, bmm or einsum a few nodes away on both sides is, and is reported
 with what was found where the spelling is not matched.
 
@@ -82,9 +87,10 @@ from kda_compile.passes.attention_mask import mask_keywords
 from kda_compile.passes.attention_normalize import metadata_read, normalize_attention, replace_metadata_reads
 from kda_compile.passes.attention_spellings import (CLAMP_MIN, MASKED_FILL, MAXIMUM, SinkRescale, batched_reason,
                                                     clamp_bound, fill_value, graph_input_behind, is_batched_product,
-                                                    match_sink_rescale, multiplied_scores, product_within,
-                                                    rescale_by_query_sinks, same_computation,
-                                                    unfold_batched_attention)
+                                                    is_zero, keep_of_factor, match_sink_rescale,
+                                                    multiplicative_mask_reason, multiplied_scores, product_within,
+                                                    rescale_by_query_sinks, same_computation, subtracted_reason,
+                                                    unfold_batched_attention, with_subtracted)
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
                                             source_line, tensor_of)
@@ -150,9 +156,14 @@ ALL_SCORE_STAGES = (
             RESHAPE, look_through=True, name="sink_view", input=Capture("sinks", is_tensor_node)))))),
     # inkling2: a sink logit per query, an extra [B, H, Sq, 1] column (attention_spellings.py).
     Stage("query_sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Capture("query_sinks", is_tensor_node)))),
+    # xlnet: scores - 1e30 * mask (after its scale), a float mask subtracted (attention_spellings.py).
+    Stage("subtracted_mask", Call(SUB, name="mask_subtracted_scores", input=LINKED,
+                                  other=Capture("subtracted", is_tensor_node))),
     # codegen: (scores + mask) / scale, the scale after the mask (it then scales the mask too).
     Stage("scale_after_mask", OneOf(Call(MUL, commutative=True, input=LINKED, other=Const("post_scale")),
                                     Call(DIV, input=LINKED, other=Const("post_scale_divisor")))),
+    # xlnet: (content + position + 0) * scale, the segment term a literal 0 without segment ids.
+    Stage("plus_zero", Call(ADD, commutative=True, input=LINKED, other=Const(where=lambda v: is_zero(v)))),
     # xglm: torch.max(scores + mask, finfo.min), neutral for the softmax (attention_spellings.py).
     Stage("clamp", OneOf(Call(MAXIMUM, commutative=True, name="clamped_scores", input=LINKED, other=CLAMP_BOUND),
                          Call(CLAMP_MIN, name="clamped_scores", input=LINKED, min=CLAMP_BOUND, max=None))),
@@ -168,6 +179,11 @@ ALL_SCORE_STAGES = (
     # gpt_neo: torch.where(causal_bool, scores, finfo.min), a bool mask (True = attend).
     Stage("where_mask", Call(WHERE, name="kept_scores", input=LINKED, condition=Capture("keep", is_tensor_node),
                              other=Capture("fill", _is_fill))),
+    # openai-gpt: scores * b + -1e4 * (1 - b), b a 0/1 buffer slice (attention_spellings.py).
+    Stage("mult_mask", Call(ADD, commutative=True, name="mult_masked_scores", input=Call(
+        MUL, commutative=True, input=LINKED, other=Capture("keep_factor", is_tensor_node)), other=Call(
+        MUL, commutative=True, input=Const("mult_fill"), other=Call(
+            SUB, input=Const(where=lambda v: v == 1), other=Capture("keep_factor", is_tensor_node))))),
     Stage("softcap", Call(MUL, commutative=True, other=Const("softcap", symbolic=True), input=Call(
         TANH, input=Call(DIV, input=LINKED, other=Const("softcap", symbolic=True))))),
     Stage("scale", OneOf(Call(MUL, commutative=True, input=LINKED, other=Const("scale", symbolic=True)),
@@ -178,7 +194,8 @@ ALL_SCORE_STAGES = (
 # Stages whose mask handling needs the graph edits of _replace (_scaled_mask, _with_bias, the ~drop
 # mask): matched by this rewrite only. mla_absorb.py and dsa_sparse.py build their calls from
 # SCORE_STAGES / PROBABILITY_STAGES and attention_arguments, so they see the sites without them.
-GRAPH_EDIT_STAGES = frozenset({"scale_after_mask", "fill_mask", "bias", "zero_masked", "clamp", "query_sinks"})
+GRAPH_EDIT_STAGES = frozenset({"scale_after_mask", "fill_mask", "bias", "zero_masked", "clamp", "query_sinks",
+                               "subtracted_mask", "plus_zero", "mult_mask"})
 SCORE_STAGES = tuple(s for s in ALL_SCORE_STAGES if s.name not in GRAPH_EDIT_STAGES)
 SCORES = Call(MATMUL, name="scores", input=Capture("query", is_tensor_node), other=Call(
     TRANSPOSE, look_through=True, where=_swaps_last_two, input=Capture("key_states", is_tensor_node)))
@@ -283,6 +300,17 @@ def check_site(site: Site) -> str | None:
         fill = fill_value(site["fill"])
         if fill is None or not (fill == -math.inf or fill <= float(torch.finfo(selected.dtype).min)):
             return f"{how} fills masked scores with {fill}, not -inf or the dtype minimum"
+    scores = tensor_of(site["scores"])
+    if site.has("subtracted"):
+        reason = subtracted_reason(tensor_of(site["subtracted"]), tensor_of(site["mask_subtracted_scores"]), scores,
+                                   site.has("clamp"))
+        if reason is not None:
+            return reason
+    if site.has("keep_factor"):
+        reason = multiplicative_mask_reason(site["keep_factor"], site["mult_fill"],
+                                            tensor_of(site["mult_masked_scores"]), scores)
+        if reason is not None:
+            return reason
     if site.has("zeroed") and not (site.has("drop") and same_computation(site["zeroed"], site["drop"])):
         return "masked_fill zeroes attention weights where the scores were not masked by the same condition"
     outside = _used_outside(site)
@@ -387,6 +415,10 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
         details["where_mask" if site.has("keep") else "fill_mask"] = "bool tensor"
     if site.has("bias"):
         details["bias"] = f"additive {list(tensor_of(site['bias']).shape)}"
+    if site.has("keep_factor"):
+        details["mult_mask"] = "0/1 graph input -> bool"
+    if site.has("subtracted"):
+        details["subtracted_mask"] = "float"
     return kwargs, details
 
 
@@ -486,7 +518,7 @@ class SoftmaxAttentionRewrite(GraphRewrite):
                        f"provably a 0/1 causal mask" if source is not None else "")
             return None, (f"the scores are multiplied by a tensor ({describe_node(product[0])} by "
                           f"{describe_node(product[1])}{unknown}), not masked by an additive or bool mask the op "
-                          f"takes (e.g. scores * b - 1e4 * (1 - b) with a 0/1 causal buffer b: finite masked scores)")
+                          f"takes, nor scores * b + fill * (1 - b) with a constant fill")
         after = f" after {' -> '.join(failed.stages)}" if failed.stages else ""
         return None, (f"the {side} do not follow eager attention: found {describe_node(failed.stopped_at)}{after}, "
                       f"expected {failed.expected}")
@@ -506,6 +538,9 @@ class SoftmaxAttentionRewrite(GraphRewrite):
         if site.has("drop"):
             keep = insert_call(graph, out, torch.logical_not, (site["drop"],), meta_from=out)
             kwargs["attn_mask"] = _and_kept(graph, site, kwargs["attn_mask"], keep)
+        if site.has("keep_factor"):
+            kwargs["attn_mask"] = _and_kept(graph, site, kwargs["attn_mask"],
+                                            keep_of_factor(graph, out, site["keep_factor"]))
         if site.has("bias"):
             kwargs["attn_mask"] = _with_bias(graph, site, kwargs["attn_mask"])
         mask = kwargs["attn_mask"]
@@ -513,6 +548,8 @@ class SoftmaxAttentionRewrite(GraphRewrite):
                 and tensor_of(mask).dtype.is_floating_point:
             kwargs["attn_mask"] = insert_call(graph, out, torch.clamp_min, (mask, clamp_bound(site["clamp"])),
                                               meta_from=out)
+        if site.has("subtracted"):
+            kwargs["attn_mask"] = with_subtracted(graph, out, kwargs["attn_mask"], site["subtracted"])
         per_query = site.has("query_sinks")
         try:
             new = insert_call(graph, out, attention_with_lse if per_query else attention, (site["query"], key, value),

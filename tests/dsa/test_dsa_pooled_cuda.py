@@ -43,7 +43,7 @@ MODES = {  # (B, S, T, filled length or None, pool, topk, tail)
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_pooled_exact_on_quantised_scores(mode, dtype):
     clear_fallback_events()
@@ -99,3 +99,12 @@ def test_pooled_compile_fullgraph_dynamic_on_cuda():
         args = (a["q"], a["k"], a["weights"], a["gate"], a["ape"], a["key_valid"], a["query_mask"])
         assert torch.equal(compiled(*args), layer(*args))
     assert counter.frame_count == 1
+
+
+def test_pooled_opcheck_on_cuda():
+    """The CUDA implementation against the op's schema and fake tensor (non-contiguous q)."""
+    a = quantised_pooled_inputs(2, 40, 100, 4, 32, 4, device="cuda", dtype=torch.bfloat16, seed=8)
+    q = a["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    torch.library.opcheck(torch.ops.kda_compile.dsa_pooled_indexer_topk.default,
+                          (q, a["k"], a["gate"], a["weights"], a["key_valid"], a["ape"], a["query_mask"], 16, 0.5,
+                           a["q_offset"], True))

@@ -53,6 +53,20 @@ def test_kda_prepare_kernel_compiles(g_dtype, varlen, save_akk, caplog):
             assert spills == {"stores": 0, "loads": 0}, spills
 
 
+GDN_PREPARE_FLAGS = [("bf16", False, True), ("bf16", True, True), ("bf16", True, False), ("f32", False, True)]
+
+
+@pytest.mark.parametrize("g_dtype, varlen, in_kernel_gate", GDN_PREPARE_FLAGS)
+def test_gdn_prepare_kernel_compiles(g_dtype, varlen, in_kernel_gate, caplog):
+    """The scalar-gate form (GDN) of the prepare kernel: no spills on either GPU (168 registers, NVRTC 12.9)."""
+    source = prepare.kernel_source(g_dtype=g_dtype, beta_dtype=g_dtype, cu_dtype="long long" if varlen else "int",
+                                   varlen=varlen, l2norm=True, has_a_log=in_kernel_gate, has_dt_bias=in_kernel_gate,
+                                   beta_sigmoid=True, save_akk=False, scalar_gate=True)
+    for arch in ("80", "90a"):
+        spills = _compile(source, prepare.KERNEL_NAME, arch, caplog)
+        assert spills == {"stores": 0, "loads": 0}, (arch, spills)
+
+
 @pytest.mark.parametrize("block_v", [32, 64])
 @pytest.mark.parametrize("varlen, has_h0, store_ht", [(False, True, True), (True, True, True), (True, False, False)])
 def test_kda_scan_kernel_compiles(block_v, varlen, has_h0, store_ht, caplog):

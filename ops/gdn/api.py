@@ -64,7 +64,8 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel: normalise q and k as ``x / sqrt(sum(x^2) + 1e-6)``.
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (B must be 1); empty sequences
             are allowed (their final state is their initial state).
-        cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (optional; its values are checked in eager calls).
+        cu_seqlens_cpu: FLA's host copy of ``cu_seqlens`` (optional; its values are checked in eager calls). Eager
+            inference plans packed sequences from it on the host (no device synchronisation).
         chunk_indices: FLA's precomputed chunk table for ``cu_seqlens``: accepted and not needed (every
             backend derives it from ``cu_seqlens``).
         cp_context: context parallelism (docs/context-parallel.md): a ``CPContext`` from
@@ -80,8 +81,9 @@ def chunk_gated_delta_rule(
     Input checks are KDA's (types, shapes, dtypes, devices and scalars on every call, free; errors are
     ``ValueError`` / ``TypeError`` naming the argument, raised unchanged by a ``torch.compile(fullgraph=True)``
     function when it runs). Differentiable w.r.t. q, k, v, g, beta, initial_state, A_log and dt_bias.
-    Backends (docs/gdn.md): on CUDA FLA's GDN kernels when fla-core 0.6 is installed, else the KDA kernels
-    with the gate broadcast over K; elsewhere the reference math. The choice is logged
+    Backends (docs/gdn.md): on CUDA, inference with bf16 / fp16 and K = V = 128 runs our chunk kernels with the
+    scalar gate; other calls FLA's GDN kernels when fla-core 0.6 is installed, else the KDA kernels with the gate
+    broadcast over K; elsewhere the reference math. The choice is logged
     (``kda_compile.ops.gdn.backends``; ``only_backends`` overrides it).
     """
     one_process = None
@@ -196,6 +198,9 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     elif recurrent and not needs_grad:
         op = custom_ops.fused_recurrent_gdn_fwd if dispatcher_needed(*tensors) else custom_ops.fused_recurrent_gdn_impl
         o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
+    elif not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
+        o, final = custom_ops.chunk_gdn_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
+                                                  int(chunk_size), cu_seqlens_cpu)
     else:
         o, final, *_ = custom_ops.chunk_gdn_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                 int(chunk_size), needs_grad)

@@ -5,19 +5,25 @@ Same contract as KDA's (``kda_compile.ops.kda.backends``): the custom ops in ``c
 
 - ``name`` and ``serves`` (a subset of ``{"chunk_gdn", "fused_recurrent_gdn"}``);
 - ``unsupported_reason(device, dtype, K, V, opts) -> str | None`` (None: it can serve the call);
+- optionally ``in_design(device, dtype, K, V, opts) -> bool``: a backend registered ahead of others for some calls
+  only says which; the calls it leaves are not recorded as fallbacks;
 - ``residual_meta(q, k, v, opts, save)``: shapes / dtypes of what its forward keeps for its backward
   (at most ``MAX_RESIDUALS``; the fake implementation allocates them, so they must be exact);
-- ``chunk_forward``, ``chunk_backward`` (for ``chunk_gdn``) and ``recurrent_forward`` (for decode).
+- ``chunk_forward`` (with an optional ``cu_seqlens_cpu``, the host copy of the offsets in eager inference),
+  ``chunk_backward`` (for ``chunk_gdn``) and ``recurrent_forward`` (for decode).
 
 Backends, best first (docs/gdn.md, section 3):
 
-1. ``fla`` (priority 10, ``fla_backend.py``): fla-core 0.6's gated-delta-rule kernels on CUDA. They use
+1. ``chunk_kernels`` (priority 20, ``chunk_backend.py``): our KDA chunk kernels with the scalar gate
+   (``prefill.py``) for CUDA inference with bf16 / fp16 and K = V = 128: plain ``q k^T`` / ``k k^T`` products
+   scaled by a decay matrix, exact for any gate at a cost that does not depend on the data. Inference only.
+2. ``fla`` (priority 10, ``fla_backend.py``): fla-core 0.6's gated-delta-rule kernels on CUDA. They use
    the per-head gate as a scalar: the intra-chunk work has no per-channel exponentials, which makes them
    cheaper than any KDA kernel fed a broadcast gate.
-2. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
+3. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
    / ``fused_recurrent_kda_fwd``) with the gate broadcast over the K channels, on CUDA: our Triton prefill
    and decode kernels when FLA is missing. Exact, but pays KDA's per-channel cost.
-3. ``reference`` (priority 0): the chunked torch math of ``reference.py``, any device.
+4. ``reference`` (priority 0): the chunked torch math of ``reference.py``, any device.
 
 A call served on CUDA by anything but the first candidate records a fallback with the reasons
 (``record_fallback``; the rewrite report shows it). ``only_backends`` restricts the choice (tests,
@@ -112,6 +118,9 @@ def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V:
     for _, backend in _registry:
         if (allowed is not None and backend.name not in allowed) or op not in backend.serves:
             continue
+        in_design = getattr(backend, "in_design", None)
+        if in_design is not None and not in_design(device, dtype, K, V, opts):
+            continue  # an extra fast path that does not take this call: serving it elsewhere is no fallback
         reason = backend.unsupported_reason(device, dtype, K, V, opts)
         if reason is None:
             if reasons and device.type == "cuda":

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kda_compile.ops.gdn import chunk_backend  # noqa: F401  (registers our chunk kernels for inference)
 from kda_compile.ops.gdn import fla_backend  # noqa: F401  (registers FLA's GDN kernels)
 from kda_compile.ops.gdn import kda_backend  # noqa: F401  (registers the route through the KDA kernels)
 from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, select_backend
@@ -55,6 +56,26 @@ def chunk_gdn_fwd(
                                                 output_final_state, save_for_backward)
     final = final.float().contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
     return (o.to(q.dtype).contiguous(), final, *(r.contiguous() for r in pad_residuals(q, residuals)))
+
+
+def chunk_gdn_inference(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+    scale: float, output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+    use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, chunk_size: int, cu_seqlens_cpu: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """``chunk_gdn_fwd`` without saving for the backward, called directly by eager inference (as KDA's
+    ``chunk_kda_inference``: no dispatcher, no empty residual outputs). ``cu_seqlens_cpu`` (the caller's host copy
+    of ``cu_seqlens``) lets the backend plan packed sequences on the host: no synchronisation."""
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, chunk_size)
+    run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    backend = _backend("chunk_gdn", q, v, opts)
+    host = {} if cu_seqlens_cpu is None or cu_seqlens is None else {"cu_seqlens_cpu": cu_seqlens_cpu}
+    o, final, _ = backend.chunk_forward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, opts,
+                                        output_final_state, False, **host)
+    final = final.float().contiguous() if output_final_state else q.new_empty(0, dtype=torch.float32)
+    return o.to(q.dtype).contiguous(), final
 
 
 @chunk_gdn_fwd.register_fake

@@ -20,9 +20,9 @@ import logging
 from functools import cache
 
 import torch
-
 from kda_compile.ops._common import load_fla_internals
 from kda_compile.ops.gdn.backends import GDNOptions, register_backend
+from kda_compile.ops.kda.fla_backend import FLABackend as _KDAFLABackend
 
 logger = logging.getLogger("kda_compile.ops.gdn")
 
@@ -78,6 +78,9 @@ def _backward_refusal() -> str | None:
             "(install Triton >= 3.7.1 or tilelang for FLA's)")
 
 
+_KDA_FLA = _KDAFLABackend()
+
+
 def _contiguous(*tensors):
     return [t.contiguous() if t is not None else None for t in tensors]
 
@@ -116,10 +119,14 @@ class FLAGDNBackend:
         return fla["beta_sigmoid_fwd"](beta, scale=2.0 if opts.allow_neg_eigval else 1.0)
 
     @staticmethod
-    def _chunk_indices(fla, cu_seqlens, opts):
-        return None if cu_seqlens is None else fla["prepare_chunk_indices"](cu_seqlens, opts.chunk_size)
+    def _chunk_indices(fla, cu_seqlens, opts, cu_seqlens_cpu=None):
+        """FLA's chunk indices of the packed sequences: KDA's (``ops/kda/fla_backend.py``), kept per (offsets, chunk
+        size, device) when the host copy ``cu_seqlens_cpu`` is given, so a packed call does not synchronise and a
+        CUDA graph capture reuses those of its warm-up call; without it FLA computes them (one synchronisation)."""
+        return _KDA_FLA._chunk_indices(fla, cu_seqlens, opts, cu_seqlens_cpu)
 
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
+                      cu_seqlens_cpu=None):
         fla = _load_fla()[0]
         q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
         normalised = []
@@ -129,8 +136,8 @@ class FLAGDNBackend:
         g_cumsum, o, A, final, _, _ = fla["chunk_fwd"](
             q=q, k=k, v=v, g=g, beta=self._beta(fla, beta, opts), scale=opts.scale, initial_state=h0,
             output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            chunk_indices=self._chunk_indices(fla, cu_seqlens, opts), use_gate_in_kernel=opts.use_gate_in_kernel,
-            A_log=A_log, dt_bias=dt_bias, chunk_size=opts.chunk_size)
+            chunk_indices=self._chunk_indices(fla, cu_seqlens, opts, cu_seqlens_cpu),
+            use_gate_in_kernel=opts.use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, chunk_size=opts.chunk_size)
         residuals = [g_cumsum.float(), A.to(k.dtype), *normalised] if save else []
         return o.to(q.dtype), final, residuals
 

@@ -19,9 +19,12 @@ Ops layer only: this module uses the KDA ops and KDA's backend registry read-onl
 from __future__ import annotations
 
 import torch
-
-from kda_compile.ops.gdn.backends import GDNOptions, explicitly_requested, register_backend
-from kda_compile.ops.kda import custom_ops as kda_ops  # noqa: F401  (registers torch.ops.kda_compile.*_kda_*)
+from kda_compile.ops.gdn.backends import (
+    GDNOptions,
+    explicitly_requested,
+    register_backend,
+)
+from kda_compile.ops.kda import custom_ops as kda_ops
 from kda_compile.ops.kda.backends import KDAOptions
 from kda_compile.ops.kda.backends import select_backend as select_kda_backend
 
@@ -69,8 +72,14 @@ class KDAKernelsBackend:
         backend = select_kda_backend("chunk_kda", q.device, q.dtype, q.shape[-1], v.shape[-1], kda_opts)
         return backend.residual_meta(q, k, v, kda_opts, save)
 
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
+    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
+                      cu_seqlens_cpu=None):
         K = q.shape[-1]
+        if not save and cu_seqlens_cpu is not None:  # eager inference: KDA's direct path plans on the host
+            o, final = kda_ops.chunk_kda_inference(
+                q, k, v, per_channel_gate(g, K), beta, A_log, per_channel_bias(dt_bias, K), h0, cu_seqlens,
+                opts.scale, output_final_state, *_flags(opts), False, opts.chunk_size, cu_seqlens_cpu)
+            return o, (final if output_final_state else None), []
         o, final, *residuals = torch.ops.kda_compile.chunk_kda_fwd(
             q, k, v, per_channel_gate(g, K), beta, A_log, per_channel_bias(dt_bias, K), h0, cu_seqlens,
             opts.scale, output_final_state, *_flags(opts), False, opts.chunk_size, save, False)

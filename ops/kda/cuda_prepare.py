@@ -1,8 +1,9 @@
-"""Which kernel runs the KDA prefill's prepare step on CUDA, and the launcher of the CUDA one.
+"""Which kernel runs the KDA / GDN prefill's prepare step on CUDA, and the launcher of the CUDA one.
 
 - ``cuda`` (``cuda_prepare_source.py``, compiled by NVRTC): sm_80 or newer, bf16 q / k / v, K = V = 128,
-  the lower-bound gate with ``lower_bound >= -MAX_BOUNDED_DECAY`` (no exact-diagonal pass), gate and
-  beta in bf16 or fp32. The configuration FlashKDA's anchor measures, and the one the backend prefers.
+  gate and beta in bf16 or fp32; for KDA's per-channel gate the lower-bound gate with
+  ``lower_bound >= -MAX_BOUNDED_DECAY`` (no exact-diagonal pass: the configuration FlashKDA's anchor measures,
+  and the one the backend prefers), for GDN's scalar gate (``scalar_gate``) every gate form.
 - ``triton`` (``triton_chunk_prepare.py``): every call (any dtype, K / V <= 256, every gate form).
 
 Both write the same intermediates in the same layouts, so the scan kernel does not know which ran.
@@ -35,9 +36,11 @@ def requested_kernel() -> str:
     return _requested(KERNEL_ENV)
 
 
-def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None) -> str | None:
+def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None, *,
+                   scalar_gate: bool = False) -> str | None:
     """Why the call is not one the CUDA kernel is written for, or None. ``lower_gate``: the in-kernel
-    lower-bound gate is asked for."""
+    lower-bound gate is asked for; ``scalar_gate``: one gate per (token, value head) (GDN), which the kernel
+    takes in every form (finished, or the in-kernel softplus gate): its speed and exactness do not depend on it."""
     why = device_unsupported(q)
     if why is not None:
         return why
@@ -45,7 +48,7 @@ def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: 
         return f"q / k / v are {q.dtype} / {k.dtype} / {v.dtype} (the kernel takes bfloat16)"
     if q.shape[-1] != src.HEAD_DIM or v.shape[-1] != src.HEAD_DIM:
         return f"K = {q.shape[-1]}, V = {v.shape[-1]} (the kernel takes 128 / 128)"
-    if not lower_gate or lower_bound is None or lower_bound < -MAX_BOUNDED_DECAY:
+    if not scalar_gate and (not lower_gate or lower_bound is None or lower_bound < -MAX_BOUNDED_DECAY):
         return (f"gate: the kernel takes the in-kernel lower-bound gate with lower_bound >= -{MAX_BOUNDED_DECAY:.3f}"
                 f" (got lower_bound={lower_bound}, in-kernel lower-bound gate: {lower_gate})")
     if g.dtype not in _ELEM or beta.dtype not in _ELEM:
@@ -55,37 +58,39 @@ def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: 
     return None
 
 
-def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None) -> str:
+def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None, *,
+                          scalar_gate: bool = False, op: str = _OP) -> str:
     """"cuda" or "triton" for this call (see the module docstring); a forced ``cuda`` outside the design
-    is logged as a fallback."""
+    is logged as a fallback (under ``op``)."""
     requested = requested_kernel()
     if requested == "triton":
         return "triton"
-    why = outside_design(q, k, v, g, beta, cu_seqlens, lower_gate, lower_bound)
+    why = outside_design(q, k, v, g, beta, cu_seqlens, lower_gate, lower_bound, scalar_gate=scalar_gate)
     if why is None:
         return "cuda"
     if requested == "cuda":
-        record_fallback(_OP, "Triton prepare kernel", f"the CUDA prepare kernel cannot run this call: {why}")
+        record_fallback(op, "Triton prepare kernel", f"the CUDA prepare kernel cannot run this call: {why}")
     return "triton"
 
 
 @functools.lru_cache(maxsize=None)
-def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...]) -> str:
+def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...], scalar_gate: bool) -> str:
     varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk = flags
     return src.kernel_source(g_dtype=g_dtype, beta_dtype=beta_dtype, cu_dtype=cu_dtype, varlen=varlen, l2norm=l2norm,
                              has_a_log=has_a_log, has_dt_bias=has_dt_bias, beta_sigmoid=beta_sigmoid,
-                             save_akk=save_akk)
+                             save_akk=save_akk, scalar_gate=scalar_gate)
 
 
 def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dtype, cu_dtype: torch.dtype | None,
-                   flags: tuple[bool, ...]):
+                   flags: tuple[bool, ...], *, scalar_gate: bool = False):
     """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``):
     ``flags`` = (IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK); ``cu_dtype`` the offsets'
-    dtype with packed sequences. The caller has made the device current. Raises NvrtcUnavailable."""
+    dtype with packed sequences; ``scalar_gate``: the gate is one value per (token, value head) (GDN). The caller
+    has made the device current. Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
     cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
-    return load_kernel(_source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags), src.KERNEL_NAME, device_index,
-                       arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
+    return load_kernel(_source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate), src.KERNEL_NAME,
+                       device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
 
 
 def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
@@ -93,8 +98,9 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens,
     chunk_offsets``; ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and
     constexpr keywords (``T, N, H, HV, scale, beta_scale, lower_bound, IS_VARLEN, L2NORM, HAS_A_LOG,
-    HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK`` are read). The caller checked ``outside_design`` is None. Raises
-    NvrtcUnavailable when the kernel cannot be built."""
+    HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``,
+    ``dt_bias`` ``[HV]``). The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel
+    cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = cuda_index(q.device)
     varlen, HV = args["IS_VARLEN"], args["HV"]
@@ -103,7 +109,8 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     flags = tuple(bool(args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS", "BETA_SIGMOID",
                                                  "SAVE_AKK"))
     with on_device(device_index):
-        kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags)
+        kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags,
+                                scalar_gate=bool(args.get("SCALAR_GATE", False)))
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
                                    cu_seqlens if varlen else q, chunk_offsets if varlen else q)]
@@ -113,11 +120,12 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
             kernel.launch((slots, HV, 1), src.THREADS, params)
 
 
-def run_or_fall_back(tensors: tuple, slots: int, args: dict) -> bool:
-    """Launch the CUDA kernel (``launch_prepare``); False (with the fallback recorded) when it cannot be built."""
+def run_or_fall_back(tensors: tuple, slots: int, args: dict, *, op: str = _OP) -> bool:
+    """Launch the CUDA kernel (``launch_prepare``); False (with the fallback recorded under ``op``) when it cannot
+    be built."""
     try:
         launch_prepare(tensors, slots, args)
         return True
     except NvrtcUnavailable as exc:
-        record_fallback(_OP, "Triton prepare kernel", f"the CUDA prepare kernel could not be built: {exc}")
+        record_fallback(op, "Triton prepare kernel", f"the CUDA prepare kernel could not be built: {exc}")
         return False

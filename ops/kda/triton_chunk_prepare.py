@@ -1,4 +1,4 @@
-"""Kernel 1 of our fused KDA prefill: the chunk-parallel "prepare" pass (kda.md sections 4 and 5).
+"""Kernel 1 of our fused KDA and GDN prefills: the chunk-parallel "prepare" pass (kda.md sections 4 and 5).
 
 Triton only: nothing here knows of torch.compile, custom ops or backends (``triton_chunk.py`` launches
 it). One program owns one chunk of ``BT = 64`` tokens of one value head and does everything that needs

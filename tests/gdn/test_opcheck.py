@@ -72,3 +72,13 @@ def test_noncontiguous_inputs_are_really_noncontiguous(options):
     args = _args(options, True, True)
     for key in ("q", "k", "v", "g", "beta"):
         assert not args[key].is_contiguous(), key
+
+
+@pytest.mark.parametrize("options", ["in-kernel-negeig-v-first", "varlen-empty-seqs"])
+def test_chunk_gdn_fwd_inference_on_our_chunk_kernels(options):
+    """The inference op on the ``chunk_kernels`` backend (our Triton kernels with the scalar gate; interpreted on
+    CPU): the fake's outputs match the kernels' (no residuals)."""
+    args = _args(options, True, True)
+    with only_backends("chunk_kernels"):
+        torch.library.opcheck(torch.ops.kda_compile.chunk_gdn_fwd.default,
+                              (*op_tensors(args), *op_flags(args), 64, False))

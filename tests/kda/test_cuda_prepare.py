@@ -61,6 +61,31 @@ def test_forced_cuda_outside_the_design_runs_triton_and_records_why(monkeypatch)
     clear_fallback_events()
 
 
+def test_the_gate_form_picks_pass_one_only():
+    """KDA's per-channel and GDN's scalar gate share the kernel's prologue, inverse and pass 2: their sources differ
+    in pass 1 alone."""
+    from kda_compile.ops.kda import cuda_prepare_channel, cuda_prepare_scalar
+
+    base = dict(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=True, l2norm=True, has_a_log=True,
+                has_dt_bias=True, beta_sigmoid=True, save_akk=False)
+    channel, scalar = src.kernel_source(**base), src.kernel_source(**base, scalar_gate=True)
+    assert channel.replace(cuda_prepare_channel.PASS1, cuda_prepare_scalar.PASS1) == scalar
+    assert src.kernel_source(**base, scalar_gate=False) == channel
+
+
+def test_the_scalar_gate_is_in_the_design_whatever_its_form(monkeypatch):
+    """GDN's scalar gate needs no bound (its exponents are exact for any gate): finished or in-kernel softplus
+    gates are in the CUDA kernel's design; the per-channel gate still needs the bounded lower-bound gate."""
+    monkeypatch.setattr(cuda_prepare, "device_unsupported", lambda x: None)  # the device checks are tested above
+    q = torch.zeros(1, 4, 1, K, dtype=torch.bfloat16)
+    v = torch.zeros(1, 4, 1, V, dtype=torch.bfloat16)
+    g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
+    assert cuda_prepare.outside_design(q, q, v, g, beta, None, False, None, scalar_gate=True) is None
+    assert "lower-bound gate" in cuda_prepare.outside_design(q, q, v, g, beta, None, False, None)
+    assert "K = 64" in cuda_prepare.outside_design(q[..., :64], q[..., :64], v, g, beta, None, False, None,
+                                                  scalar_gate=True)
+
+
 # ---- CUDA -------------------------------------------------------------------------------------------------
 def _inputs(B, T, H, HV, *, offsets=None, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, raw=True, shift=-4.0,
             seed=0):

@@ -1,0 +1,75 @@
+"""CUDA device helpers of the prepare kernel (``cuda_prepare_source.py``): bf16 bit handling, the ``mma.sync``
+products (bf16 and TF32), the 3xTF32 split and the 16 x 16 block products of the triangular solve.
+
+Raw bits only (no ``cuda_bf16.h``: NVRTC may have no include path).
+"""
+from __future__ import annotations
+
+HELPERS = r"""
+typedef unsigned int u32;
+typedef unsigned short bf16;  // raw bits (no cuda_bf16.h: NVRTC may have no include path)
+#define FULL 0xffffffffu
+#define LOG2E 1.4426950408889634f
+#define GATE_FLOOR (-150.0f)
+#define L2NORM_EPS 1e-6f
+#define KD 128
+
+__device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ float lo_bf(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi_bf(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+// two floats rounded to bf16 (nearest even), lo in the low half
+__device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 p; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(p) : "f"(hi), "f"(lo)); return p;
+}
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(bf16 x) { return __uint_as_float(((u32)x) << 16); }
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+// byte offset of (row, 16-byte chunk) in a [64, 128] bf16 tile: chunks XOR-swizzled by row (ldmatrix
+// rows of one 8 x 8 matrix fall in different banks)
+__device__ __forceinline__ u32 swz(int row, int chunk) { return row * 256 + ((chunk ^ (row & 7)) << 4); }
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// x = hi + lo, hi rounded to TF32 and lo the rest (rounded): three TF32 products carry about fp32 accuracy
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    float r = x - __uint_as_float(hi);
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(lo) : "f"(r));
+}
+// acc += X @ Y for 16 x 16 fp32 blocks in shared memory (row strides ldx, ldy), in 3xTF32; acc in the
+// mma C layout, two 8-column tiles
+__device__ __forceinline__ void prod16(float (&acc)[2][4], const float* X, int ldx, const float* Y, int ldy,
+                                       int gid, int tig) {
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+        u32 ah[4], al[4];
+        split_tf32(X[gid * ldx + 8 * kk + tig], ah[0], al[0]);
+        split_tf32(X[(gid + 8) * ldx + 8 * kk + tig], ah[1], al[1]);
+        split_tf32(X[gid * ldx + 8 * kk + tig + 4], ah[2], al[2]);
+        split_tf32(X[(gid + 8) * ldx + 8 * kk + tig + 4], ah[3], al[3]);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            u32 bh0, bl0, bh1, bl1;
+            split_tf32(Y[(8 * kk + tig) * ldy + 8 * nt + gid], bh0, bl0);
+            split_tf32(Y[(8 * kk + tig + 4) * ldy + 8 * nt + gid], bh1, bl1);
+            mma_tf32(acc[nt], ah, bh0, bh1);
+            mma_tf32(acc[nt], ah, bl0, bl1);
+            mma_tf32(acc[nt], al, bh0, bh1);
+        }
+    }
+}
+__device__ __forceinline__ void store16(float* Z, int ldz, const float (&acc)[2][4], float sign, int gid, int tig) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        *reinterpret_cast<float2*>(Z + gid * ldz + 8 * nt + 2 * tig) = make_float2(sign * acc[nt][0], sign * acc[nt][1]);
+        *reinterpret_cast<float2*>(Z + (gid + 8) * ldz + 8 * nt + 2 * tig) = make_float2(sign * acc[nt][2], sign * acc[nt][3]);
+    }
+}
+
+"""

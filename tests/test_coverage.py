@@ -126,11 +126,14 @@ def test_per_layer_size_and_float_lists_follow_the_kept_layers():
 
 
 @pytest.mark.parametrize("family", ["hunyuan_v1_dense", "ministral", "lfm2_moe", "laguna", "mamba2", "falcon_h1",
-                                    "gemma4_text", "gemma3n_text", "hrm_text", "musicgen", "recurrent_gemma"])
+                                    "gemma4_text", "gemma3n_text", "hrm_text", "musicgen", "recurrent_gemma",
+                                    "reformer", "xlstm", "blt", "cohere_compass_text"])
 def test_tiny_configs_that_used_to_fail_build_and_run(family):
     # hunyuan_v1 / ministral: head_dim None in the default config; lfm2_moe: layer_types None; gemma4:
     # per_layer_config; hrm_text: num_layers_per_stack (its cache slots) derived from the tiny layer count;
-    # musicgen: the causal LM is the decoder sub-config (shrunk too), 2 codebooks: the 2 rows of ids
+    # musicgen: the causal LM is the decoder sub-config (shrunk too), 2 codebooks: the 2 rows of ids;
+    # reformer: a decoder, axial position sizes; xlstm: dim factors; blt: global hidden size, no cache;
+    # cohere_compass_text: RoPE parameters per layer type
     import torch
 
     from kda_compile.coverage.models import build_model
@@ -317,3 +320,37 @@ def test_an_unset_default_language_is_the_first_language():
 
 def test_zamba_keeps_two_hybrid_layers_for_its_tied_shared_transformer():
     assert tiny_config("zamba").layers_block_type == ["linear_attention", "hybrid", "hybrid"]
+
+
+def test_settings_the_model_needs_beyond_sizes():
+    from kda_compile.coverage.models import _fill_unset
+
+    types = ["sliding_attention", "full_attention"]
+    rope = _fill_unset({"hidden_size": 64, "rope_parameters": {}, "layer_types": types})["rope_parameters"]
+    assert list(rope) == types and rope["full_attention"]["rope_type"] == "default"
+    factors = _fill_unset({"hidden_size": 64, "qk_dim_factor": 0.5, "v_dim_factor": 1.0})
+    assert (factors["qk_dim_factor"], factors["v_dim_factor"]) == (1.0, 1.0)
+    assert _fill_unset({"hidden_size": 128, "qk_dim_factor": 0.5})["qk_dim_factor"] == 0.5  # 64: no rounding
+    axial = _fill_unset({"hidden_size": 64, "max_position_embeddings": 256, "axial_pos_embds_dim": [64, 192],
+                         "axial_pos_shape": [64, 64]})
+    assert axial["axial_pos_embds_dim"] == (16, 48) and axial["axial_pos_shape"] == (16, 16)
+    assert tiny_config("reformer").is_decoder and tiny_config("reformer").axial_pos_shape == (16, 16)
+    assert tiny_config("blt").use_cache is False and not tiny_config("bert-generation").is_decoder
+    assert shrink({"hidden_size_global": 2048, "encoder_hash_byte_group_vocab": 500002}) == {
+        "hidden_size_global": 64, "encoder_hash_byte_group_vocab": 256}
+
+
+def test_an_invalid_default_config_is_built_valid():
+    """gemma4_assistant's default text config is the backbone's, which its own validation rejects."""
+    text = tiny_config("gemma4_assistant").text_config
+    assert text.hidden_size_per_layer_input == 0 and text.vocab_size_per_layer_input == 0
+    assert text.num_kv_shared_layers == text.num_hidden_layers  # every layer reads the backbone's keys / values
+
+
+def test_a_missing_package_reason_drops_the_install_hint():
+    from kda_compile.coverage.sweep import _first_line
+
+    exc = ImportError("\nTimmWrapperModel requires the timm library but it was not found in your environment. You can "
+                      "install it with pip:\n`pip install timm`.")
+    assert _first_line(exc) == ("ImportError: TimmWrapperModel requires the timm library but it was not found in "
+                                "your environment")

@@ -13,8 +13,11 @@ entries are shrunk too), and whether it is in the ``num_kv_shared_layers`` tail 
 layer of each kind is kept and those lists and dicts are cut down to the kept layers. A per-layer list of
 a size (gemma3n's ``intermediate_size``, laguna's ``num_attention_heads_per_layer``) is cut down and
 shrunk, but is no kind. ``*_period`` / ``*_offset`` layer schedules become 2 / 1. Sizes that must agree
-are derived again (MLA head sizes, Mamba heads x head size, an unset ``head_dim``). Where the causal-LM
-class takes a sub-config of the family's config (musicgen's decoder), that part is built.
+are derived again (MLA head sizes, Mamba heads x head size, an unset ``head_dim``, reformer's axial
+position sizes, xlstm's dim factors). Settings beyond sizes a family's model needs are in
+:data:`FAMILY_SETTINGS` (reformer as a decoder, blt without a cache); a default config transformers itself
+rejects is built with :data:`DEFAULT_OVERRIDES` (gemma4_assistant). Where the causal-LM class takes a
+sub-config of the family's config (musicgen's decoder), that part is built.
 Nothing is downloaded; transformers is imported lazily.
 """
 from __future__ import annotations
@@ -35,7 +38,8 @@ EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_
 SIZES = {  # config attribute -> tiny value (only set where the default config has a number there)
     **dict.fromkeys(("hidden_size", "d_model", "n_embd", "n_embed", "embed_dim", "dim", "word_embed_proj_dim",
                      "embedding_size", "projection_dim",
-                     "adapter_in_dim", "adapter_input_size", "adapter_out_dim", "lru_width"), HIDDEN),  # = hidden sizes
+                     "adapter_in_dim", "adapter_input_size", "adapter_out_dim", "lru_width",
+                     "hidden_size_global"), HIDDEN),  # = hidden sizes (blt: its global transformer's, in the encoder)
     **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads", "decoder_attention_heads",
                      "encoder_attention_heads", "attention_heads"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
@@ -63,7 +67,7 @@ SIZES = {  # config attribute -> tiny value (only set where the default config h
     **dict.fromkeys(("index_topk",), 8),
     **dict.fromkeys(("index_kpool",), 4),  # index_topk must be a multiple of it (glm5_next)
     **dict.fromkeys(("num_codebooks",), 2),  # musicgen: the sweep's 2 rows of ids are 1 sample x 2 codebooks
-    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input"), VOCAB),
+    **dict.fromkeys(("vocab_size", "vocab_size_per_layer_input", "encoder_hash_byte_group_vocab"), VOCAB),
     **dict.fromkeys(("hidden_size_per_layer_input",), 16),  # gemma3n / gemma4 per-layer embeddings
     **dict.fromkeys(("sliding_window", "attention_window", "attention_window_size"), 8),
     **dict.fromkeys(("first_k_dense_replace", "num_dense_layers"), 1),
@@ -257,7 +261,35 @@ def _fill_unset(d: dict[str, Any]) -> dict[str, Any]:
         out["layer_types"] = ["conv"] * (n - 1) + ["full_attention"]
     if out.get("model_type", "").startswith("qwen4_exp") and "indexer_budget" in out:
         out.update({key: value for key, value in QSA_INDEXER.items() if out.get(key) is None})
+    if out.get("rope_parameters") == {} and isinstance(out.get("layer_types"), list):  # cohere_compass_text:
+        out["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0}  # its rotary embedding reads
+                                  for t in dict.fromkeys(out["layer_types"])}  # one entry per layer type
+    hidden = out.get("hidden_size")
+    for key in [k for k in out if k.endswith("_dim_factor")]:  # xlstm: the config rounds hidden * factor up to
+        if isinstance(hidden, int) and isinstance(out[key], float) and (hidden * out[key]) % 64:  # a multiple of
+            out[key] = 1.0  # 64 for its cache, its layers do not: the state shapes differ unless it is one
+    if isinstance(out.get("axial_pos_embds_dim"), (list, tuple)) and isinstance(hidden, int):  # reformer: the
+        out["axial_pos_embds_dim"] = (hidden // 4, hidden - hidden // 4)  # factors sum to the hidden size and
+        positions = out.get("max_position_embeddings", POSITIONS)  # the axial shape multiplies to the positions
+        out["axial_pos_shape"] = (16, positions // 16)
+    out.update(FAMILY_SETTINGS.get(out.get("model_type"), {}))
     return out
+
+
+# Settings a family's causal LM needs beyond sizes, by model type.
+FAMILY_SETTINGS = {
+    "reformer": {"is_decoder": True},  # ReformerModelWithLMHead asserts it
+    # transformers 5.23's BltModel builds DynamicCache(config=BltConfig) when use_cache is on, which reads
+    # num_hidden_layers, a field of BltConfig's sub-configs only; the sweep's one forward needs no cache
+    "blt": {"use_cache": False},
+}
+# Keyword arguments for the default config where transformers' own default is invalid, by model type.
+DEFAULT_OVERRIDES = {
+    # Gemma4AssistantConfig validates its text config as an assistant's (no per-layer inputs, no MoE block,
+    # no double-wide MLP); the default gemma4_text config is the backbone's
+    "gemma4_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0,
+                                         "enable_moe_block": False, "use_double_wide_mlp": False}},
+}
 
 
 def _derive_again(cls: type, full: dict[str, Any], tiny: dict[str, Any]) -> dict[str, Any]:
@@ -293,6 +325,9 @@ def _derive_again(cls: type, full: dict[str, Any], tiny: dict[str, Any]) -> dict
 
 
 def _fix_built(cfg: Any) -> Any:
+    for key in ("axial_pos_shape", "axial_pos_embds_dim"):  # reformer adds them to tuples
+        if isinstance(getattr(cfg, key, None), list):
+            setattr(cfg, key, tuple(getattr(cfg, key)))
     # transformers 5.23's DbrxAttentionConfig has no rope_theta, which DbrxAttention reads.
     attn = getattr(cfg, "attn_config", None)
     if getattr(cfg, "model_type", "") == "dbrx" and attn is not None and not hasattr(attn, "rope_theta"):
@@ -306,7 +341,7 @@ def tiny_config(model_type: str) -> Any:
     """The tiny config of ``model_type`` (eager attention, fp32)."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
+    default = AutoConfig.for_model(model_type, **DEFAULT_OVERRIDES.get(model_type, {}))
     full = default.to_dict()
     d = _derive_again(type(default), full, _fill_unset(shrink(full)))
     for key in ("transformers_version", "architectures", "_name_or_path"):

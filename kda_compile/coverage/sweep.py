@@ -41,6 +41,7 @@ BATCH, LENGTH = 2, 12
 STATUSES = ("ok", "build failed", "eager failed", "compile failed", "timeout", "crashed")
 _OTHER = ("Mamba", "Mixer", "Rwkv", "RWKV", "Lstm", "LSTM", "ShortConv", "Recurrent", "LinearAttention",
           "Retention")
+_PIP_HINT = re.compile(r"\.? You can install it with pip.*$")
 _NODE_SUFFIX = re.compile(r"\b([A-Za-z]\w*?)_\d+\b")  # attn_weights_3 -> attn_weights: one reason per kind
 
 
@@ -111,6 +112,8 @@ def _first_line(exc: BaseException) -> str:
     line = text[0] if text else type(exc).__name__
     if line.endswith(":") and len(text) > 1:  # "Class validation error for validator ...:" + the cause
         line = f"{line} {text[1]}"
+    if isinstance(exc, ImportError):  # a missing optional package: what needs it, without pip's instructions
+        line = _PIP_HINT.sub("", line)
     return line if len(line) <= 240 else line[:237] + "..."
 
 

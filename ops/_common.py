@@ -286,3 +286,9 @@ def tag_compile_caches() -> None:
         return
     tags = [t for t in config.cache_key_tag.split() if not t.startswith(CACHE_TAG_PREFIX)]
     config.cache_key_tag = " ".join(tags + [CACHE_TAG_PREFIX + ops_source_digest()])
+
+
+def is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed)."""
+    cls = type(tensor)
+    return cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed.tensor")

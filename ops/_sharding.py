@@ -116,17 +116,35 @@ def shard_unless_placeholder(shape, dim: int):
     return Replicate() if placeholder(shape) or len(shape) <= dim else Shard(dim)
 
 
+def _dtensor_fake_builder():
+    """DTensor's own builder of the fake inputs it runs an op's fake implementation on to get the outputs'
+    global metadata, or None where torch has none under that name."""
+    try:
+        from torch.distributed.tensor._op_schema import _rebuild_tensor_from_dtensor_meta
+    except ImportError:
+        return None
+    return _rebuild_tensor_from_dtensor_meta
+
+
 def output_shapes(call: OpCall) -> list[tuple]:
-    """The global shapes of the op's outputs: its fake implementation run on the inputs' global metadata
-    (as DTensor itself does to get output metadata), on the mesh's device type so that the same backend is
-    chosen as at run time (e.g. which residuals a chunked delta-rule forward keeps)."""
+    """The global shapes of the op's outputs: its fake implementation run on the inputs' global metadata,
+    built exactly as DTensor builds them for the outputs' metadata, so that a rule places the outputs DTensor
+    will describe. The device matters: which residuals a chunked delta-rule forward keeps depends on the
+    backend chosen for it. torch 2.13 builds the fakes on the mesh's device type; torch 2.11 builds them on
+    the CPU (so there, on a CUDA mesh, the global metadata of the residuals is the CPU backend's: placeholders,
+    replicated, while each rank keeps its own residuals locally; the ops' backward reads only the local
+    tensors)."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
+    builder = _dtensor_fake_builder()
+
     def fake(value):
         if not isinstance(value, call.spec_type):
             return value
+        if builder is not None:
+            return builder(value)
         meta = value.tensor_meta
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=value.mesh.device_type)
 

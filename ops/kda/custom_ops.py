@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops._common import record_fallback
+from kda_compile.ops._common import is_dtensor, record_fallback
 from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
 from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
@@ -217,7 +217,10 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*residuals)
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the residuals (nor an unused state)
     opts = _options(scale, *flags, chunk_size, keep_intermediates)
-    stand_ins = _stand_ins(_backend("chunk_kda", q, v, opts), q, k, v, opts, save_for_backward)
+    # DTensor inputs keep q and k: the global metadata of a residual standing in for them is DTensor's own
+    # (ops/_sharding.py output_shapes), which on some torch versions is another device's backend's
+    stand_ins = {} if is_dtensor(q) else _stand_ins(_backend("chunk_kda", q, v, opts), q, k, v, opts,
+                                                      save_for_backward)
     q_kept = None if "q" in stand_ins else q
     k_kept = None if "k" in stand_ins else k
     ctx.save_for_backward(q_kept, k_kept, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals)

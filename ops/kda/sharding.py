@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
 
-from kda_compile.ops._sharding import (OpCall, Strategy, heads_split_evenly, output_shapes, replicated,
+from kda_compile.ops._sharding import (OpCall, Strategy, heads_split_evenly, output_shapes, placeholder, replicated,
                                        shard_unless_placeholder)
 
 HEAD_DIMS = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 2, "do": 2, "A_log": 0, "dt_bias": 0, "initial_state": 1,
@@ -25,11 +25,16 @@ GRAD_HEAD_DIMS = (2, 2, 2, 2, 2, 0, 0, 1)  # dq, dk, dv, dg, dbeta, dA_log, ddt_
 
 
 def _heads_split(call: OpCall) -> bool:
-    return heads_split_evenly(call, HEAD_DIMS, (call.shape("q")[2], call.shape("v")[2]))
+    """Every head count the call carries (q / k heads, value heads, the states', A_log's...) splits into the
+    blocks its inputs are sharded in; placeholders (absent inputs) carry none."""
+    counts = [shape[dim] for shape, dim in ((call.shape(name), dim) for name, dim in HEAD_DIMS.items())
+              if shape is not None and not placeholder(shape) and len(shape) > dim]
+    return heads_split_evenly(call, HEAD_DIMS, counts)
 
 
 def _head_inputs(call: OpCall) -> dict:
-    inputs = {name: Shard(dim) for name, dim in HEAD_DIMS.items()}
+    inputs = {name: shard_unless_placeholder(call.shape(name), dim) for name, dim in HEAD_DIMS.items()
+              if call.spec(name) is not None}
     inputs.update({name: shard_unless_placeholder(call.shape(name), RESIDUAL_HEAD_DIM)
                    for name in RESIDUALS if call.spec(name) is not None})
     return inputs

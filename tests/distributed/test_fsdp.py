@@ -23,7 +23,10 @@ if not hasattr(transformers, "KimiLinearConfig"):
     pytest.skip(f"transformers {transformers.__version__} has no KimiLinear", allow_module_level=True)
 
 STEPS = 3
-LOSS_TOL = {"cpu": 1e-5, "cuda": 1e-4}  # relative, per step; on CUDA our kernels meet HF's eager math
+# relative, per step, against HF's fp32 torch math in one process. On CUDA the KDA kernels take fp32 inputs
+# through TF32 dot products (10-bit mantissa) and AdamW's normalised steps carry those differences into the
+# following losses: 2e-4 measured at the third step on an H200; a wrong gradient moves them by percents.
+LOSS_TOL = {"cpu": 1e-5, "cuda": 1e-3}
 LAYERS = ("linear_attention", "full_attention", "linear_attention")
 # HF's KDA and causal-conv names, pointed at HF's torch references for the test (an installed FLA / causal-conv1d
 # binds CUDA-only kernels there; tests/hf_kda_binding.py)

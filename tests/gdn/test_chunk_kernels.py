@@ -14,14 +14,15 @@ from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.ops.gdn import chunk_backend, fla_backend
 from kda_compile.ops.gdn.backends import only_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
-from triton_device import triton_device
+from triton_device import INTERPRETED, triton_device
 
 from kda_compile.testing import KDAShape, assert_rel_close, make_gdn_args
 from tests.gdn.helpers import expected_fp64
 
 DEVICE = triton_device("the GDN chunk kernels")
 CUDA = torch.device("cuda")
-TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
+# float32: exact products interpreted on CPU; TF32 products on CUDA (3-4e-4 measured on an H200)
+TOL = {torch.float32: 1e-5 if INTERPRETED else 3e-3, torch.float16: 5e-3, torch.bfloat16: 5e-3}
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 # (id, shape (B, T, H, HV, K, V), cu_seqlens, options for make_gdn_args)

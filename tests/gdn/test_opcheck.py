@@ -9,6 +9,7 @@ import kda_compile.ops  # noqa: F401  (registers torch.ops.kda_compile.*)
 from kda_compile.ops.gdn.backends import only_backends
 from kda_compile.testing import KDAShape, make_gdn_args
 from tests.gdn.helpers import op_flags, op_tensors
+from triton_device import INTERPRETED
 
 OPTION_SETS = {
     "plain": dict(shape=KDAShape(2, 19, 2, 2, 16, 8)),
@@ -74,6 +75,8 @@ def test_noncontiguous_inputs_are_really_noncontiguous(options):
         assert not args[key].is_contiguous(), key
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors through the Triton interpreter; on CUDA "
+                    "tests/gdn/test_chunk_kernels_cuda.py::test_opcheck_on_this_backend")
 @pytest.mark.parametrize("options", ["in-kernel-negeig-v-first", "varlen-empty-seqs"])
 def test_chunk_gdn_fwd_inference_on_our_chunk_kernels(options):
     """The inference op on the ``chunk_kernels`` backend (our Triton kernels with the scalar gate; interpreted on

@@ -200,8 +200,8 @@ CATALOG: dict[str, Benchmark] = {
         "since every other rank pays for the state it receives. `ours (CP, N GPUs, no state)` and `FLA (CP, N "
         "GPUs, no state)`: ours and fla-core 0.6's context-parallel `chunk_kda` without initial and final state "
         "(FLA refuses them with a context). A call's time: its ranks meet at a barrier, each times the call on the "
-        "host until its GPU is done, and the call counts the slowest rank; median over 10 calls after 2 warm-up "
-        "calls. The ratio `ours (1 GPU) / ours (CP, ...)` is the speedup of context parallelism (divide by N for "
+        "host until its GPU is done, and the call counts the slowest rank; median over the timed calls "
+        "(`--reps`, default 10) after the warm-up calls (`--warmup`, default 2). The ratio `ours (1 GPU) / ours (CP, ...)` is the speedup of context parallelism (divide by N for "
         "the parallel efficiency). `--ops gdn` runs `chunk_gated_delta_rule` the same way (its scalar gate per "
         "head). Design: [docs/context-parallel.md](../docs/context-parallel.md).",
         command="python -m kda_compile.bench cp",

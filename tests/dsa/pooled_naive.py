@@ -116,7 +116,14 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     the layout (same tail and padding slots, the same number of pools per row, each pool's P consecutive
     tokens), ``got``'s pools are distinct, complete, valid and visible, in score order, and no visible pool
     left out scores above a chosen one, up to ``rtol`` of the row's largest score (float64 scores over the
-    pool keys both paths use, ``pooled.pooled_keys``)."""
+    pool keys both paths use, ``pooled.pooled_keys``).
+
+    HF's rule, as checked here: a pool is a candidate for query ``i`` when it is valid and its last token
+    ``first + p * P + P - 1 <= pos_i``; HF fills the other pools' scores with ``finfo.min`` before its top-k
+    and turns any of them it picks into -1, so every candidate outranks every non-candidate, whatever its
+    sign: a candidate with a negative (or zero) score is still taken while a slot is free. A row that sees
+    fewer candidates than the ``n_sel`` slots takes all of them, in score order, and its remaining slots hold
+    P times -1 (they are not pools; in particular not pool 0)."""
     from kda_compile.ops.dsa.pooled import first_valid, pooled_keys
 
     got, want = got.long(), want.long()
@@ -143,8 +150,11 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     pos = a["q_offset"] + torch.arange(s_len, device=got.device)
     last = first[:, None] + torch.arange(n_pools, device=got.device) * pool + pool - 1
     visible = pool_valid[:, None, :] & (last[:, None, :] <= pos[None, :, None])
-    mask = torch.zeros_like(visible)
-    mask.scatter_(-1, chosen.clamp_min(0), chosen >= 0)
+    # chosen pools as a [B, S, NP] mask; empty slots (-1) go to a spare last column, dropped after (scattering
+    # them onto pool 0 with False would erase a chosen pool 0)
+    mask = visible.new_zeros(b, s_len, n_pools + 1)
+    mask.scatter_(-1, torch.where(chosen >= 0, chosen, n_pools), True)
+    mask = mask[..., :n_pools]
     assert bool((mask <= visible).all()), "a chosen pool the query may not see"
     slack = rtol * scores.abs().amax(-1)
     picked = scores.gather(-1, chosen.clamp_min(0)).masked_fill(chosen < 0, float("-inf"))

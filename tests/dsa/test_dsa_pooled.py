@@ -2,7 +2,8 @@
 ``Glm5NextTextIndexer`` and a dense float64 oracle that follows HF's code (``pooled_naive.py``): prefill with
 left padding, batch > 1, several T / pool sizes / top-k (more than the visible pools), the tail on and off,
 decode (S = 1) and chunks over a cache (a query offset), a static-cache-like length, ties (exact integer
-scores: the lower pool wins), blockwise merging (small blocks give the same selection), opcheck (with
+scores: the lower pool wins), negative scores in rows that see fewer pools than slots (the true top-k oracle,
+HF's own selection included), blockwise merging (small blocks give the same selection), opcheck (with
 non-contiguous inputs) and torch.compile(fullgraph=True, dynamic=True) with no graph break."""
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import kda_compile.ops.dsa.pooled as pooled
 from kda_compile.ops import dsa_pooled_indexer_topk
 
-from .pooled_naive import StubCache, dense_pooled, hf_inputs
+from .pooled_naive import StubCache, assert_true_pooled_topk, dense_pooled, hf_inputs, quantised_pooled_inputs
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
@@ -110,6 +111,106 @@ def test_ties_take_the_lower_pool():
     got = dsa_pooled_indexer_topk(q, k, weights, gate, ape, 8, scale=0.5)
     assert torch.equal(got, dense_pooled(q, k, gate, weights, None, ape, None, 8, 0.5, t - s, True))
     assert got[0, 3, :8].tolist() == [0, 1, 2, 3, 4, 5, 6, 7]  # pools 0 and 1 of the two visible
+
+
+def _pool_scores(a, scale):
+    """float64 [B, S, NP] pool scores over the op's pool keys, and each row's first valid key."""
+    first = pooled.first_valid(a["key_valid"])
+    pk, _ = pooled.pooled_keys(a["k"], a["gate"], a["key_valid"], a["ape"], first)
+    scores = torch.einsum("bshd,bpd->bshp", a["q"].double(), pk.double()).mul(scale).relu()
+    return torch.einsum("bshp,bsh->bsp", scores, a["weights"].double()), first
+
+
+def _chosen_pools(idx, first, n_sel, pool):
+    """int64 [B, S, n_sel]: the pools a selection holds, -1 for an empty slot."""
+    blocks = idx[..., :n_sel * pool].long().view(*idx.shape[:2], n_sel, pool)[..., 0]
+    return torch.where(blocks >= 0, (blocks - first[:, None, None]) // pool, -1)
+
+
+def _random_pooled(b, s, t, heads, dim, pool, seed):
+    """Unquantised float32 inputs with signed head weights (``randn * H ** -0.5``, as HF scales them)."""
+    g = torch.Generator().manual_seed(seed)
+    a = quantised_pooled_inputs(b, s, t, heads, dim, pool, device="cpu", seed=seed)
+    for name in ("q", "k", "gate", "ape"):
+        a[name] = torch.randn(a[name].shape, generator=g)
+    a["weights"] = torch.randn(a["weights"].shape, generator=g) * heads ** -0.5
+    return a
+
+
+def test_negative_scores_fewer_visible_pools_than_slots():
+    """Signed head weights make pool scores negative; the first topk / P - 1 queries see fewer pools than the
+    slots: every visible pool is taken (the negative ones too), in score order, the other slots -1 (the true
+    top-k oracle at glm5_next's pool size, with pool 0 ranked below another pool in many rows)."""
+    heads, dim, pool, topk, scale = 4, 32, 16, 256, 32 ** -0.5
+    a = _random_pooled(2, 512, 512, heads, dim, pool, seed=3)
+    args = (a["q"], a["k"], a["weights"], a["gate"], a["ape"], topk)
+    got = dsa_pooled_indexer_topk(*args, scale=scale, key_valid=a["key_valid"], query_mask=a["query_mask"],
+                                  q_offset=a["q_offset"])
+    want = pooled.pooled_indexer_topk_reference(a["q"], a["k"], a["gate"], a["weights"], a["key_valid"], a["ape"],
+                                                a["query_mask"], topk, scale, a["q_offset"], True)
+    assert torch.equal(got, want)
+    assert_true_pooled_topk(got, want, a, topk, scale)
+
+    n_sel = topk // pool
+    scores, first = _pool_scores(a, scale)
+    chosen = _chosen_pools(got, first, n_sel, pool)
+    pos = a["q_offset"] + torch.arange(got.shape[1])
+    n_visible = ((pos[None, :] - first[:, None] + 1) // pool).clamp(0, n_sel)  # no padding inside a row
+    n_visible = n_visible.masked_fill(~a["query_mask"], 0)
+    assert torch.equal((chosen >= 0).sum(-1), n_visible)  # all visible pools, up to the slots
+    few = (n_visible >= 2) & (n_visible < n_sel)
+    picked = scores.gather(-1, chosen.clamp_min(0))
+    negative = ((picked < 0) & (chosen >= 0)).any(-1)
+    pool0_not_first = ((chosen == 0).any(-1)) & (chosen[..., 0] != 0)
+    assert bool((few & negative).any()) and bool((few & pool0_not_first).any())
+
+
+def test_hf_takes_negative_scoring_pools():
+    """HF's own selection takes a visible pool whatever its score's sign (only non-candidates get ``finfo.min``)
+    and passes the true top-k oracle against the op (HF's order among exactly equal scores is torch.topk's)."""
+    module = _indexer(16, 256, True, seed=1, heads=4, dim=32)
+    b, t = 2, 512
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(b, t, module.hidden_size, generator=g)
+    q_resid = torch.randn(b, t, module.q_lora_rank, generator=g)
+    valid = _padding(b, t, 7)
+    with torch.no_grad():
+        q, k, gate, weights = hf_inputs(module, hidden, q_resid)
+        hf = module(hidden, q_resid, valid, None)
+        ape = module.index_kpool_compress_ape
+        got = dsa_pooled_indexer_topk(q, k, weights, gate, ape, 256, scale=module.softmax_scale, key_valid=valid,
+                                      query_mask=valid)
+    a = dict(q=q, k=k, gate=gate, weights=weights, key_valid=valid, ape=ape, query_mask=valid, q_offset=0)
+    assert_true_pooled_topk(hf, got, a, 256, module.softmax_scale)
+    scores, first = _pool_scores(a, module.softmax_scale)
+    chosen = _chosen_pools(hf, first, 16, 16)
+    assert bool(((scores.gather(-1, chosen.clamp_min(0)) < 0) & (chosen >= 0)).any())
+
+
+def test_true_topk_oracle_catches_wrong_selections():
+    """The oracle rejects a pool dropped, a pool chosen twice, a pool the query cannot see and a better pool
+    left out, in rows with fewer visible pools than slots and in rows with more."""
+    heads, dim, pool, topk, scale = 2, 8, 4, 16, 0.5
+    a = _random_pooled(1, 40, 40, heads, dim, pool, seed=5)
+    ref = pooled.pooled_indexer_topk_reference(a["q"], a["k"], a["gate"], a["weights"], a["key_valid"], a["ape"],
+                                               a["query_mask"], topk, scale, a["q_offset"], True)
+    assert_true_pooled_topk(ref, ref, a, topk, scale)
+    scores, _ = _pool_scores(a, scale)
+    blocks = torch.arange(pool)
+
+    def bad(row, slot, new_pool):
+        out = ref.clone()
+        out[0, row, slot * pool:(slot + 1) * pool] = -1 if new_pool is None else new_pool * pool + blocks
+        return out
+
+    # row 10 sees pools 0 and 1 (of 4 slots); row 39 sees all 10 pools and keeps 4
+    assert ref[0, 10, :8].ge(0).all() and ref[0, 10, 8:16].eq(-1).all()
+    left_out = [p for p in range(10) if p not in (ref[0, 39, :16:pool] // pool).tolist()]
+    best_left = max(left_out, key=lambda p: float(scores[0, 39, p]))
+    for wrong, message in ((bad(10, 1, None), None), (bad(10, 1, int(ref[0, 10, 0]) // pool), "twice"),
+                           (bad(10, 1, 5), "may not see"), (bad(39, 0, best_left), "left out|score order")):
+        with pytest.raises(AssertionError, match=message):
+            assert_true_pooled_topk(wrong, ref, a, topk, scale)
 
 
 def test_validation_names_the_argument():

@@ -6,7 +6,8 @@ that every float32 pool score is exact (small-integer queries and keys, head wei
 gives each pool key one token's key): the selection must then be the same, index for index, tie for tie.
 Covered: pool sizes 1-8, left padding, batch > 1, top-k above the visible pool count, the tail on and off,
 decode (S = 1), chunks over a cache, a static cache's unfilled slots, padded queries, blockwise merging (small
-pool and query blocks), random (unquantised) inputs as a true top-k.
+pool and query blocks), random (unquantised) inputs as a true top-k, also with negative scores in rows that see
+fewer pools than slots.
 """
 import pytest
 import torch
@@ -103,6 +104,23 @@ def test_random_inputs_true_topk(dtype):
     got = _call(pooled_indexer_topk_triton, a, 16, True, scale=0.3)
     want = _call(pooled_indexer_topk_reference, a, 16, True, scale=0.3)
     assert_true_pooled_topk(got, want, a, 16, 0.3)
+
+
+def test_negative_scores_fewer_visible_pools_true_topk():
+    """Signed head weights (``randn * H ** -0.5``) and queries that see fewer pools than the slots (the first
+    topk / P - 1 of them): the kernel takes every visible pool, negative ones too, in score order."""
+    g = torch.Generator().manual_seed(9)
+    heads, dim, pool, topk, scale = 2, 16, 4, 32, 0.25
+    a = quantised_inputs(2, 48, 48, heads, dim, pool, seed=9)
+    for name in ("q", "k", "gate", "ape"):
+        a[name] = torch.randn(a[name].shape, generator=g).to(DEVICE)
+    a["weights"] = (torch.randn(a["weights"].shape, generator=g) * heads ** -0.5).to(DEVICE)
+    got = _call(pooled_indexer_topk_triton, a, topk, True, scale=scale)
+    want = _call(pooled_indexer_topk_reference, a, topk, True, scale=scale)
+    assert_true_pooled_topk(got, want, a, topk, scale)
+    assert_true_pooled_topk(want, want, a, topk, scale)
+    # row 0 is unpadded: queries 7..26 see 2 to 6 of the 8 slots' pools; all are taken, the last two slots empty
+    assert bool((got[0, 7:27, :8] >= 0).all()) and bool((got[0, 7:27, 24:32] == -1).all())
 
 
 def test_cuda_dispatch_runs_the_kernel_or_says_why():

@@ -57,8 +57,9 @@ import torch
 
 from kda_compile import ops
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
-from kda_compile.passes import kda_substitution
-from kda_compile.passes.kda_substitution import CHUNK_SIZES, _as_state, _copy_of, _per_channel, _register
+from kda_compile.passes import kda_substitutes, kda_substitution
+from kda_compile.passes.kda_substitutes import CHUNK_SIZES, _as_state, _copy_of, _per_channel
+from kda_compile.passes.kda_substitution import _register
 
 logger = logging.getLogger("kda_compile.passes.delta_rule_probe")
 
@@ -284,7 +285,7 @@ def _same(value: Any, default: Any) -> bool:
 def _serve_probed(where: str, chunk: bool, names: tuple, tensors: tuple, defaults: dict, ignores_extra: bool,
                   twin: Callable, args: tuple, kwargs: dict):
     """Our op for a call of a recognised entry point, or the original code (traced as written)."""
-    if not kda_substitution._substituting(f"probed {where}") or len(args) > len(names):
+    if not kda_substitutes._substituting(f"probed {where}") or len(args) > len(names):
         return twin(*args, **kwargs)
     call = dict(zip(names, args))
     call.update(kwargs)

@@ -13,7 +13,7 @@ GDN ops ``chunk_gdn_fwd`` / ``fused_recurrent_gdn_fwd`` (what a substitute or a 
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (what other rewrites insert). A GDN
 site reads e.g. ``-> kda_compile.chunk_gdn_fwd(entry=transformers torch_chunk_gated_delta_rule, ...)``.
 ``entry`` is the entry point the call stands
-for, read from the node's stack trace: the frame of the substitute that produced it (e.g.
+for, read from the node's stack trace: the frame of the substitute that produced it (kda_substitutes.py; e.g.
 ``fla chunk_kda``, ``transformers recurrent_kimi_delta_attention``, with ``via HF wrapper`` when
 HF's wrapper was substituted), else ``kda_compile.ops`` (called by the model) or ``graph rewrite``.
 ``source`` is the model line that called the entry point.
@@ -40,7 +40,7 @@ import torch
 import torch.fx
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
-from kda_compile.passes import delta_rule_probe, kda_substitution
+from kda_compile.passes import delta_rule_probe, kda_substitutes, kda_substitution
 from kda_compile.passes.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 
@@ -52,7 +52,7 @@ FLAGS = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sig
          "lower_bound", "output_final_state")
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
-_SUBSTITUTION_FILE = os.path.abspath(kda_substitution.__file__)
+_SUBSTITUTES_FILE = os.path.abspath(kda_substitutes.__file__)
 _WRAPPER_DIRS = (os.sep + os.path.join("transformers", "integrations") + os.sep,)
 
 
@@ -85,7 +85,7 @@ def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
     """Which entry point a KDA node stands for, and the model line that called it."""
     frames = _frames(node)
     substitutes = [fn for path, _, fn in frames
-                   if os.path.abspath(path) == _SUBSTITUTION_FILE and fn in kda_substitution.SUBSTITUTE_FRAMES]
+                   if os.path.abspath(path) == _SUBSTITUTES_FILE and fn in kda_substitutes.SUBSTITUTE_FRAMES]
     first_ours = next((i for i, (path, _, _) in enumerate(frames) if is_our_file(path)), None)
     if first_ours is None:  # inserted by a rewrite, with the model node's metadata
         function = _reference_function(frames)
@@ -98,7 +98,7 @@ def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
         return probed, source
     if not substitutes:
         return "kda_compile.ops", source
-    entry = kda_substitution.SUBSTITUTE_FRAMES[substitutes[-1]]
+    entry = kda_substitutes.SUBSTITUTE_FRAMES[substitutes[-1]]
     if "hf_kda_wrapper" in substitutes[:-1]:
         entry += " via HF wrapper"
     return entry, source
@@ -125,7 +125,7 @@ def _reference_function(frames: list[tuple[str, int, str]]) -> str | None:
     if any(is_our_file(path) and os.path.abspath(path) != delta_rule_probe.PROBE_FILE for path, _, _ in frames):
         return None  # (a probing substitute that declined a call traces the original: still a reference)
     names = [fn for _, _, fn in frames
-             if fn in kda_substitution.HF_REFERENCE_FUNCTIONS or delta_rule_probe.traced_as_written(fn)]
+             if fn in kda_substitutes.HF_REFERENCE_FUNCTIONS or delta_rule_probe.traced_as_written(fn)]
     return names[-1] if names else None
 
 

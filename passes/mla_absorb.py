@@ -58,6 +58,8 @@ from kda_compile.ops.attention import attention
 from kda_compile.ops.mla import explain_mla_path, mla_attention
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace, is_tensor_node, known_equal, known_shape_equal,
                                             module_path, source_line, static_int, tensor_of)
+from kda_compile.passes.attention_spellings import graph_input_behind
+from kda_compile.passes.lse_softmax import input_name
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 from kda_compile.passes.matching import (CAT, EXPAND, GETITEM, RESHAPE, SOFTMAX, TRANSPOSE, Bindings, Call,
                                          Capture, Const, Seq, family, match_downward, match_upward)
@@ -361,9 +363,14 @@ def mla_arguments(consumer: Consumer) -> tuple[dict, dict]:
     if kw.get("sinks") is not None:
         # A sink adds exp(sink[h]) to each softmax denominator: o_sink = o * sigmoid(lse - sink[h]). The op
         # could take it as a `sinks` [H] argument, or return its log-sum-exp for the pass to rescale by.
-        raise NotMLA(f"the attention has sinks={describe_node(kw['sinks'])}: mla_attention takes no sinks "
-                     f"argument and returns no log-sum-exp (either would serve: sinks [H], or lse [B, H, Sq] "
-                     f"to rescale o by sigmoid(lse - sinks))")
+        sinks = kw["sinks"]
+        source = graph_input_behind(sinks) if isinstance(sinks, torch.fx.Node) else None
+        named = input_name(source) if source is not None else describe_node(sinks)
+        raise NotMLA(f"the attention has per-head sinks ({named}): mla_attention takes no sinks argument and "
+                     f"returns no log-sum-exp (either would serve: sinks [H], or lse [B, H, Sq] to rescale o by "
+                     f"sigmoid(lse - sinks)); the site stays {consumer.kind} over the keys and values kv_b_proj "
+                     f"expands from the whole cache (kda_compile.attention takes the sinks; an absorbed form built "
+                     f"on it would fix one form for every call, where mla_attention picks one per call)")
     for name in ("softcap", "sliding_window"):
         if kw.get(name) is not None:
             raise NotMLA(f"the attention has {name}={describe_node(kw[name])}, which mla_attention does not take")

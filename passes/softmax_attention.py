@@ -61,7 +61,8 @@ key dimension, anything else between the two matmuls, shapes that do not pair up
 included), in-place ops between the two matmuls (other than the in-place scale), any other multiplicative
 mask (an argument, a buffer with values other than 0 / 1, a fill above -1e4), arguments the op refuses. A softmax with no matmul on either side (a MoE router)
 is not a candidate; one with a matmul, bmm or einsum a few nodes away on both sides is, and is reported
-with what was found where the spelling is not matched.
+with what was found where the spelling is not matched. So is a softmax spelled ``exp(x - logsumexp(x))``
+between such products (reformer; ``lse_softmax.py`` lists what stops each one).
 
 The new node calls the public function ``attention``, not ``torch.ops.kda_compile.attention_fwd``.
 Both pass AOTAutograd (a node of the op, then ``getitem``, was checked too, forward and backward
@@ -91,6 +92,7 @@ from kda_compile.passes.attention_spellings import (CLAMP_MIN, MASKED_FILL, MAXI
                                                     multiplicative_mask_reason, multiplied_scores, product_within,
                                                     rescale_by_query_sinks, same_computation, subtracted_reason,
                                                     unfold_batched_attention, with_subtracted)
+from kda_compile.passes.lse_softmax import exp_lse_candidates
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
                                             source_line, tensor_of)
@@ -477,6 +479,8 @@ class SoftmaxAttentionRewrite(GraphRewrite):
                 log.left_alone.append(LeftAlone(self.name, *where, reason))
                 continue
             rewritten += self.replace_site(log, where, OP_NAME, lambda: self._replace(graph, site, erased))
+        for exp, reason in exp_lse_candidates(graph):  # reformer: a softmax spelled exp(x - logsumexp(x))
+            log.left_alone.append(LeftAlone(self.name, module_path(exp), source_line(exp), reason))
         if normalized and not rewritten:  # the pass manager recompiles only after a rewrite
             graph.lint()
             gm.recompile()

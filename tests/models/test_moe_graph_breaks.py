@@ -121,6 +121,42 @@ def test_a_break_capture_cannot_remove_is_reported():
     assert "data-dependent" in found[0].reason
 
 
+class LoopOverExpertsHit(torch.nn.Module):
+    """dbrx / longcat_flash's dispatch: a Python loop over ``nonzero()`` of the experts hit, whose length
+    is data-dependent even when ``nonzero`` is captured."""
+
+    def __init__(self, hidden=16, experts=4):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.up = torch.nn.Parameter(torch.randn(experts, hidden, hidden) / hidden ** 0.5)
+
+    def forward(self, x):
+        weights, chosen = torch.topk(self.router(x).softmax(-1), 2, dim=-1)
+        expert_mask = torch.nn.functional.one_hot(chosen, num_classes=self.up.shape[0]).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        out = torch.zeros_like(x)
+        for expert_idx in expert_hit:  # the loop's length is the number of experts hit
+            expert_idx = expert_idx[0]
+            top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+            routed = (x[token_idx] @ self.up[expert_idx]) * weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, routed)
+        return out
+
+
+def test_a_loop_over_the_experts_hit_is_named_with_its_line_and_reason():
+    torch.manual_seed(0)
+    moe, x = LoopOverExpertsHit().eval(), torch.randn(8, 16)
+    with torch.no_grad():
+        assert rel_error(optimize(moe, QUICK)(x), moe(x)) < 1e-6
+    found = report(moe).graph_breaks
+    loop = [b for b in found if "for expert_idx in expert_hit" in b.reason]
+    assert loop, str(report(moe))
+    line = loop[0].location
+    assert line.startswith("test_moe_graph_breaks.py:") and all(b.location == line for b in loop)
+    assert all("data-dependent" in b.reason for b in loop)
+    assert f"graph break at {line}" in str(report(moe))
+
+
 # ----------------------------------------------------------------------------------------------
 # Hugging Face families (slow: 10 to 60 s of Dynamo tracing each on 2 CPU cores)
 # ----------------------------------------------------------------------------------------------
@@ -139,6 +175,9 @@ FAMILIES = {
 }
 
 
+MODELING = {"jetmoe": "jetmoe", "longcat_flash": "longcat_flash", "dbrx": "dbrx", "qwen4_exp_text": "qwen4_exp"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_hf_moe_family_breaks_before_and_after(family):
@@ -154,6 +193,10 @@ def test_hf_moe_family_breaks_before_and_after(family):
         assert rel_error(got, want) < 1e-5
         counts[config.capture_data_dependent_ops] = breaks_of(model)
         if config is QUICK and remain:
-            assert all(".py:" in b.location and b.reason for b in report(model).graph_breaks)
+            found = report(model).graph_breaks
+            assert all(".py:" in b.location and b.reason for b in found)
+            # the model's own routing (or QSA indexer) line is named, with Dynamo's data-dependent reason
+            own = [b for b in found if b.location.startswith(f"modeling_{MODELING[family]}.py:")]
+            assert own and any("data-dependent" in b.reason for b in own), str(report(model))
     assert counts[False] > 0
     assert (counts[True] > 0) == remain, counts

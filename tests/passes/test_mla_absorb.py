@@ -281,4 +281,6 @@ def test_sinks_are_left_alone_with_what_the_op_would_need():
         assert rel_error(out, module(*args)) < FP32_TOL
     (entry,) = cap.entries(kind="left_alone")
     assert "mla_attention takes no sinks argument" in entry.reason and "sigmoid(lse - sinks)" in entry.reason
+    assert "per-head sinks (parameter sinks)" in entry.reason  # named by its attribute, the same in every layer
+    assert "the site stays kda_compile.attention over the keys and values kv_b_proj expands" in entry.reason
     assert not cap.calls(mla_attention)

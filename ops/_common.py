@@ -245,6 +245,24 @@ def module_unusable(module: str) -> str | None:
     return None
 
 
+@functools.cache
+def triton_compile_errors() -> tuple[type[BaseException], ...]:
+    """Triton's compile-time failures (compiler front end, ptxas, resources, autotuner with no valid config)."""
+    import triton.compiler.errors as compiler_errors
+    import triton.runtime.errors as runtime_errors
+
+    names = [(compiler_errors, "CompilationError"), (runtime_errors, "OutOfResources"),
+             (runtime_errors, "PTXASError"), (runtime_errors, "AutotunerError")]
+    return tuple(getattr(module, name) for module, name in names if hasattr(module, name))
+
+
+def compile_failure_reason(kernels: str, error: BaseException) -> str:
+    """The fallback reason for ``kernels`` that did not compile: the error's type and its last line (where
+    Triton's messages say what failed)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return f"{kernels} failed to compile: {type(error).__name__}: {lines[-1][:300] if lines else ''}"
+
+
 def empty_like_absent(ref: torch.Tensor) -> torch.Tensor:
     """The tensor an op returns in place of an absent optional output (schemas cannot return None)."""
     return ref.new_empty(0)

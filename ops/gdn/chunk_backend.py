@@ -22,7 +22,12 @@ import importlib
 from functools import cache
 
 import torch
-from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops._common import (
+    compile_failure_reason,
+    module_unusable,
+    record_fallback,
+    triton_compile_errors,
+)
 from kda_compile.ops.gdn.backends import (
     REFERENCE,
     GDNOptions,
@@ -80,8 +85,6 @@ class ChunkKernelsBackend:
 
     def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
                       cu_seqlens_cpu=None):
-        from kda_compile.ops.kda.prefill_backend import _compile_errors, _first_line
-
         variant = (q.device, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
                    cu_seqlens is not None and cu_seqlens.dtype, h0 is not None and h0.dtype, output_final_state,
                    A_log is not None, dt_bias is not None, opts)
@@ -96,8 +99,8 @@ class ChunkKernelsBackend:
                         use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
                         allow_neg_eigval=opts.allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu)
                 return o, final, []
-            except _compile_errors() as error:
-                reason = f"our Triton prefill kernels failed to compile: {type(error).__name__}: {_first_line(error)}"
+            except triton_compile_errors() as error:
+                reason = compile_failure_reason("our Triton prefill kernels", error)
                 _failed_variants[variant] = reason
         fallback = _next_backend(q, v, opts)
         record_fallback("chunk_gdn", fallback.name, reason)

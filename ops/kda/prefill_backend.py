@@ -37,7 +37,12 @@ from functools import cache
 
 import torch
 
-from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops._common import (
+    compile_failure_reason,
+    module_unusable,
+    record_fallback,
+    triton_compile_errors,
+)
 from kda_compile.ops.kda.backends import REFERENCE, KDAOptions, register_backend
 from kda_compile.ops.kda.fla_backend import FLABackend, glue_kernels
 
@@ -59,22 +64,6 @@ _failed_variants: dict[tuple, str] = {}  # call variants whose kernels did not c
 @cache
 def _kernel_unusable() -> str | None:
     return module_unusable(KERNEL_MODULE)
-
-
-@cache
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """Triton's compile-time failures (compiler front end, ptxas, resources, autotuner with no valid config)."""
-    import triton.compiler.errors as compiler_errors
-    import triton.runtime.errors as runtime_errors
-
-    names = [(compiler_errors, "CompilationError"), (runtime_errors, "OutOfResources"),
-             (runtime_errors, "PTXASError"), (runtime_errors, "AutotunerError")]
-    return tuple(getattr(module, name) for module, name in names if hasattr(module, name))
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
 
 
 @cache
@@ -171,11 +160,11 @@ class TritonChunkBackend:
                 with torch.cuda.device(q.device):  # Triton launches on the current device
                     o, final, residuals = _launcher()(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
                 return o, final, (residuals + normalised if residuals else [])
-            except _compile_errors() as error:
+            except triton_compile_errors() as error:
                 # A kernel that does not compile for this GPU / configuration is our bug, not the user's.
                 # Nothing was written yet (compilation precedes each kernel's first launch); later calls
                 # of this variant skip the failing compile.
-                reason = f"our Triton prefill kernels failed to compile: {type(error).__name__}: {_first_line(error)}"
+                reason = compile_failure_reason("our Triton prefill kernels", error)
                 _failed_variants[variant] = reason
         # Serve the call as the backend order would have without us: FLA, else the reference.
         fallback = _FLA if path != REFERENCE_BACKWARD and _FLA.unsupported_reason(

@@ -1,7 +1,8 @@
 """Our fused KDA prefill forward in Triton: launchers for the prepare kernel
 (``triton_chunk_prepare.py``) and the recurrence / affine-segment scan (``triton_chunk_scan.py``).
 
-``chunk_kda_prefill`` computes ``chunk_kda``'s forward (FLA contract, kda.md section 3) in two
+``chunk_kda_prefill`` computes ``chunk_kda``'s forward (FLA contract, kda.md section 3), and with ``scalar_gate``
+GDN's (``ops/gdn/prefill.py``: the gate's form selects the prepare kernel's pass 1, nothing else), in two
 launches (three when the scan is split into segments):
 
 1. prepare, grid (chunks, HV): q/k L2 norm, gate, beta sigmoid, chunk cumsum, the intra-chunk
@@ -303,15 +304,18 @@ def chunk_kda_prefill(
     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False, lower_bound: float | None = None,
     save_residuals: bool = False, segments: int | None = None, cu_seqlens_cpu: torch.Tensor | None = None,
+    scalar_gate: bool = False,
 ):
-    """KDA prefill forward (FLA's ``chunk_kda`` semantics) with our Triton kernels.
+    """KDA prefill forward (FLA's ``chunk_kda`` semantics) with our Triton kernels; with ``scalar_gate`` the GDN
+    prefill forward (FLA's ``chunk_gated_delta_rule``: one gate per token and value head).
 
     Args:
         q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]`` (log decay, or the raw gate
-            projection with ``use_gate_in_kernel``); beta: ``[B, T, HV]``. float16 / bfloat16 /
-            float32, K and V <= 256, HV a multiple of H. Any strides (non-contiguous inputs are copied).
-        A_log: ``[HV]``, dt_bias: ``[HV * K]`` for the in-kernel gate (softplus form, or lower-bound
-            form when ``lower_bound`` is given).
+            projection with ``use_gate_in_kernel``), ``[B, T, HV]`` with ``scalar_gate``; beta: ``[B, T, HV]``.
+            float16 / bfloat16 / float32, K and V <= 256, HV a multiple of H. Any strides (non-contiguous inputs
+            are copied).
+        A_log: ``[HV]``, dt_bias: ``[HV * K]`` (``[HV]`` with ``scalar_gate``) for the in-kernel gate (softplus
+            form, or lower-bound form when ``lower_bound`` is given).
         initial_state: ``[N, HV, K, V]`` fp32, any strides; N = B, or the number of sequences with
             ``cu_seqlens`` (``[N + 1]`` offsets of sequences packed along T, B = 1, empty ones allowed).
         save_residuals: also return FLA 0.6's backward residuals for chunk size 64.
@@ -319,6 +323,10 @@ def chunk_kda_prefill(
         cu_seqlens_cpu: the host copy of ``cu_seqlens`` (same values), when the caller has one: the chunk plan is
             made on the host and copied over (one copy instead of the planning kernels; the exact chunk count),
             except while a CUDA graph is being captured (a host copy cannot be captured).
+        scalar_gate: the gate's form (a compile-time parameter of the prepare kernel, ``SCALAR_GATE``): one decay
+            per (token, value head), exact for any gate with no exact-diagonal pass (docs/gdn.md section 4). No
+            ``lower_bound`` and no residuals (FLA's GDN backward reads its own formats); fallbacks are recorded
+            under ``chunk_gdn``.
     Returns:
         ``(o, final_state, residuals)``: ``o`` ``[B, T, HV, V]`` in q's dtype; ``final_state``
         ``[N, HV, K, V]`` fp32 or None; ``residuals`` None or ``[g_cumsum, Aqk, Akk]`` as FLA's forward
@@ -330,6 +338,10 @@ def chunk_kda_prefill(
     HV, V = v.shape[2], v.shape[3]
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"K and V must be <= {MAX_HEAD_DIM} for the Triton prefill kernels, got K={K}, V={V}")
+    if scalar_gate and (lower_bound is not None or save_residuals):
+        raise ValueError("the scalar gate takes no lower_bound and saves no residuals, got "
+                         f"lower_bound={lower_bound}, save_residuals={save_residuals}")
+    op = "chunk_gdn" if scalar_gate else "chunk_kda"  # the public op whose fallbacks this call records
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     dtype = q.dtype
     TT = B * T
@@ -377,16 +389,17 @@ def chunk_kda_prefill(
         T=T, N=N, scale=float(scale), beta_scale=2.0 if allow_neg_eigval else 1.0,
         lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
         H=H, HV=HV, K=K, V=V, SEARCH_STEPS=max(1, math.ceil(math.log2(N + 1)) + 1), IS_VARLEN=varlen,
-        L2NORM=use_qk_l2norm_in_kernel, GATE=gate, EXACT_DIAGONAL=exact_diagonal_needed(gate, lower_bound),
+        L2NORM=use_qk_l2norm_in_kernel, GATE=gate,
+        EXACT_DIAGONAL=not scalar_gate and exact_diagonal_needed(gate, lower_bound),
         HAS_A_LOG=A_log_arg is not dummy, HAS_DT_BIAS=dt_bias_arg is not dummy, BETA_SIGMOID=use_beta_sigmoid_in_kernel,
         SAVE_AKK=save_residuals, SAVE_G=save_g, DOT_BF16=dot_bf16, A_PRECISION=dot_precision,
-        SOLVE_PRECISION=solve_precision,
+        SOLVE_PRECISION=solve_precision, SCALAR_GATE=scalar_gate,
     )
     prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
                        cu_seqlens, chunk_offsets)
     use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate == int(GATE_LOWER_BOUND),
-                                     lower_bound) == "cuda"
-    if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args):
+                                     lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
+    if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args, op=op):
         pass  # the CUDA prepare kernel ran (cuda_prepare.py)
     elif _interpreted():
         kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),

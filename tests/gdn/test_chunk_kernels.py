@@ -186,3 +186,15 @@ def test_fla_reuses_kdas_chunk_index_cache(monkeypatch):
     backend._chunk_indices(fla, cu, opts)
     assert calls == [True, False]
     assert backend._chunk_indices(fla, None, opts, None) is None
+
+
+@pytest.mark.parametrize("per_channel_only", [dict(lower_bound=-5.0), dict(save_residuals=True)], ids=str)
+def test_scalar_gate_launcher_refuses_per_channel_options(per_channel_only):
+    """GDN runs KDA's launcher with ``scalar_gate=True``: the lower-bound gate and FLA's residuals belong to the
+    per-channel gate and are refused before any launch."""
+    from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill
+
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="scalar gate takes no lower_bound and saves no residuals"):
+        chunk_kda_prefill(x, x, x, x[..., 0], x[..., 0], None, None, None, None, scale=1.0, output_final_state=False,
+                          scalar_gate=True, **per_channel_only)

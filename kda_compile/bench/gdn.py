@@ -13,7 +13,9 @@ Providers, all with the same math:
   installed, docs/gdn.md);
 - ``ours (KDA kernels)``: the same op restricted to the route through the KDA kernels, and there to our own
   Triton kernels (``only_backends("kda_kernels")`` here and KDA's ``only_backends("triton_chunk")`` /
-  ``("triton_decode")``): what runs without FLA;
+  ``("triton_decode")``): the gate broadcast over K (what training runs without FLA);
+- ``ours (decode kernel)``: decode only (not in the default list), the op restricted to our decode kernel with the
+  scalar gate (``only_backends("decode_kernel")``): what decode runs without FLA;
 - ``FLA``: flash-linear-attention's public functions (skipped, with the reason logged, when not importable);
 - ``reference``: our torch reference (``only_backends()``), for CPU smoke runs (``--device cpu``).
 
@@ -37,7 +39,7 @@ from kda_compile.bench.common import QUANTILES, format_table, kernel_times, rel_
 logger = logging.getLogger("kda_compile.bench.gdn")
 
 MODES = ("fwd", "fwd+bwd", "decode")
-PROVIDERS = ("ours", "ours (KDA kernels)", "FLA", "reference")
+PROVIDERS = ("ours", "ours (KDA kernels)", "ours (decode kernel)", "FLA", "reference")
 DEFAULT_PROVIDERS = ("ours", "ours (KDA kernels)", "FLA")
 DEFAULT_SHAPES = "1x4096,1x16384,1x65536,8x2048,varlen:16x1024,varlen:3000+1+0+517+2048+2626"
 DECODE_BATCHES = (1, 64, 256)
@@ -104,7 +106,7 @@ def _choices(allowed):
 def add_arguments(parser) -> None:
     parser.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="subset of fwd,fwd+bwd,decode")
     parser.add_argument("--providers", type=_choices(PROVIDERS), default=list(DEFAULT_PROVIDERS),
-                        help=f"subset of {', '.join(PROVIDERS)} (default: the first three)")
+                        help=f"subset of {', '.join(PROVIDERS)} (default: {', '.join(DEFAULT_PROVIDERS)})")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
                         help=f"prefill shapes (default: {DEFAULT_SHAPES})")
     parser.add_argument("--decode-batches", type=lambda t: [int(x) for x in t.split(",")], default=list(DECODE_BATCHES))
@@ -142,6 +144,10 @@ def _provider(name: str, decode: bool):
         return ours, contextlib.nullcontext
     if name == "reference":
         return ours, gdn_backends.only_backends
+    if name == "ours (decode kernel)":
+        if not decode:
+            return None, "our GDN decode kernel serves decode only"
+        return ours, lambda: gdn_backends.only_backends("decode_kernel")
     if name == "ours (KDA kernels)":
         kda_kernel = "triton_decode" if decode else "triton_chunk"
 

@@ -127,8 +127,8 @@ def fused_recurrent_gated_delta_rule(
     ``beta = 1``, as in FLA. FLA's per-key / per-value gates ``gk`` / ``gv`` are not supported (an error
     unless None; a per-key gate is KDA: ``kda_compile.ops.fused_recurrent_kda``).
 
-    Inference runs FLA's fused recurrent kernel on CUDA (the KDA decode kernel without FLA, the reference
-    on CPU). When gradients are needed the call takes the differentiable chunked op: same result.
+    Inference runs FLA's fused recurrent kernel on CUDA (without FLA our fused decode kernel with the scalar gate;
+    the reference on CPU). When gradients are needed the call takes the differentiable chunked op: same result.
     """
     compiling = torch.compiler.is_compiling()
     try:

@@ -20,10 +20,13 @@ Backends, best first (docs/gdn.md, section 3):
 2. ``fla`` (priority 10, ``fla_backend.py``): fla-core 0.6's gated-delta-rule kernels on CUDA. They use
    the per-head gate as a scalar: the intra-chunk work has no per-channel exponentials, which makes them
    cheaper than any KDA kernel fed a broadcast gate.
-3. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
+3. ``decode_kernel`` (priority 8, ``decode_backend.py``): decode only, KDA's fused Triton decode step with the
+   scalar gate (``decode.py``): one gate load, softplus and ``exp`` per token and value head, no broadcast
+   tensor. Below FLA's fused step (not yet measured on a GPU); CUDA decode without FLA runs it.
+4. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
    / ``fused_recurrent_kda_fwd``) with the gate broadcast over the K channels, on CUDA: our Triton prefill
-   and decode kernels when FLA is missing. Exact, but pays KDA's per-channel cost.
-4. ``reference`` (priority 0): the chunked torch math of ``reference.py``, any device.
+   kernels when FLA is missing (decode goes to ``decode_kernel`` first). Exact, but pays KDA's per-channel cost.
+5. ``reference`` (priority 0): the chunked torch math of ``reference.py``, any device.
 
 A call served on CUDA by anything but the first candidate records a fallback with the reasons
 (``record_fallback``; the rewrite report shows it). ``only_backends`` restricts the choice (tests,

@@ -10,7 +10,8 @@ cost does not depend on the data and every gate (``-inf`` included) is exact (do
 Left to the next backend (``in_design``; not recorded as fallbacks): training (FLA's GDN backward, or the KDA route where fla-core
 refuses it, needs residuals in FLA's formats, which this forward does not write), other dtypes or widths (the
 Triton kernels serve them under ``only_backends("chunk_kernels")``, which also lets tests run it on CPU under
-the Triton interpreter), decode (``fused_recurrent_gdn``: FLA's fused step or KDA's decode kernel).
+the Triton interpreter), decode (``fused_recurrent_gdn``: FLA's fused step, or our decode kernel with the scalar
+gate, ``decode_backend.py``).
 
 A Triton kernel that fails to compile for a call variant is our bug, not the user's: the call is served by the
 next backend (FLA, the KDA route, the reference), recorded, and the variant is not tried again.

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops.gdn import chunk_backend  # noqa: F401  (registers our chunk kernels for inference)
+from kda_compile.ops.gdn import decode_backend  # noqa: F401  (registers our decode kernel)
 from kda_compile.ops.gdn import fla_backend  # noqa: F401  (registers FLA's GDN kernels)
 from kda_compile.ops.gdn import kda_backend  # noqa: F401  (registers the route through the KDA kernels)
 from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, select_backend

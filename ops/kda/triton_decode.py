@@ -1,5 +1,6 @@
 """Fused KDA decode step in Triton: the ``fused_recurrent_kda`` path for small T (decode T = 1, a few
-draft tokens, packed sequences with ``cu_seqlens``).
+draft tokens, packed sequences with ``cu_seqlens``), and with the gate's form as a compile-time parameter
+(``SCALAR_GATE``) GDN's decode step (``fused_recurrent_gated_delta_rule``: one gate per token and value head).
 
 Kernel and launcher only: nothing here knows of torch.compile, custom ops or backends
 (``decode_backend.py`` plugs this into the op layer). The launcher is device-agnostic, so the same
@@ -12,7 +13,7 @@ registers, and stores it once at the end, only when the final state is requested
     q, k  <- l2norm(q), l2norm(k)                          (optional; eps inside the sqrt)
     g     <- -exp(A_log) * softplus(g + dt_bias)           (optional; or the lower-bound form)
     beta  <- sigmoid(beta) (x2 with negative eigenvalues)  (optional)
-    S     <- diag(exp(g)) S
+    S     <- diag(exp(g)) S                                (GDN's scalar gate: exp(g) S)
     S     <- S + k (beta (v - S^T k))^T
     o     <- S^T (scale * q)
 
@@ -24,6 +25,12 @@ between the L2-norm reductions, their round trips queued behind each other (batc
 Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` are autotuned per (K, V, grid size
 class, dtypes); a small grid (batch 1) favours a small ``BV`` to spread the state over more SMs.
 Under the interpreter one fixed config runs (it cannot benchmark).
+
+Gate forms (``SCALAR_GATE``, compile-time): KDA's gate is a ``[K]`` row per token and value head (``g``
+``[B, T, HV, K]``, ``dt_bias`` ``[HV * K]``); GDN's is one value (``g`` ``[B, T, HV]``, ``dt_bias`` ``[HV]``),
+so its prologue takes one softplus and the update one ``exp`` per token instead of K, and nothing is
+broadcast in memory. Everything else (norms, beta, state layouts, packing, grouped heads) is shared; KDA's
+variant compiles to what it was before the parameter existed.
 
 Conventions: inputs take any strides; ``o`` ``[B, T, HV, V]`` (q's dtype) and the final state
 ``[N, HV, K, V]`` (fp32) are fresh contiguous tensors. Batch, head and token offsets are int64
@@ -90,6 +97,7 @@ def kda_token_prologue(b_q, b_k, b_g, b_beta, b_bias, decay, scale, lower_bound,
 
     ``b_q`` / ``b_k`` / ``b_g`` are ``[BK]`` rows (padded lanes 0), ``b_beta`` a scalar, any float dtype;
     ``b_bias`` the head's ``[BK]`` dt_bias row (fp32, unused without HAS_DT_BIAS), ``decay`` = exp(A_log).
+    The gate math is elementwise: a scalar ``b_g`` with a scalar ``b_bias`` (GDN's gate) gives a scalar.
     """
     b_q = b_q.to(tl.float32)
     b_k = b_k.to(tl.float32)
@@ -121,16 +129,20 @@ def kda_token_prologue(b_q, b_k, b_g, b_beta, b_bias, decay, scale, lower_bound,
 
 
 @triton.jit
-def kda_state_update(b_h, b_q, b_k, b_v, b_g, b_beta):
+def kda_state_update(b_h, b_q, b_k, b_v, b_g, b_beta, SCALAR_GATE: tl.constexpr = False):
     """One token of the recurrence on a ``[BK, BV]`` fp32 state tile: decay, delta-rule write, read.
+    ``b_g``: the ``[BK]`` log-decay row, or with ``SCALAR_GATE`` one log decay for the whole tile.
     Returns the new tile and the ``[BV]`` fp32 output row."""
-    b_h = b_h * tl.exp(b_g)[:, None]
+    if SCALAR_GATE:
+        b_h = b_h * tl.exp(b_g)
+    else:
+        b_h = b_h * tl.exp(b_g)[:, None]
     b_u = b_beta * (b_v.to(tl.float32) - tl.sum(b_h * b_k[:, None], axis=0))
     b_h = b_h + b_k[:, None] * b_u[None, :]
     return b_h, tl.sum(b_h * b_q[:, None], axis=0)
 
 
-@triton.autotune(configs=_configs(), key=["BK", "V", "NH_CLASS"],
+@triton.autotune(configs=_configs(), key=["BK", "V", "NH_CLASS", "SCALAR_GATE"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def fused_recurrent_kda_decode_kernel(
@@ -145,7 +157,10 @@ def fused_recurrent_kda_decode_kernel(
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, GATE: tl.constexpr,
     HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
     ALLOW_NEG_EIGVAL: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    SCALAR_GATE: tl.constexpr = False,
 ):
+    """``SCALAR_GATE``: ``g`` ``[B, T, HV]`` and ``dt_bias`` ``[HV]``, one gate per token and value head (GDN;
+    ``s_gd`` unused); otherwise ``g`` ``[B, T, HV, K]`` and ``dt_bias`` ``[HV * K]`` (KDA)."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1).to(tl.int64)
     i_n = i_nh // HV
@@ -169,7 +184,10 @@ def fused_recurrent_kda_decode_kernel(
     p_q = q + i_b * s_qb + bos * s_qt + i_h * s_qh + o_k * s_qd
     p_k = k + i_b * s_kb + bos * s_kt + i_h * s_kh + o_k * s_kd
     p_v = v + i_b * s_vb + bos * s_vt + i_hv * s_vh + o_v * s_vd
-    p_g = g + i_b * s_gb + bos * s_gt + i_hv * s_gh + o_k * s_gd
+    if SCALAR_GATE:
+        p_g = g + i_b * s_gb + bos * s_gt + i_hv * s_gh
+    else:
+        p_g = g + i_b * s_gb + bos * s_gt + i_hv * s_gh + o_k * s_gd
     p_beta = beta + i_b * s_bb + bos * s_bt + i_hv * s_bh
     p_o = o + ((i_b * T + bos) * HV + i_hv) * V + o_v
 
@@ -187,19 +205,25 @@ def fused_recurrent_kda_decode_kernel(
         decay = tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     b_bias = 0.0
     if HAS_DT_BIAS:
-        b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if SCALAR_GATE:
+            b_bias = tl.load(dt_bias + i_hv).to(tl.float32)
+        else:
+            b_bias = tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
 
     for _ in range(0, (eos - bos).to(tl.int32)):
         # Every load of the token first, then the math (see the module docstring).
         b_q = tl.load(p_q, mask=m_k, other=0.0)
         b_k = tl.load(p_k, mask=m_k, other=0.0)
-        b_g = tl.load(p_g, mask=m_k, other=0.0)
+        if SCALAR_GATE:
+            b_g = tl.load(p_g)
+        else:
+            b_g = tl.load(p_g, mask=m_k, other=0.0)
         b_beta = tl.load(p_beta)
         b_v = tl.load(p_v, mask=m_v, other=0.0)
         b_q, b_k, b_g, b_beta = kda_token_prologue(b_q, b_k, b_g, b_beta, b_bias, decay, scale, lower_bound,
                                                    USE_QK_L2NORM, GATE, HAS_A_LOG, HAS_DT_BIAS, USE_BETA_SIGMOID,
                                                    ALLOW_NEG_EIGVAL)
-        b_h, b_o = kda_state_update(b_h, b_q, b_k, b_v, b_g, b_beta)
+        b_h, b_o = kda_state_update(b_h, b_q, b_k, b_v, b_g, b_beta, SCALAR_GATE)
         tl.store(p_o, b_o.to(p_o.dtype.element_ty), mask=m_v)
 
         p_q += s_qt
@@ -244,8 +268,10 @@ def fused_recurrent_kda_triton(
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     lower_bound: float | None = None,
+    scalar_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One fused launch of the KDA recurrence over every token of every sequence.
+    """One fused launch of the KDA recurrence over every token of every sequence; with ``scalar_gate``, of
+    GDN's (FLA's ``fused_recurrent_gated_delta_rule``).
 
     Args:
         q, k: ``[B, T, H, K]``, K <= 256; v: ``[B, T, HV, V]`` with ``HV % H == 0``;
@@ -255,6 +281,8 @@ def fused_recurrent_kda_triton(
         initial_state: ``[N, HV, K, V]`` fp32, any strides (a transposed view serves ``state_v_first``).
         cu_seqlens: ``[N + 1]`` int32/int64 offsets of sequences packed along T (B must be 1).
         scale, options: as ``fused_recurrent_kda`` (the caller has validated them).
+        scalar_gate: the gate's form (the kernel's compile-time ``SCALAR_GATE``): g ``[B, T, HV]`` and dt_bias
+            ``[HV]``, one gate per token and value head (GDN). No ``lower_bound`` (GDN's gate is the softplus form).
     Returns:
         ``o`` ``[B, T, HV, V]`` in q's dtype (tokens outside every sequence are 0) and the final state
         ``[N, HV, K, V]`` fp32, or None when ``output_final_state`` is False.
@@ -263,6 +291,8 @@ def fused_recurrent_kda_triton(
     HV, V = v.shape[2], v.shape[3]
     if K > MAX_HEAD_DIM:
         raise ValueError(f"q must have key head dim K <= {MAX_HEAD_DIM}, got K={K}")
+    if scalar_gate and lower_bound is not None:
+        raise ValueError(f"the scalar gate takes no lower_bound (GDN's gate is the softplus form), got {lower_bound}")
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     # Packed sequences need not cover all T tokens: the uncovered ones must read 0, as in the reference.
     o = q.new_zeros((B, T, HV, V)) if cu_seqlens is not None else q.new_empty((B, T, HV, V))
@@ -287,7 +317,7 @@ def fused_recurrent_kda_triton(
     nh_class = grid_class(N * HV)
     args = (
         *tensors,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *((0,) if scalar_gate else ()), *beta.stride(),
         *(initial_state.stride() if initial_state is not None else (0, 0, 0, 0)),
         T, HV, K, V, HV // H, float(scale), 0.0 if lower_bound is None else float(lower_bound), nh_class,
     )
@@ -296,9 +326,10 @@ def fused_recurrent_kda_triton(
         HAS_DT_BIAS=dt_bias is not None, USE_BETA_SIGMOID=bool(use_beta_sigmoid_in_kernel),
         ALLOW_NEG_EIGVAL=bool(use_beta_sigmoid_in_kernel and allow_neg_eigval),
         HAS_H0=initial_state is not None, STORE_HT=ht is not None, IS_VARLEN=cu_seqlens is not None,
+        SCALAR_GATE=bool(scalar_gate),
     )
     # The autotuner's own key: its key arguments plus the dtype of every tensor argument.
-    key = (BK, V, nh_class, *[t.dtype for t in tensors])
+    key = (BK, V, nh_class, bool(scalar_gate), *[t.dtype for t in tensors])
     tuned = _TUNED.get(key)
     if tuned is None:
         fused_recurrent_kda_decode_kernel[lambda meta: (cdiv(V, meta["BV"]), N * HV)](*args, **flags)

@@ -19,10 +19,17 @@ score descending, equal scores by the lower pool index; a slot without a pool is
 pool, ``cnt % P`` of them, ``cnt`` = the query's visible count), then -1 up to ``topk (+ P - 1)``; rows of
 padded queries (``query_mask`` False) are all -1.
 
+No host-device synchronisation (a decode call can be captured in a CUDA graph): every loop bound and size comes
+from shapes and the caller's ``q_offset``. The running top-k keeps ``slots = min(topk // P, T // P)`` pools (no
+pool past ``T // P`` is ever complete, so ``n_kept <= slots``); a query sees at most ``n_kept`` pools, so the
+slots past ``n_sel`` hold -1 and equal the layout above. ``n_sel`` itself stays on the device: the tail is
+scattered to the columns ``n_sel * P + j``.
+
 Memory: queries go in blocks and the pools in blocks, with a running top-k of int64 order keys (the
 tie rule of ``reference.order_keys``), so the largest temporary is one block's ``[B, s_blk, H_I, p_blk]``
 float32 logits (under ``BLOCK_BYTES``): no ``[B, S, T]`` or ``[B, S, H_I, T]`` tensor (nor ``[B, S, T / P]``)
-exists. Per row the work stops at the last pool the block's queries can see (causal prefill: half).
+exists. The work stops at the last pool the block's queries can see from key 0 (causal prefill: half; rows with
+left padding see fewer, their extra pools are masked).
 """
 from __future__ import annotations
 
@@ -100,9 +107,16 @@ def _tail(key_valid, first, pos, pool: int) -> torch.Tensor:
     return tail.masked_fill(~keep, -1)
 
 
+def pool_slots(topk: int, pool: int, t_len: int) -> int:
+    """The running top-k's width, from shapes: HF's ``topk // P`` pools, at most the ``T // P`` pools that can
+    be complete (pool ``p`` ends at ``first + p * P + P - 1 < T`` with ``first >= 0``)."""
+    return min(topk // pool, t_len // pool)
+
+
 def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int):
     """What both implementations start from: (key_valid, first [B], pos [S], pk [B, NP, D], pool_valid [B, NP],
-    n_sel, lowest_first). One host read for ``n_sel`` (it places the tail) and the lowest first key."""
+    slots, n_sel). ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's ``min(topk // P, n_kept)``
+    is an int64 0-dim tensor on the device (it places the tail; never read on the host)."""
     b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
     if key_valid is None:
@@ -110,42 +124,47 @@ def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int):
     first = first_valid(key_valid)
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
     pk, pool_valid = pooled_keys(k, gate, key_valid, ape, first)
-    kept, lowest_first = torch.stack((pool_valid.any(0).sum(), first.min())).tolist()
-    n_sel = min(topk // pool, kept)  # HF drops pools no row has, then tops k
-    return key_valid, first, pos, pk, pool_valid, n_sel, lowest_first
+    n_sel = pool_valid.any(0).sum().clamp(max=topk // pool)  # HF drops pools no row has, then tops k
+    return key_valid, first, pos, pk, pool_valid, pool_slots(topk, pool, t_len), n_sel
 
 
-def pool_reach(last_pos: int, lowest_first: int, pool: int, n_pools: int) -> int:
-    """How many pools (from pool 0) a block of queries up to position ``last_pos`` may see: the pools whose last
-    token lies past every query of the block are never candidates."""
-    return max(0, min(n_pools, (last_pos - lowest_first - (pool - 1)) // pool + 1))
+def pool_reach(last_pos: int, pool: int, n_pools: int) -> int:
+    """How many pools (from pool 0) a block of queries up to position ``last_pos`` may see, from shapes: pool
+    ``p`` of a row ends at ``first + p * P + P - 1 >= p * P + P - 1``, so the pools past this bound are never
+    candidates (rows with left padding see fewer; their extra pools are masked, not skipped)."""
+    return max(0, min(n_pools, (last_pos - (pool - 1)) // pool + 1))
 
 
-def merge_best(best, keys: torch.Tensor, n_sel: int) -> torch.Tensor:
-    """The running top-k: int64 [..., n_sel], the ``n_sel`` largest order keys of ``best`` (None before the first
+def merge_best(best, keys: torch.Tensor, slots: int) -> torch.Tensor:
+    """The running top-k: int64 [..., slots], the ``slots`` largest order keys of ``best`` (None before the first
     pool block) and ``keys``, descending, -1 where fewer keys exist."""
     if best is not None:
         keys = torch.cat((best, keys), dim=-1)
-    width = min(n_sel, keys.shape[-1])
+    width = min(slots, keys.shape[-1])
     top = torch.topk(keys, width, dim=-1, sorted=True).values
-    if width < n_sel:
-        top = torch.nn.functional.pad(top, (0, n_sel - width), value=-1)
+    if width < slots:
+        top = torch.nn.functional.pad(top, (0, slots - width), value=-1)
     return top
 
 
 def write_pools(out: torch.Tensor, start: int, stop: int, best: torch.Tensor, first: torch.Tensor, pool: int):
-    """Expand the chosen pools' order keys ``best`` [B, stop - start, n_sel] into their tokens in ``out``."""
-    n_sel = best.shape[-1]
+    """Expand the chosen pools' order keys ``best`` [B, stop - start, slots] into their tokens in ``out``."""
+    slots = best.shape[-1]
     chosen = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, -1))
     tokens = first[:, None, None, None] + chosen[..., None] * pool + torch.arange(pool, device=best.device)
     tokens = torch.where(chosen[..., None] >= 0, tokens, torch.full_like(tokens, -1))
-    out[:, start:stop, :n_sel * pool] = tokens.flatten(-2).to(torch.int32)
+    out[:, start:stop, :slots * pool] = tokens.flatten(-2).to(torch.int32)
 
 
-def finish(out, key_valid, first, pos, pool: int, n_sel: int, select_tail: bool, query_mask) -> torch.Tensor:
-    """The tail after the ``n_sel`` pools and the padded queries' -1 rows (both implementations)."""
+def finish(out, key_valid, first, pos, pool: int, n_sel: torch.Tensor, select_tail: bool,
+           query_mask) -> torch.Tensor:
+    """The tail after the ``n_sel`` pools and the padded queries' -1 rows (both implementations). ``n_sel`` (a
+    device tensor) places the tail by a scatter; the columns it writes held -1 (pool slots past ``n_sel``, which
+    no query fills, or padding), so the row is HF's layout."""
     if select_tail and pool > 1:
-        out[:, :, n_sel * pool:n_sel * pool + pool - 1] = _tail(key_valid, first, pos, pool).to(torch.int32)
+        tail = _tail(key_valid, first, pos, pool).to(torch.int32)
+        cols = n_sel * pool + torch.arange(pool - 1, device=out.device)
+        out.scatter_(2, cols.expand(tail.shape), tail)
     if query_mask is not None:
         out.masked_fill_(~query_mask[..., None], -1)
     return out
@@ -159,15 +178,15 @@ def pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mas
     out = torch.full((b, s_len, output_width(topk, pool, select_tail)), -1, dtype=torch.int32, device=q.device)
     if b == 0 or s_len == 0:
         return out
-    key_valid, first, pos, pk, pool_valid, n_sel, lowest_first = prepare(q, k, gate, key_valid, ape, topk, q_offset)
-    n_pools = pool_valid.shape[1]
-    if n_sel > 0:
+    key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset)
+    n_pools = k.shape[1] // pool  # the pools that can be complete (pool_slots)
+    if slots > 0:
         pool_last = first[:, None] + torch.arange(n_pools, device=q.device) * pool + (pool - 1)  # [B, NP]
         pk32, w32 = pk.float(), weights.float()
         step = min(QUERY_BLOCK, s_len, max(1, BLOCK_BYTES // max(1, b * (heads + 6) * min(POOL_BLOCK, n_pools) * 8)))
         for start in range(0, s_len, step):
             stop = min(s_len, start + step)
-            reach = pool_reach(q_offset + stop - 1, lowest_first, pool, n_pools)
+            reach = pool_reach(q_offset + stop - 1, pool, n_pools)
             best = None
             qb = q[:, start:stop].float()
             for p0 in range(0, reach, POOL_BLOCK):
@@ -175,7 +194,7 @@ def pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mas
                 logits = torch.relu(torch.einsum("bshd,bpd->bshp", qb, pk32[:, p0:p1]) * scale)
                 scores = torch.einsum("bshp,bsh->bsp", logits, w32[:, start:stop])
                 visible = pool_valid[:, None, p0:p1] & (pool_last[:, None, p0:p1] <= pos[None, start:stop, None])
-                best = merge_best(best, _order_keys(scores, visible, p0), n_sel)
+                best = merge_best(best, _order_keys(scores, visible, p0), slots)
             if best is not None:
                 write_pools(out, start, stop, best, first, pool)
     return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask)

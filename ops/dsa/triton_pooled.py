@@ -11,8 +11,10 @@ inverted pool index; -1 for a pool the query may not take: incomplete, invalid, 
 
 The selection is the CPU path's merge: per query block, pool blocks of ``POOL_BLOCK`` pools are written into
 an int64 buffer ``[B, S_blk, p_blk]`` (under ``KEY_BUFFER_BYTES``) and merged into a running ``torch.topk`` of
-``n_sel`` keys; the keys are distinct, so the result is exact with the tie rule (equal scores: the lower pool)
-on any device. A block's pools stop at the last pool its queries can see (causal prefill: half the work).
+``slots`` keys (``pooled.pool_slots``); the keys are distinct, so the result is exact with the tie rule (equal
+scores: the lower pool) on any device. A block's pools stop at the last pool its queries can see from key 0
+(causal prefill: half the work). Every launch and size is fixed by shapes and ``q_offset``: nothing is read
+back from the device, so a call can be captured in a CUDA graph (after one call has compiled the kernels).
 Expansion into tokens, the visible tail and the padded queries are ``pooled``'s torch code (output-sized).
 
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``pooled_keys_heads_kernel``: one query per
@@ -164,9 +166,9 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
     out = torch.full((b, s_len, output_width(topk, pool, select_tail)), -1, dtype=torch.int32, device=q.device)
     if b == 0 or s_len == 0:
         return out
-    key_valid, first, pos, pk, pool_valid, n_sel, lowest_first = prepare(q, k, gate, key_valid, ape, topk, q_offset)
-    n_pools = pool_valid.shape[1]
-    if n_sel > 0:
+    key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset)
+    n_pools = k.shape[1] // pool  # the pools that can be complete (pooled.pool_slots)
+    if slots > 0:
         weights = weights.float()  # the CPU path's rounding of the head weights
         valid_u8 = pool_valid.view(torch.uint8)
         block_m, block_n, warps, stages = _config(dim, q.dtype)
@@ -174,11 +176,11 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         pool_block = max(1, min(POOL_BLOCK, n_pools))
         # Rows per block: the key buffer and the merge's concatenation under KEY_BUFFER_BYTES, whole row tiles.
-        row_bytes = b * (pool_block + 2 * n_sel) * 8
+        row_bytes = b * (pool_block + 2 * slots) * 8
         step = max(block_m, (KEY_BUFFER_BYTES // max(1, row_bytes)) // block_m * block_m)
         for start in range(0, s_len, step):
             stop = min(s_len, start + step)
-            reach = pool_reach(q_offset + stop - 1, lowest_first, pool, n_pools)
+            reach = pool_reach(q_offset + stop - 1, pool, n_pools)
             best = None
             for p0 in range(0, reach, pool_block):
                 width = min(reach, p0 + pool_block) - p0
@@ -196,7 +198,7 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
                         float(scale), q_offset, POOL=pool, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                         PRECISION=precision, num_warps=warps, num_stages=stages,
                     )
-                best = merge_best(best, keys, n_sel)
+                best = merge_best(best, keys, slots)
             if best is not None:
                 write_pools(out, start, stop, best, first, pool)
     return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask)

@@ -1,10 +1,14 @@
 """A dense float64 oracle of glm5_next's pooled indexer that follows Hugging Face's
 ``Glm5NextTextIndexer.forward`` step by step ([B, S, T] visibility, [B, S, NP] scores), with the tie rule
 of ``dsa_pooled_indexer_topk`` (equal scores: the lower pool index) by a stable sort; and a helper that
-runs HF's own module on given indexer inputs."""
+runs HF's own module on given indexer inputs; ``no_host_reads``, which fails a call that reads a tensor's value
+on the host."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def dense_pooled(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail):
@@ -163,3 +167,39 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     worst = scores.masked_fill(~mask, float("inf")).amin(-1)
     best_left = scores.masked_fill(mask | ~visible, float("-inf")).amax(-1)
     assert bool((best_left <= worst + slack).all()), "a better visible pool left out"
+
+
+class _NoValueReads(TorchDispatchMode):
+    """Raises on the aten ops that read values on the host or size their output from values (each a device
+    synchronisation on CUDA): ``_local_scalar_dense`` (what ``.item()`` / ``int(t)`` / ``bool(t)`` call),
+    ``nonzero`` and the like, and indexing by a boolean mask (its ``nonzero`` runs below the dispatcher)."""
+
+    FORBIDDEN = ("_local_scalar_dense", "item", "nonzero", "masked_select", "equal", "is_nonzero", "allclose",
+                 "_unique", "_unique2", "unique_dim", "unique_consecutive", "repeat_interleave")
+    INDEXING = ("index", "index_put", "index_put_", "_index_put_impl_")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        masks = name in self.INDEXING and any(
+            t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1])
+        if name in self.FORBIDDEN or masks:
+            raise AssertionError(f"a host read of a tensor's value: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Fails any read of a tensor's value on the host inside the block: the Tensor methods that return Python
+    values (``tolist`` does not go through the dispatcher) raise, and a dispatch mode rejects the aten ops that
+    read values. Only ops called directly see the mode (a custom op hides the ops it runs; the methods' patch
+    still holds there)."""
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise AssertionError(f"a host read of a tensor's value: Tensor.{name}")
+        return method
+
+    with monkeypatch.context() as patch:
+        for name in ("item", "tolist", "__int__", "__index__", "__float__", "__bool__", "numpy"):
+            patch.setattr(torch.Tensor, name, refuse(name))
+        with _NoValueReads():
+            yield

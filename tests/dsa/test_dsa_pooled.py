@@ -3,15 +3,17 @@
 left padding, batch > 1, several T / pool sizes / top-k (more than the visible pools), the tail on and off,
 decode (S = 1) and chunks over a cache (a query offset), a static-cache-like length, ties (exact integer
 scores: the lower pool wins), negative scores in rows that see fewer pools than slots (the true top-k oracle,
-HF's own selection included), blockwise merging (small blocks give the same selection), opcheck (with
-non-contiguous inputs) and torch.compile(fullgraph=True, dynamic=True) with no graph break."""
+HF's own selection included), blockwise merging (small blocks give the same selection), no host read of a tensor
+value (no device synchronisation), opcheck (with non-contiguous inputs) and torch.compile(fullgraph=True,
+dynamic=True) with no graph break."""
 import pytest
 import torch
 
 import kda_compile.ops.dsa.pooled as pooled
 from kda_compile.ops import dsa_pooled_indexer_topk
 
-from .pooled_naive import StubCache, assert_true_pooled_topk, dense_pooled, hf_inputs, quantised_pooled_inputs
+from .pooled_naive import (StubCache, assert_true_pooled_topk, dense_pooled, hf_inputs, no_host_reads,
+                           quantised_pooled_inputs)
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
@@ -211,6 +213,41 @@ def test_true_topk_oracle_catches_wrong_selections():
                            (bad(10, 1, 5), "may not see"), (bad(39, 0, best_left), "left out|score order")):
         with pytest.raises(AssertionError, match=message):
             assert_true_pooled_topk(wrong, ref, a, topk, scale)
+
+
+@pytest.mark.parametrize("b,s,t,pool,topk,length,blocks", [
+    (2, 11, 11, 4, 8, None, False),   # prefill with left padding
+    (2, 1, 17, 4, 64, None, False),   # decode, top-k above every pool count
+    (2, 3, 26, 4, 32, 13, False),     # a static cache: fewer kept pools than slots (the tail moves up)
+    (2, 24, 24, 2, 10, None, True),   # small query and pool blocks (the running top-k merges)
+    (2, 5, 5, 8, 8, None, False),     # T below one pool: only the tail
+])
+def test_no_host_reads(b, s, t, pool, topk, length, blocks, monkeypatch):
+    """The CPU path reads no tensor value on the host (on a GPU: no synchronisation, a decode call can be
+    captured in a CUDA graph): every size and loop bound comes from shapes and ``q_offset``, and HF's selection
+    count, which places the tail, stays a tensor. The same selection as without the guard, HF's layout."""
+    if blocks:
+        monkeypatch.setattr(pooled, "POOL_BLOCK", 3)
+        monkeypatch.setattr(pooled, "QUERY_BLOCK", 5)
+    a = quantised_pooled_inputs(b, s, t, 2, 8, pool, device="cpu", seed=b + s + t, length=length)
+    args = (a["q"], a["k"], a["gate"], a["weights"], a["key_valid"], a["ape"], a["query_mask"], topk, 0.5,
+            a["q_offset"], True)
+    want = dense_pooled(*args)
+    with no_host_reads(monkeypatch):
+        direct = pooled.pooled_indexer_topk_reference(*args)  # every aten op under the dispatch mode
+        through_op = dsa_pooled_indexer_topk(a["q"], a["k"], a["weights"], a["gate"], a["ape"], topk, scale=0.5,
+                                             key_valid=a["key_valid"], query_mask=a["query_mask"],
+                                             q_offset=a["q_offset"])
+    assert torch.equal(direct, want) and torch.equal(through_op, want)
+
+
+def test_no_host_reads_catches_a_host_read(monkeypatch):
+    """The guard of ``test_no_host_reads`` fails ``.item()``, ``int(t)``, ``.tolist()`` and a boolean index."""
+    x = torch.arange(4)
+    for read in (lambda: x.sum().item(), lambda: int(x[1]), lambda: x.tolist(), lambda: x[x > 1],
+                 lambda: bool(x.any())):
+        with pytest.raises(AssertionError, match="host read"), no_host_reads(monkeypatch):
+            read()
 
 
 def test_validation_names_the_argument():

@@ -1,6 +1,7 @@
 """glm5_next's pooled indexer on CUDA at its config widths (32 heads x 128, pools of 16, top-k 2048; bf16 /
 fp16 / fp32): the op's Triton kernels against its torch path on the same GPU. Quantised inputs (exact fp32
-scores) must give the same selection index for index; random bf16 inputs a true top-k. Run on the GPU box."""
+scores) must give the same selection index for index; random bf16 inputs a true top-k; a decode call captured
+in a CUDA graph replays new inputs. Run on the GPU box."""
 import pytest
 import torch
 
@@ -99,6 +100,43 @@ def test_pooled_compile_fullgraph_dynamic_on_cuda():
         args = (a["q"], a["k"], a["weights"], a["gate"], a["ape"], a["key_valid"], a["query_mask"])
         assert torch.equal(compiled(*args), layer(*args))
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("s", [1, 4])
+def test_pooled_decode_captured_in_a_cuda_graph(s):
+    """A decode call (S = 1, and a short chunk; the heads kernel) captured in a CUDA graph: no host read in the
+    op, so the capture succeeds, and replays after new inputs are copied into the captured tensors give the
+    eager selection of those inputs, also where fewer pools are kept (unfilled cache slots: HF's tail moves
+    from slot 93 to slot 62 on the device)."""
+    clear_fallback_events()
+    t, length = 4000, 1500
+    a = quantised_pooled_inputs(4, s, t, HEADS, DIM, POOL, device="cuda", dtype=torch.bfloat16, seed=21,
+                                length=length)
+    fresh = quantised_pooled_inputs(4, s, t, HEADS, DIM, POOL, device="cuda", dtype=torch.bfloat16, seed=22,
+                                    length=length)
+    fresh["key_valid"][:, 1000:length - s] = False  # the queries see keys < 1000 and themselves: 62 pools kept
+    static = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in a.items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiles the kernels, warms the allocator
+        for _ in range(2):
+            _op(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _op(static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, _op(a)) and torch.equal(captured, _reference(a))
+    for name, v in fresh.items():
+        if torch.is_tensor(v):
+            static[name].copy_(v)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(fresh)
+    assert torch.equal(captured, _op(fresh)) and torch.equal(captured, want)
+    assert bool((want[..., 62 * POOL:63 * POOL - 1] >= 0).any())  # the tail right after the 62 kept pools
+    _no_fallback()
 
 
 def test_pooled_opcheck_on_cuda():

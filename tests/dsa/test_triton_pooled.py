@@ -7,14 +7,14 @@ gives each pool key one token's key): the selection must then be the same, index
 Covered: pool sizes 1-8, left padding, batch > 1, top-k above the visible pool count, the tail on and off,
 decode (S = 1), chunks over a cache, a static cache's unfilled slots, padded queries, blockwise merging (small
 pool and query blocks), random (unquantised) inputs as a true top-k, also with negative scores in rows that see
-fewer pools than slots.
+fewer pools than slots; a launcher that reads no tensor value on the host.
 """
 import pytest
 import torch
 
 from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
 
-from .pooled_naive import assert_true_pooled_topk, dense_pooled, quantised_pooled_inputs
+from .pooled_naive import assert_true_pooled_topk, dense_pooled, no_host_reads, quantised_pooled_inputs
 
 from triton_device import triton_device  # noqa: E402
 
@@ -63,6 +63,19 @@ def test_kernel_equals_torch_path(b, s, t, heads, dim, pool, topk, tail, length,
     assert got.dtype == torch.int32 and got.shape == want.shape and got.is_contiguous()
     assert torch.equal(got, want)
     assert torch.equal(got.cpu(), _dense(a, topk, tail))
+
+
+@pytest.mark.parametrize("s,length", [(1, None), (3, 15), (18, None)])  # decode, a static cache, the query tiles
+def test_launcher_reads_no_tensor_value(s, length, monkeypatch):
+    """Launches, blocks and the merge sized by shapes and ``q_offset`` alone (no synchronisation on CUDA: a
+    decode call can be captured in a CUDA graph once its kernels are compiled); the same selection."""
+    a = quantised_inputs(2, s, 30, 2, 8, 4, seed=s, length=length)
+    want = _call(pooled_indexer_topk_reference, a, 16, True)
+    _call(pooled_indexer_topk_triton, a, 16, True)  # compiles the kernels (CUDA) outside the guard
+    monkeypatch.setattr(triton_pooled, "POOL_BLOCK", 3)
+    with no_host_reads(monkeypatch):
+        got = _call(pooled_indexer_topk_triton, a, 16, True)
+    assert torch.equal(got, want)
 
 
 def test_ties_take_the_lower_pool():

@@ -7,34 +7,23 @@ cost model puts it ahead, the CUDA scan with its state in registers; fp16 runs t
 scalar gate the prepare forms ``A_qk`` / ``A_kk`` from plain products and a decay matrix of span sums, so its
 cost does not depend on the data and every gate (``-inf`` included) is exact (docs/gdn.md section 4).
 
-Left to the next backend (``in_design``; not recorded as fallbacks): training (FLA's GDN backward, or the KDA route where fla-core
-refuses it, needs residuals in FLA's formats, which this forward does not write), other dtypes or widths (the
+Left to the next backend (``in_design``; not recorded as fallbacks): training (FLA's GDN backward, or the KDA
+route where fla-core refuses it, needs residuals in FLA's formats, which this forward does not write), other dtypes or widths (the
 Triton kernels serve them under ``only_backends("chunk_kernels")``, which also lets tests run it on CPU under
 the Triton interpreter), decode (``fused_recurrent_gdn``: FLA's fused step, or our decode kernel with the scalar
 gate, ``decode_backend.py``).
 
-A Triton kernel that fails to compile for a call variant is our bug, not the user's: the call is served by the
-next backend (FLA, the KDA route, the reference), recorded, and the variant is not tried again.
+A call variant whose kernels fail to compile is served by the next backend, recorded (``own_kernels.py``).
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 from functools import cache
 
 import torch
-from kda_compile.ops._common import (
-    compile_failure_reason,
-    module_unusable,
-    record_fallback,
-    triton_compile_errors,
-)
-from kda_compile.ops.gdn.backends import (
-    REFERENCE,
-    GDNOptions,
-    explicitly_requested,
-    register_backend,
-)
+from kda_compile.ops._common import module_unusable
+from kda_compile.ops.gdn.backends import GDNOptions, explicitly_requested, register_backend
+from kda_compile.ops.gdn.own_kernels import launch_or_fall_back
 
 KERNEL_MODULE = "kda_compile.ops.gdn.prefill"
 DESIGN_DTYPES = (torch.bfloat16, torch.float16)
@@ -86,42 +75,23 @@ class ChunkKernelsBackend:
 
     def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
                       cu_seqlens_cpu=None):
-        variant = (q.device, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
-                   cu_seqlens is not None and cu_seqlens.dtype, h0 is not None and h0.dtype, output_final_state,
-                   A_log is not None, dt_bias is not None, opts)
-        reason = _failed_variants.get(variant)
-        if reason is None:
-            try:
-                with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-                    o, final = _launcher()(
-                        q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale=opts.scale,
-                        output_final_state=output_final_state, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-                        use_gate_in_kernel=opts.use_gate_in_kernel,
-                        use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
-                        allow_neg_eigval=opts.allow_neg_eigval, cu_seqlens_cpu=cu_seqlens_cpu)
-                return o, final, []
-            except triton_compile_errors() as error:
-                reason = compile_failure_reason("our Triton prefill kernels", error)
-                _failed_variants[variant] = reason
-        fallback = _next_backend(q, v, opts)
-        record_fallback("chunk_gdn", fallback.name, reason)
-        return fallback.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state,
-                                      save, cu_seqlens_cpu=cu_seqlens_cpu)
+        args = (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens)
+
+        def launch():
+            o, final = _launcher()(
+                *args, scale=opts.scale, output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_gate_in_kernel=opts.use_gate_in_kernel,
+                use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
+                cu_seqlens_cpu=cu_seqlens_cpu)
+            return o, final, []
+
+        return launch_or_fall_back(
+            _failed_variants, "our Triton prefill kernels", "chunk_gdn", (*args, opts, output_final_state), launch,
+            lambda fallback: fallback.chunk_forward(*args, opts, output_final_state, save,
+                                                    cu_seqlens_cpu=cu_seqlens_cpu))
 
     def chunk_backward(self, *args):
         raise AssertionError("the chunk_kernels backend serves inference only (unsupported_reason)")  # unreachable
-
-
-def _next_backend(q, v, opts):
-    """The backend that serves a call this one could not run: FLA's kernels, else the KDA route, else the
-    reference (the registry's order below this backend)."""
-    from kda_compile.ops.gdn.fla_backend import FLAGDNBackend
-    from kda_compile.ops.gdn.kda_backend import KDAKernelsBackend
-
-    for backend in (FLAGDNBackend(), KDAKernelsBackend()):
-        if backend.unsupported_reason(q.device, q.dtype, q.shape[-1], v.shape[-1], opts) is None:
-            return backend
-    return REFERENCE
 
 
 register_backend(ChunkKernelsBackend(), priority=20)

@@ -7,8 +7,7 @@ in place of the KDA route, which fed KDA's decode kernel a gate broadcast over t
 ``[B, T, HV, K]`` tensor written and read, K exponentials per row where one suffices). ``only_backends
 ("decode_kernel")`` runs it anyway (benchmarks; on CPU under the Triton interpreter, tests).
 
-A Triton kernel that fails to compile for a call variant is our bug, not the user's: the call is served by the
-next backend (FLA, the KDA route, the reference), recorded, and the variant is not tried again.
+A call variant whose kernel fails to compile is served by the next backend, recorded (``own_kernels.py``).
 """
 from __future__ import annotations
 
@@ -16,13 +15,9 @@ import importlib
 from functools import cache
 
 import torch
-from kda_compile.ops._common import (
-    compile_failure_reason,
-    module_unusable,
-    record_fallback,
-    triton_compile_errors,
-)
-from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, explicitly_requested, register_backend
+from kda_compile.ops._common import module_unusable
+from kda_compile.ops.gdn.backends import GDNOptions, explicitly_requested, register_backend
+from kda_compile.ops.gdn.own_kernels import launch_or_fall_back
 
 KERNEL_MODULE = "kda_compile.ops.gdn.decode"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,47 +50,16 @@ class DecodeKernelBackend:
 
     def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
         """``(o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None)``; inputs as the op got them."""
-        reason = _failed_variants.get(_variant(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
-                                               output_final_state)) if _failed_variants else None
-        if reason is None:
-            try:
-                return _launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state)
-            except triton_compile_errors() as error:
-                reason = compile_failure_reason("our Triton decode kernel (scalar gate)", error)
-                _failed_variants[_variant(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
-                                          output_final_state)] = reason
-        fallback = _next_backend(q, v, opts)
-        record_fallback("fused_recurrent_gdn", fallback.name, reason)
-        return fallback.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state)
-
-
-def _variant(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state) -> tuple:
-    """What selects one compiled kernel variant (built only once some variant has failed: decode is host-bound)."""
-    return (q.device, q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, tuple(q.shape[2:]), tuple(v.shape[2:]),
-            cu_seqlens is not None and cu_seqlens.dtype, h0 is not None and h0.dtype, output_final_state,
-            A_log is not None, dt_bias is not None, opts)
-
-
-def _launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
-    launch = _launcher()
-    kwargs = dict(scale=opts.scale, output_final_state=output_final_state,
-                  use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_gate_in_kernel=opts.use_gate_in_kernel,
-                  use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval)
-    if q.device.type == "cuda" and q.device.index != torch.cuda.current_device():
-        with torch.cuda.device(q.device):  # Triton launches on the current device
-            return launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
-    return launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
-
-
-def _next_backend(q, v, opts):
-    """The backend that serves a call this one could not run: FLA's step, else the KDA route, else the reference."""
-    from kda_compile.ops.gdn.fla_backend import FLAGDNBackend
-    from kda_compile.ops.gdn.kda_backend import KDAKernelsBackend
-
-    for backend in (FLAGDNBackend(), KDAKernelsBackend()):
-        if backend.unsupported_reason(q.device, q.dtype, q.shape[-1], v.shape[-1], opts) is None:
-            return backend
-    return REFERENCE
+        args = (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens)
+        return launch_or_fall_back(
+            _failed_variants, "our Triton decode kernel (scalar gate)", "fused_recurrent_gdn",
+            (*args, opts, output_final_state),
+            lambda: _launcher()(*args, scale=opts.scale, output_final_state=output_final_state,
+                                use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
+                                use_gate_in_kernel=opts.use_gate_in_kernel,
+                                use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
+                                allow_neg_eigval=opts.allow_neg_eigval),
+            lambda fallback: fallback.recurrent_forward(*args, opts, output_final_state))
 
 
 register_backend(DecodeKernelBackend(), priority=8)

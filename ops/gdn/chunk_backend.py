@@ -7,11 +7,11 @@ cost model puts it ahead, the CUDA scan with its state in registers; fp16 runs t
 scalar gate the prepare forms ``A_qk`` / ``A_kk`` from plain products and a decay matrix of span sums, so its
 cost does not depend on the data and every gate (``-inf`` included) is exact (docs/gdn.md section 4).
 
-Left to the next backend (``in_design``; not recorded as fallbacks): training (FLA's GDN backward, or the KDA
-route where fla-core refuses it, needs residuals in FLA's formats, which this forward does not write), other dtypes or widths (the
-Triton kernels serve them under ``only_backends("chunk_kernels")``, which also lets tests run it on CPU under
-the Triton interpreter), decode (``fused_recurrent_gdn``: FLA's fused step, or our decode kernel with the scalar
-gate, ``decode_backend.py``).
+Left to the next backend (``in_design``; not recorded as fallbacks): training (FLA's GDN backward, or the KDA route
+where fla-core refuses it, needs residuals in FLA's formats, which this forward does not write), other dtypes or
+widths (the Triton kernels serve them under ``only_backends("chunk_kernels")``, which also lets tests run it on CPU
+under the Triton interpreter), decode (``fused_recurrent_gdn``: FLA's fused step, or our decode kernel with the
+scalar gate, ``decode_backend.py``).
 
 A call variant whose kernels fail to compile is served by the next backend, recorded (``own_kernels.py``).
 """

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
 from kda_compile.testing import KDAShape, kda_inputs, make_kda_args
 
+from .draws import draws
 from .recurrence import compare_with_recurrence
 
 EXTREME = (float("-inf"), -1e30, -1e4, -200.0)
@@ -232,7 +233,7 @@ CUDA_CHUNK_SHAPE = KDAShape(1, 200, 2, 4, 64, 64)
 
 
 @pytest.mark.cuda
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=draws(10), deadline=None)
 @given(value=st.sampled_from(HUGE), pattern=st.sampled_from(PATTERNS), seed=st.integers(0, 2 ** 16),
        dtype=st.sampled_from((torch.bfloat16, torch.float32)))
 def test_cuda_triton_prefill_extreme_gates(value, pattern, seed, dtype):

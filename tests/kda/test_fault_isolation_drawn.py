@@ -37,10 +37,10 @@ def bad_calls(draw, *, max_seqs=5):
         cu = [0]
         for n in lengths:
             cu.append(cu[-1] + n)
-        layout = dict(batch=1, T=cu[-1], cu_seqlens=cu)
+        layout = {"batch": 1, "T": cu[-1], "cu_seqlens": cu}
     else:
         lengths = [draw(st.integers(1, 130))] * draw(st.integers(2, 4))
-        layout = dict(batch=len(lengths), T=lengths[0], cu_seqlens=None)
+        layout = {"batch": len(lengths), "T": lengths[0], "cu_seqlens": None}
     seq = draw(st.sampled_from([n for n, length in enumerate(lengths) if length > 0]))
     offset = draw(st.integers(0, lengths[seq] - 1))
     name = draw(st.sampled_from(INPUTS))

@@ -21,7 +21,9 @@ Providers, all with the same math:
 
 Per provider, shape and mode: ``wall_time`` (one call as its caller waits for it, host time included; on CPU,
 ``time.perf_counter``), on CUDA ``kernel_time`` (summed GPU time of its kernels per call, torch.profiler), and
-``rel_error_vs_ours`` of the output. Long-format CSV, the schema of every benchmark (``common.CSV_COLUMNS``).
+``rel_error_vs_ours`` of the output; for decode on CUDA also ``gpu_time_cuda_graph`` (one step replayed from a
+CUDA graph) and ``fraction_of_copy_bandwidth`` (the fp32 state read and written per second over the measured
+device-to-device copy bandwidth, the ``copy_bandwidth`` row). Long-format CSV, the schema of every benchmark (``common.CSV_COLUMNS``).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_compile.bench.common import QUANTILES, format_table, kernel_times, rel_error, row, wall_time_quantiles
+from kda_compile.bench.common import (QUANTILES, cuda_graph_time, format_table, kernel_times, measure_copy_bandwidth,
+                                      rel_error, row, wall_time_quantiles)
 
 logger = logging.getLogger("kda_compile.bench.gdn")
 
@@ -186,7 +189,21 @@ def _call(fn, args, mode: str):
     return o, state
 
 
-def bench_shape(shape_name, args, mode, providers, device, rows, lines):
+def _decode_graph_rows(op, name, shape_name, fn, args, copy_tbs, rows) -> None:
+    """Decode on CUDA: one step replayed from a CUDA graph (no host time), and the state bytes it reads and
+    writes per second (fp32 state in and out) over the measured copy bandwidth."""
+    try:
+        graph = cuda_graph_time(lambda: _call(fn, args, "decode"))
+    except Exception as exc:  # a provider that cannot be captured: say so and go on
+        logger.warning("%s, decode %s: not captured in a CUDA graph (%s: %s)", name, shape_name, type(exc).__name__, exc)
+        return
+    rows.append(row(op, name, "decode", shape_name, "gpu_time_cuda_graph", "ms", graph))
+    state_bytes = 2 * args["initial_state"].numel() * args["initial_state"].element_size()
+    fraction = tuple(state_bytes / (ms * 1e-3) / (copy_tbs * 1e12) for ms in reversed(graph))
+    rows.append(row(op, name, "decode", shape_name, "fraction_of_copy_bandwidth", "", fraction))
+
+
+def bench_shape(shape_name, args, mode, providers, device, rows, lines, copy_tbs=None):
     op = "fused_recurrent_gated_delta_rule" if mode == "decode" else "chunk_gated_delta_rule"
     if mode == "fwd+bwd":
         args = {n: (t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
@@ -203,6 +220,8 @@ def bench_shape(shape_name, args, mode, providers, device, rows, lines):
             kernel = None
             if device == "cuda":
                 kernel = sum(ms for _, _, ms in kernel_times(lambda: _call(fn, args, mode)))
+                if mode == "decode":
+                    _decode_graph_rows(op, name, shape_name, fn, args, copy_tbs, rows)
         rows.append(row(op, name, mode, shape_name, "wall_time", "ms", wall))
         if kernel is not None:
             rows.append(row(op, name, mode, shape_name, "kernel_time", "ms", (kernel,) * 3))
@@ -220,6 +239,11 @@ def run(args) -> list[dict]:
         raise SystemExit("the GDN benchmark needs a CUDA device (or --device cpu for a smoke run)")
     torch.manual_seed(0)
     rows, lines = [], []
+    copy_tbs = None
+    if args.device == "cuda" and "decode" in args.modes:
+        copy = measure_copy_bandwidth()
+        rows.append(row("copy", "torch", "decode", "1 GiB", "copy_bandwidth", "TB/s", copy))
+        copy_tbs = copy[1]
     for mode in args.modes:
         if mode == "decode":
             cases = [(f"{b}x1", GDNShape(b, None, 1)) for b in args.decode_batches]
@@ -227,7 +251,7 @@ def run(args) -> list[dict]:
             cases = [(s.name, s) for s in args.shapes]
         for name, shape in cases:
             inputs = make_inputs(shape, args.heads, args.head_dim, args.device)
-            bench_shape(name, inputs, mode, args.providers, args.device, rows, lines)
+            bench_shape(name, inputs, mode, args.providers, args.device, rows, lines, copy_tbs)
     H, HV = args.heads
     print(f"\nGDN, bf16, H/HV = {H}/{HV}, K = V = {args.head_dim}, in-kernel l2norm / gate / beta, fp32 state in and "
           "out; median wall ms (kernel ms: summed GPU time per call)")

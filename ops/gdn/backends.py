@@ -92,6 +92,14 @@ def registered_backends() -> list[str]:
     return [backend.name for _, backend in _registry]
 
 
+def backend_named(name: str):
+    """The registered backend called ``name`` (a backward runs on the backend its forward ran on)."""
+    for _, backend in _registry:
+        if backend.name == name:
+            return backend
+    raise ValueError(f"backend must name a registered backend ({', '.join(registered_backends())}), got {name!r}")
+
+
 def explicitly_requested(name: str) -> bool:
     """Whether an ``only_backends`` block names ``name`` (lets a backend serve beyond its usual devices)."""
     return _restriction.names is not None and name in _restriction.names

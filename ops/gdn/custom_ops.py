@@ -23,7 +23,7 @@ from kda_compile.ops.gdn import chunk_backend  # noqa: F401  (registers our chun
 from kda_compile.ops.gdn import decode_backend  # noqa: F401  (registers our decode kernel)
 from kda_compile.ops.gdn import fla_backend  # noqa: F401  (registers FLA's GDN kernels)
 from kda_compile.ops.gdn import kda_backend  # noqa: F401  (registers the route through the KDA kernels)
-from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, select_backend
+from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, backend_named, select_backend
 from kda_compile.ops.kda.custom_ops import (backward_source, fake_forward_outputs, final_state_shape, gradient_outputs,
                                             pad_residuals, run_time_checks)
 
@@ -97,13 +97,14 @@ def chunk_gdn_bwd(
     res7: Tensor, res8: Tensor, res9: Tensor, res10: Tensor, res11: Tensor, res12: Tensor,
     do: Tensor, dht: Optional[Tensor],
     scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
-    allow_neg_eigval: bool, chunk_size: int, residuals_saved: bool = True,
+    allow_neg_eigval: bool, chunk_size: int, residuals_saved: bool = True, backend: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # ``backend``: the backend the forward ran on (as chunk_kda_bwd's)
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, chunk_size, training=True)
     saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
-    backend, residuals = backward_source("chunk_gdn", _backend("chunk_gdn", q, v, opts), REFERENCE, q, k, v, opts,
-                                         saved, residuals_saved)
+    ran_on = backend_named(backend) if backend else _backend("chunk_gdn", q, v, opts)
+    backend, residuals = backward_source("chunk_gdn", ran_on, REFERENCE, q, k, v, opts, saved, residuals_saved)
     grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, residuals, do, dht,
                                    opts)
     return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
@@ -125,6 +126,8 @@ def _setup_context(ctx, inputs, output):
     ctx.o_meta = (o.shape, o.dtype)
     ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
     ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
+    # the backward runs where the forward ran, whatever is selected when it runs
+    ctx.backend = _backend("chunk_gdn", q, v, _options(scale, *flags, chunk_size, training=save_for_backward)).name
 
 
 def _backward(ctx, do, dht, *residual_grads):
@@ -135,7 +138,7 @@ def _backward(ctx, do, dht, *residual_grads):
     if dht is not None and not ctx.output_final_state:
         dht = None
     grads = chunk_gdn_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(),
-                          dht, ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved)
+                          dht, ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved, ctx.backend)
     needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (grad if ref is not None else None
                                                     for grad, ref in zip(grads, needed))

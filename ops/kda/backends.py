@@ -110,6 +110,14 @@ def registered_backends() -> list[str]:
     return [backend.name for _, backend in _registry]
 
 
+def backend_named(name: str):
+    """The registered backend called ``name`` (a backward runs on the backend its forward ran on)."""
+    for _, backend in _registry:
+        if backend.name == name:
+            return backend
+    raise ValueError(f"backend must name a registered backend ({', '.join(registered_backends())}), got {name!r}")
+
+
 # Process-wide, not thread-local: autograd runs a CUDA backward on its own device thread, and the
 # backward must pick the backend the forward picked (a restriction it did not see sent the backward of a
 # reference forward to FLA's kernels with no residuals).

@@ -33,7 +33,7 @@ from kda_compile.ops._common import is_dtensor, record_fallback
 from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
 from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
-from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, select_backend
+from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
 from kda_compile.ops.kda.validation import check_input_values, check_inputs_enabled
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -191,13 +191,15 @@ def chunk_kda_bwd(
     do: Tensor, dht: Optional[Tensor],
     scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
     allow_neg_eigval: bool, lower_bound: Optional[float], safe_gate: bool, chunk_size: int,
-    residuals_saved: bool = True, keep_intermediates: bool = False,
+    residuals_saved: bool = True, keep_intermediates: bool = False, backend: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    # ``backend``: the backend the forward ran on (its residuals are that backend's); "" selects one as the
+    # forward would now.
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, safe_gate, chunk_size, keep_intermediates)
     saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
-    backend, residuals = backward_source("chunk_kda", _backend("chunk_kda", q, v, opts), REFERENCE, q, k, v, opts,
-                                         saved, residuals_saved)
+    ran_on = backend_named(backend) if backend else _backend("chunk_kda", q, v, opts)
+    backend, residuals = backward_source("chunk_kda", ran_on, REFERENCE, q, k, v, opts, saved, residuals_saved)
     grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens,
                                    residuals, do, dht, opts)
     return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
@@ -219,8 +221,8 @@ def _setup_context(ctx, inputs, output):
     opts = _options(scale, *flags, chunk_size, keep_intermediates)
     # DTensor inputs keep q and k: the global metadata of a residual standing in for them is DTensor's own
     # (ops/_sharding.py output_shapes), which on some torch versions is another device's backend's
-    stand_ins = {} if is_dtensor(q) else _stand_ins(_backend("chunk_kda", q, v, opts), q, k, v, opts,
-                                                      save_for_backward)
+    ran_on = _backend("chunk_kda", q, v, opts)
+    stand_ins = {} if is_dtensor(q) else _stand_ins(ran_on, q, k, v, opts, save_for_backward)
     q_kept = None if "q" in stand_ins else q
     k_kept = None if "k" in stand_ins else k
     ctx.save_for_backward(q_kept, k_kept, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals)
@@ -228,6 +230,7 @@ def _setup_context(ctx, inputs, output):
     ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
     ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
     ctx.keep_intermediates = keep_intermediates
+    ctx.backend = ran_on.name  # the backward runs here too, whatever is selected when it runs
 
 
 def _backward(ctx, do, dht, *residual_grads):
@@ -243,7 +246,7 @@ def _backward(ctx, do, dht, *residual_grads):
         dht = None
     grads = chunk_kda_bwd(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(), dht,
-        ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved, ctx.keep_intermediates)
+        ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved, ctx.keep_intermediates, ctx.backend)
     needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
     dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (
         grad if ref is not None else None for grad, ref in zip(grads, needed))

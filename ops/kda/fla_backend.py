@@ -24,6 +24,13 @@ activated beta (``[B, T, HV]``, one tiny launch) is recomputed. With ``keep_inte
 ``disable_recompute``) the forward also keeps FLA's ``w, u, qg, kg, v_new, h`` (and the gate cumsum under
 the in-kernel gate), and the backward takes them instead of recomputing them.
 
+Finished gates (``use_gate_in_kernel=False``) are floored at ``GATE_FLOOR`` before FLA's kernels: FLA forms every
+decay as a difference of chunk-local cumulative sums, so a gate of -inf gives inf - inf (NaN from the chunk start
+on) and -1e30 swamps the sums (measured: relative error 1 on the following tokens). A step of ``GATE_FLOOR`` decays
+the state by e^-40 (4e-18: a reset to well within every dtype's rounding), and 64 such steps sum to -2560, whose
+fp32 spacing (2.4e-4) bounds the error they add to the decays of the tokens after them. The gradient of a floored
+gate is 0, as the recurrence's is for a gate of -inf (and, to within e^-40, for any gate below the floor).
+
 FLA is imported lazily on the first CUDA call; a missing or incompatible fla-core makes the
 backend report itself unsupported (with the reason) and the reference serves instead.
 """
@@ -42,6 +49,7 @@ logger = logging.getLogger("kda_compile.ops.kda")
 
 NORMALISED_QK = 3  # residuals[3:7] = normalised q, its rstd, normalised k, its rstd (in-kernel L2 norm only)
 FLA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GATE_FLOOR = -40.0  # finished log gates below it are a reset (module docstring)
 RCP_LN2 = 1.4426950408889634  # 1 / ln 2: FLA's gate cumsum is in log2 units
 SCAN_CHUNK, SCAN_MAX_HEAD_DIM = 64, 256  # what our scan kernel takes (triton_chunk.py)
 
@@ -168,6 +176,8 @@ class FLABackend:
                       cu_seqlens_cpu=None):
         fla = _load_fla()[0]
         q, k, v, g, beta, h0 = _contiguous(q, k, v, g, beta, h0)
+        if not opts.use_gate_in_kernel:
+            g = g.clamp_min(GATE_FLOOR)  # NaN stays NaN
         qn, kn, normalised = q, k, []
         if opts.use_qk_l2norm_in_kernel:
             (qn, q_rstd), (kn, k_rstd) = glue_kernels().l2norm_fwd(q), glue_kernels().l2norm_fwd(k)
@@ -241,6 +251,8 @@ class FLABackend:
             dq, dk = glue_kernels().l2norm_bwd(qn, q_rstd, dq), glue_kernels().l2norm_bwd(kn, k_rstd, dk)
         if opts.use_beta_sigmoid_in_kernel:
             db = fla["beta_sigmoid_bwd"](x=beta, dy=db, scale=2.0 if opts.allow_neg_eigval else 1.0)
+        if not opts.use_gate_in_kernel:
+            dg = dg.masked_fill(g < GATE_FLOOR, 0.0)  # the floored gates (chunk_forward)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype),
                 dA, dbias, dh0)
 

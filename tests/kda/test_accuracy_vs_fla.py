@@ -183,7 +183,7 @@ def assert_not_worse_than_fla(args) -> dict:
     """Every provider's o and final state within ``REL_MARGIN`` / ``ABS_SLACK`` of FLA's error from the fp64
     recurrence; returns {provider: (ours, FLA's)} for the report. Where FLA's result is not finite (measured:
     FLA's ``chunk_kda`` on -inf finished gates gives NaN), ours must be finite and within the dtype's tolerance,
-    except on FLA's own intermediates (the "fla" backend), which inherit them."""
+    on FLA's own intermediates too (the "fla" backend floors such gates first: ops/kda/fla_backend.py)."""
     want = reference(args, with_grads=False)
     tol = tolerances_for(args["q"].dtype, args["q"].device)
     fla_errors, report = {}, {}
@@ -198,8 +198,7 @@ def assert_not_worse_than_fla(args) -> dict:
         for key, err in got.items():
             theirs = fla_errors[fla][key]
             if not math.isfinite(theirs):
-                if ours is not _fla_backend:
-                    assert err <= tol[key], f"{name}: {key} error {err:.3e} (FLA's is {theirs}; tolerance {tol[key]})"
+                assert err <= tol[key], f"{name}: {key} error {err:.3e} (FLA's is {theirs}; tolerance {tol[key]})"
                 continue
             bound = theirs * (1 + REL_MARGIN) + ABS_SLACK
             assert err <= bound, (f"{name}: {key} error {err:.3e} from the fp64 recurrence, FLA's "
@@ -231,6 +230,16 @@ def test_cuda_prepare_on_collinear_keys_found_by_the_search(seed, level):
     """Draws where the CUDA prepare kernel, when it rounded ``T diag(beta)`` for u and ``T`` for w, was less
     accurate than FLA (o 2.79e-3 against 2.36e-3 at seed 7, H100; docs/kda-kernels.md section 4)."""
     assert_not_worse_than_fla(family_inputs("collinear", "lower_bound", seed, level=level, **SHORT))
+
+
+@pytest.mark.cuda
+@needs_fla
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a known gap: the CUDA prepare + CUDA scan's final state is 1.21x FLA's error from the fp64 "
+                          "recurrence on this draw (1.687e-3 against 1.392e-3, bound 1.662e-3; H200); the Triton "
+                          "prepare with either scan is within the bound")
+def test_cuda_prepare_final_state_on_collinear_keys_found_by_the_thorough_search():
+    assert_not_worse_than_fla(family_inputs("collinear", "lower_bound", 2051, level=0.0, **SHORT))
 
 
 @pytest.mark.cuda

@@ -452,6 +452,20 @@ def test_bad_gdn_options_are_refused(argv, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_gdn_cold_start_runs_each_first_call_in_a_fresh_process(tmp_path):
+    # The real subprocess on the CPU (our op on its reference backend): one forward and one decode step.
+    import csv
+
+    from kda_compile.bench.__main__ import main
+    out = tmp_path / "gdn.csv"
+    assert main(["gdn", "--device", "cpu", "--modes", "cold_start", "--providers", "ours,reference", "--shapes", "1x9",
+                 "--decode-batches", "2", "--heads", "1/2", "--head-dim", "8", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["op"], r["shape"], r["metric"]) for r in rows] == [
+        ("chunk_gated_delta_rule", "1x9", "first_call_time"), ("fused_recurrent_gated_delta_rule", "2x1", "first_call_time")]
+    assert all(0 < float(r["p50"]) < 60 for r in rows)
+
+
 def test_gdn_benchmark_says_it_needs_cuda(tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         main(["gdn", "--csv", str(tmp_path / "out.csv")])

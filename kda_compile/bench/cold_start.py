@@ -36,13 +36,14 @@ print(f"FIRST_CALL_S {time.perf_counter() - start:.6f}")
 """
 
 
-def first_call_seconds(gate: str, provider: str, shape: str, *, timeout: float = TIMEOUT_S) -> tuple[float, str]:
-    """``(seconds, status)`` of the first call in a fresh process with an empty Triton cache; status ``ok``,
-    ``timeout`` (seconds = the limit) or ``failed: <last line of its output>`` (seconds = NaN)."""
+def first_call_seconds(*argv: str, script: str = _SCRIPT, timeout: float = TIMEOUT_S) -> tuple[float, str]:
+    """``(seconds, status)`` of the first call in a fresh process with an empty Triton cache (``script`` run with
+    ``argv``, printing ``FIRST_CALL_S <seconds>``; by default the KDA prefill's: gate, provider, shape); status
+    ``ok``, ``timeout`` (seconds = the limit) or ``failed: <last line of its output>`` (seconds = NaN)."""
     with tempfile.TemporaryDirectory(prefix="kda_cold_triton_") as cache:
         env = dict(os.environ, TRITON_CACHE_DIR=cache, TRITON_CACHE_AUTOTUNING="0", KDA_COMPILE_CACHE_DIR=cache)
         try:
-            done = subprocess.run([sys.executable, "-c", _SCRIPT, gate, provider, shape], env=env,
+            done = subprocess.run([sys.executable, "-c", script, *argv], env=env,
                                   capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return timeout, "timeout"

@@ -41,7 +41,8 @@ from kda_compile.bench.common import (QUANTILES, cuda_graph_time, format_table, 
 
 logger = logging.getLogger("kda_compile.bench.gdn")
 
-MODES = ("fwd", "fwd+bwd", "decode")
+MODES = ("fwd", "fwd+bwd", "decode", "cold_start")
+DEFAULT_MODES = ("fwd", "fwd+bwd", "decode")
 PROVIDERS = ("ours", "ours (KDA kernels)", "ours (decode kernel)", "FLA", "reference")
 DEFAULT_PROVIDERS = ("ours", "ours (KDA kernels)", "FLA")
 DEFAULT_SHAPES = "1x4096,1x16384,1x65536,8x2048,varlen:16x1024,varlen:3000+1+0+517+2048+2626"
@@ -107,7 +108,10 @@ def _choices(allowed):
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="subset of fwd,fwd+bwd,decode")
+    parser.add_argument("--modes", type=_choices(MODES), default=list(DEFAULT_MODES),
+                        help="subset of fwd,fwd+bwd,decode,cold_start (default: the first three; cold_start: the first "
+                             "forward and the first decode step of each provider in a fresh process with empty "
+                             "kernel caches, on the first --shapes item)")
     parser.add_argument("--providers", type=_choices(PROVIDERS), default=list(DEFAULT_PROVIDERS),
                         help=f"subset of {', '.join(PROVIDERS)} (default: {', '.join(DEFAULT_PROVIDERS)})")
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES),
@@ -234,6 +238,43 @@ def bench_shape(shape_name, args, mode, providers, device, rows, lines, copy_tbs
         lines.append([mode, shape_name, name, wall[1], kernel if kernel is not None else "-", error])
 
 
+# Runs in a fresh process (cold_start.first_call_seconds): argv = provider, mode, shape, heads, head dim, device.
+_COLD_SCRIPT = """
+import sys, time
+import torch
+from kda_compile.bench import gdn
+provider, mode, shape, heads, dim, device = sys.argv[1:7]
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+shape = gdn.GDNShape(int(shape), None, 1) if mode == "decode" else gdn.parse_shapes(shape)[0]
+args = gdn.make_inputs(shape, gdn._heads(heads), int(dim), device)
+fn, context = gdn._provider(provider, mode == "decode")
+sync()
+start = time.perf_counter()
+with context():
+    gdn._call(fn, args, mode)
+sync()
+print(f"FIRST_CALL_S {time.perf_counter() - start:.6f}")
+"""
+
+
+def bench_cold_start(args, rows, lines) -> None:
+    """The first forward (first --shapes item) and the first decode step (the first decode batch) of each
+    provider, each in a fresh process with empty Triton and NVRTC caches."""
+    from kda_compile.bench.cold_start import first_call_seconds
+    heads = "/".join(map(str, args.heads))
+    for mode, shape in (("fwd", args.shapes[0].name), ("decode", str(args.decode_batches[0]))):
+        for provider in args.providers:
+            if provider == "reference" or (provider == "ours (decode kernel)" and mode == "fwd"):
+                continue
+            seconds, status = first_call_seconds(provider, mode, shape, heads, str(args.head_dim), args.device,
+                                                 script=_COLD_SCRIPT)
+            logger.info("GDN cold start, %s %s, %s: %.1f s (%s)", mode, shape, provider, seconds, status)
+            op = "fused_recurrent_gated_delta_rule" if mode == "decode" else "chunk_gated_delta_rule"
+            label = f"{shape}x1" if mode == "decode" else shape
+            rows.append(row(op, provider, "cold_start", label, "first_call_time", "s", (seconds,) * 3))
+            lines.append(["cold_start " + mode, label, provider, seconds, "-", status])
+
+
 def run(args) -> list[dict]:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the GDN benchmark needs a CUDA device (or --device cpu for a smoke run)")
@@ -245,6 +286,9 @@ def run(args) -> list[dict]:
         rows.append(row("copy", "torch", "decode", "1 GiB", "copy_bandwidth", "TB/s", copy))
         copy_tbs = copy[1]
     for mode in args.modes:
+        if mode == "cold_start":
+            bench_cold_start(args, rows, lines)
+            continue
         if mode == "decode":
             cases = [(f"{b}x1", GDNShape(b, None, 1)) for b in args.decode_batches]
         else:

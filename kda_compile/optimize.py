@@ -29,7 +29,7 @@ value too).
 Data-dependent MoE code. Hugging Face's MoE blocks route tokens with ``nonzero`` /
 ``torch.where(mask)`` (a data-dependent output shape) and read ``.item()`` / ``.tolist()`` of
 expert ids or counts (a data-dependent scalar): by default Dynamo breaks the graph at each (tiny
-jetmoe, dbrx, longcat_flash, qwen4_exp_text models: 5 to 9 breaks). With
+jetmoe, dbrx, longcat_flash models: 5 to 9 breaks). With
 ``Config.capture_data_dependent_ops`` (default on) each call also runs with Dynamo's
 ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` switched on (and back off
 after, when they were off), scoped like the recompile limit: the routing is captured with unbacked

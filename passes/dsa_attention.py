@@ -56,8 +56,11 @@ Left alone, and reported: a mask the graph does not prove causal (a custom 4-D m
 sequences, a sliding window: the indexer op has no window), scores or weights used elsewhere
 (``output_attentions=True``), dropout in training, softcap on the attention, indices used
 anywhere besides a rewritable attention, shapes that do not pair up, arguments an op refuses.
-Block-sparse DSA variants (deepseek_v4, minimax_m3_vl, qwen4_exp: indexers over compressed or pooled
-keys, see ``dsa_patterns.BLOCK_SPARSE_MODULES``) are reported as left alone.
+Block-sparse DSA variants (deepseek_v4, minimax_m3_vl: indexers over compressed or pooled keys, see
+``dsa_patterns.BLOCK_SPARSE_MODULES``) are reported as left alone. qwen4_exp's QSA indexer is traced through
+its branch-free substitute (``qsa_indexer.py``, switched by this rewrite's Config field): each indexer that
+went through it is reported as rewritten into ``qsa_selection_mask``, one traced as written as left alone;
+its attention, under the selection mask, is ``softmax_attention``'s.
 
 Runs before ``softmax_attention``, ``sdpa_attention`` and ``mla_absorb``: those would otherwise take
 the attention with its dense top-k mask.
@@ -82,6 +85,7 @@ from kda_compile.passes.graph_tools import (_example, _fake_mode, concrete_numbe
                                             module_path, source_line, tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 from kda_compile.passes.matching import GETITEM, Bindings, cast_dtype
+from kda_compile.passes.qsa_indexer import report_qsa_indexers
 
 logger = logging.getLogger("kda_compile.passes.dsa_attention")
 
@@ -223,6 +227,7 @@ class DSAAttentionRewrite(GraphRewrite):
         graph = gm.graph
         for path, reason in block_sparse_sites(graph).items():
             log.left_alone.append(LeftAlone(self.name, path, "", f"block-sparse DSA, not rewritten: {reason}"))
+        report_qsa_indexers(graph, self.name, log)
         pooled = rewrite_pooled_indexers(graph, _pooled_op(), self.name, log)
         topks = [(n, b) for n in graph.nodes if TOPK.bind(n) is not None for b in SELECTION.matches(n, Bindings())]
         scatters = [(n, b) for n in graph.nodes if SCATTER.bind(n) is not None and len(n.users) == 1

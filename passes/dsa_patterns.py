@@ -17,16 +17,15 @@ from kda_compile.passes.matching import (ADD, CAST, MATMUL, MUL, TRANSPOSE, Call
                                          family)
 
 # Block-sparse DSA variants: their indexers score compressed / pooled key blocks, which the token-level
-# indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa_pooled.py). Keyed on
-# the transformers modeling module -> (the module class suffix the
+# indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa_pooled.py; qwen4_exp's
+# QSA indexer is traced branch-free, passes/qsa_indexer.py, and its attention is softmax attention under the
+# selection mask). Keyed on the transformers modeling module -> (the module class suffix the
 # report names, reason); a new variant is one more entry.
 BLOCK_SPARSE_MODULES = {
     "transformers.models.deepseek_v4.modeling_deepseek_v4": (
         "Attention", "deepseek_v4 selects top-k over compressed KV (CSA / HCA compressors), not over tokens"),
     "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl": (
         "Attention", "minimax_m3_vl selects 128-token blocks (top-16 plus a local block), not tokens"),
-    "transformers.models.qwen4_exp.modeling_qwen4_exp": (
-        "Attention", "qwen4_exp scores pooled key blocks in a Python loop over queries, not token-level top-k"),
 }
 
 TOPK = family("topk", ("input", "k", "dim", "largest", "sorted"), functions=(torch.topk,), methods=("topk",),

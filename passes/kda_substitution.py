@@ -89,6 +89,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from kda_compile.passes import qsa_indexer  # QSA indexers, registered with the entry points below
+
 # The substitutes themselves; CHUNK_SIZES, HF_KIMI_MODULE, HF_REFERENCE_FUNCTIONS and SUBSTITUTE_FRAMES
 # stay importable from here.
 from kda_compile.passes.kda_substitutes import (  # noqa: F401
@@ -270,13 +272,15 @@ def _register_hf() -> None:
 
 def register_loaded_entry_points() -> None:
     """Register the substitutes of every known entry point whose module is imported, then the probing
-    substitutes of look-alike functions of transformers modeling modules (delta_rule_probe.py)."""
+    substitutes of look-alike functions of transformers modeling modules (delta_rule_probe.py) and the
+    QSA indexers' (qsa_indexer.py)."""
     from kda_compile.passes import delta_rule_probe  # imports this module: imported on first use
 
     with _lock:
         _register_fla()
         _register_hf()
         delta_rule_probe.register_probed_entry_points()
+        qsa_indexer.register_loaded_indexers()
 
 
 def registered() -> tuple[Registered, ...]:

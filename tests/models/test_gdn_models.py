@@ -2,8 +2,8 @@
 kda_compile (fp32, CPU, aot_eager): two layers, one GDN (2 q/k heads of 16, 4 value heads of 8: grouped) and
 one full attention, hidden 64, MoE MLPs where the family has them.
 
-Checked: prefill through ``kda_compile.optimize(fullgraph=True)`` (so zero graph breaks; qwen4_exp breaks in
-its full-attention QSA indexer, outside GDN: compiled without fullgraph there) gives eager's logits
+Checked: prefill through ``kda_compile.optimize(fullgraph=True)`` (so zero graph breaks: qwen4_exp's
+full-attention QSA indexer is traced branch-free, passes/qsa_indexer.py) gives eager's logits
 (relative error < 1e-4: both sides compute the delta rule in fp32 with different chunkings) with one GDN op
 per linear-attention layer, each listed in the rewrite report with its entry point, its gate and beta sigmoid
 folded into the op's in-kernel options by the prologue rewrite. On qwen3_next (the
@@ -46,11 +46,9 @@ FAMILIES = {  # model_type -> (config class, config arguments)
 }
 
 
-# Families whose full-attention layers break the graph outside GDN (the GDN layer itself traces whole).
-GRAPH_BREAKS_OUTSIDE_GDN = {
-    "qwen4_exp": "the QSA indexer of its full-attention layers branches on a data-dependent block count "
-                 "(modeling_qwen4_exp.py: `if num_complete_blocks > 0`)",
-}
+# Families whose full-attention layers break the graph outside GDN (the GDN layer itself traces whole): none
+# now (qwen4_exp's QSA indexer, `if num_complete_blocks > 0`, is traced branch-free: passes/qsa_indexer.py).
+GRAPH_BREAKS_OUTSIDE_GDN: dict[str, str] = {}
 
 
 def modeling(family: str):

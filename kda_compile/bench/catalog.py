@@ -32,6 +32,7 @@ class Benchmark:
 
 
 DEFAULT_VIEW = View("time")
+_GDN_OURS = ("ours", "ours (KDA kernels)", "ours (decode kernel)")
 
 
 
@@ -63,12 +64,18 @@ CATALOG: dict[str, Benchmark] = {
         "heads, K = V = 128, bf16, the q / k L2 norm, the GDN gate and the beta sigmoid computed inside the op, an "
         "fp32 initial state and the final state returned. Providers: `ours` (`kda_compile.ops` with its automatic "
         "backend choice), `ours (KDA kernels)` (the route through our KDA Triton kernels with the gate broadcast "
-        "over K: what runs without FLA) and `FLA` (flash-linear-attention's public functions). `wall_time`: one "
-        "call as its caller waits for it; `kernel_time`: the summed GPU time of its kernels. Design: "
-        "[docs/gdn.md](../docs/gdn.md).",
+        "over K: what runs without FLA), `ours (decode kernel)` (decode on our Triton step with the scalar gate) "
+        "and `FLA` (flash-linear-attention's public functions). `wall_time`: one call as its caller waits for it; "
+        "`kernel_time`: the summed GPU time of its kernels; `gpu_time_cuda_graph`: one decode step replayed from a "
+        "CUDA graph; `fraction_of_copy_bandwidth`: the fp32 state read and written per second over the measured "
+        "copy bandwidth; `first_call_time` (`cold_start`): the first call in a fresh process with empty kernel "
+        "caches. Design: [docs/gdn.md](../docs/gdn.md).",
         command="python -m kda_compile.bench gdn",
-        views=(View("wall_time", ours=("ours", "ours (KDA kernels)"), baselines=("FLA",)),
-               View("kernel_time", ours=("ours", "ours (KDA kernels)"), baselines=("FLA",))),
+        views=(View("wall_time", ours=_GDN_OURS, baselines=("FLA",)),
+               View("kernel_time", ours=_GDN_OURS, baselines=("FLA",)),
+               View("gpu_time_cuda_graph", ours=_GDN_OURS, baselines=("FLA",)),
+               View("fraction_of_copy_bandwidth"),
+               View("first_call_time", ours=_GDN_OURS, baselines=("FLA",))),
     ),
     "kda_prefill_lower_bound": Benchmark(
         title="KDA prefill, lower-bound gate",

@@ -204,7 +204,7 @@ def _decode_graph_rows(op, name, shape_name, fn, args, copy_tbs, rows) -> None:
     rows.append(row(op, name, "decode", shape_name, "gpu_time_cuda_graph", "ms", graph))
     state_bytes = 2 * args["initial_state"].numel() * args["initial_state"].element_size()
     fraction = tuple(state_bytes / (ms * 1e-3) / (copy_tbs * 1e12) for ms in reversed(graph))
-    rows.append(row(op, name, "decode", shape_name, "fraction_of_copy_bandwidth", "", fraction))
+    rows.append(row(op, name, "decode", shape_name, "fraction_of_copy_bandwidth", "1", fraction))
 
 
 def bench_shape(shape_name, args, mode, providers, device, rows, lines, copy_tbs=None):

@@ -60,7 +60,7 @@ def _drawn(max_T=80, **kw):
 # ------------------------------------------------------------------------------------------------
 # Reference math (CPU)
 # ------------------------------------------------------------------------------------------------
-@settings(max_examples=8)
+@settings(max_examples=draws(8))
 @given(args=_drawn(), value=st.sampled_from(EXTREME), pattern=st.sampled_from(PATTERNS))
 @example(args=make_kda_args(KDAShape(1, 70, 1, 1, 16, 8), seed=1, initial_state=True), value=float("-inf"),
          pattern="run")
@@ -68,7 +68,7 @@ def test_reference_chunk_matches_recurrence_with_gradients(args, value, pattern)
     compare_with_recurrence(chunk_kda, with_extreme_gates(args, value, pattern), with_grads=True)
 
 
-@settings(max_examples=8)
+@settings(max_examples=draws(8))
 @given(args=_drawn(), value=st.sampled_from(EXTREME), pattern=st.sampled_from(PATTERNS),
        chunk_size=st.sampled_from((16, 32, 64)))
 def test_reference_chunk_sizes_and_recurrent_op(args, value, pattern, chunk_size):

@@ -53,12 +53,13 @@ Before matching, ``attention_normalize.py`` rewrites, exactly, an in-place ``mas
 scores read again after it (xlm), ``einsum`` products (prophetnet, xlnet), pre-transposed keys
 (openai-gpt) and softmax / dropout of
 [B*H, Sq, Sk] views of the 4-D scores (mvp, trocr, xglm); reads of the scores' shape or dtype only
-(xlm's ``mask.expand_as(scores)``) are rewritten to read the sizes of the query and keys.
+(xlm's ``mask.expand_as(scores)``) are rewritten to read the sizes of the query and keys. N-D attention
+with batch-like leading dims (prophetnet's predict stream, [B, ngram, H, S, D]) is matched the same way and
+folded into the op's batch dim (``attention_fold.py``).
 
 Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``; the
 weights as an output of the graph, which code after a graph break may read), a softmax not over the
-key dimension, anything else between the two matmuls, shapes that do not pair up (5-D attention
-included), in-place ops between the two matmuls (other than the in-place scale), any other multiplicative
+key dimension, anything else between the two matmuls, shapes that do not pair up, in-place ops between the two matmuls (other than the in-place scale), any other multiplicative
 mask (an argument, a buffer with values other than 0 / 1, a fill above -1e4), arguments the op refuses. A softmax with no matmul on either side (a MoE router)
 is not a candidate; one with a matmul, bmm or einsum a few nodes away on both sides is, and is reported
 with what was found where the spelling is not matched. So is a softmax spelled ``exp(x - logsumexp(x))``
@@ -84,6 +85,7 @@ import torch
 import torch.fx
 
 from kda_compile.ops.attention import attention, attention_with_lse
+from kda_compile.passes.attention_fold import fold_attention, leading_dims
 from kda_compile.passes.attention_mask import mask_keywords
 from kda_compile.passes.attention_normalize import metadata_read, normalize_attention, replace_metadata_reads
 from kda_compile.passes.attention_spellings import (CLAMP_MIN, MASKED_FILL, MAXIMUM, SinkRescale, batched_reason,
@@ -109,8 +111,10 @@ OP_NAME = "kda_compile.attention"
 
 def _swaps_last_two(node: torch.fx.Node) -> bool:
     b = TRANSPOSE.bind(node)
-    return b is not None and {b["dim0"] % 4 if isinstance(b["dim0"], int) else None,
-                              b["dim1"] % 4 if isinstance(b["dim1"], int) else None} == {2, 3}
+    x = tensor_of(b["input"]) if b is not None else None
+    n = x.dim() if x is not None and x.dim() >= 4 else 4
+    return b is not None and {b["dim0"] % n if isinstance(b["dim0"], int) else None,
+                              b["dim1"] % n if isinstance(b["dim1"], int) else None} == {n - 2, n - 1}
 
 
 def _is_last_dim_4d(dim: Any) -> bool:
@@ -249,22 +253,27 @@ class Site:
         return self.scores.nodes + (self.softmax,) + self.probabilities.nodes + extra
 
 
-def check_site(site: Site) -> str | None:
-    """Why ``site`` must be left alone, or None when replacing it keeps the meaning."""
+def check_site(site: Site, fold: bool = False) -> str | None:
+    """Why ``site`` must be left alone, or None when replacing it keeps the meaning. ``fold``: N-D attention
+    may be folded into 4-D (attention_fold.py; this rewrite only, not mla_absorb.py / dsa_sparse.py)."""
     soft = SOFTMAX.bind(site.softmax)
     q, k, v = (tensor_of(site[n]) for n in ("query", "key_states", "value_states"))
-    if any(t is None or t.dim() != 4 for t in (q, k, v)):
-        ranks = "/".join(f"{t.dim()}-D" if t is not None else "?" for t in (q, k, v))
-        return f"query, keys and values are not all 4-D [batch, heads, seq, dim] tensors ({ranks})"
-    if not _is_last_dim_4d(soft["dim"]):
+    lead, reason = leading_dims(q, k, v, fold)
+    if reason is not None:
+        return reason
+    if not is_last_dim(soft["dim"], q.dim()):
         return f"the softmax runs over dim {soft['dim']}, not over the keys (dim -1)"
-    (b, h, sq, dqk), (_, _, sk, _) = q.shape, k.shape
+    if lead > 1 and (site.rescale is not None or site.has("sinks") or site.has("query_sinks")):
+        return f"{q.dim()}-D attention with sink logits: the op's sinks are per head of 4-D attention"
+    # N-D: the leading dims, equal in q, k and v (leading_dims), fold into the batch dim b
+    q, k, v = (t.shape[lead - 1:] for t in (q, k, v))
+    (b, h, sq, dqk), (_, _, sk, _) = q, k
     # The keys and values have every query head, or one head both matmuls broadcast (multi-query).
-    kv_heads = 1 if known_equal(k.shape[1], 1) and known_equal(v.shape[1], 1) else h
-    if not (known_equal(k.shape[0], b) and known_equal(k.shape[1], kv_heads) and known_equal(k.shape[3], dqk)
-            and known_equal(v.shape[0], b) and known_equal(v.shape[1], kv_heads) and known_equal(v.shape[2], sk)):
-        return (f"the shapes do not pair up as attention: query {list(q.shape)}, keys {list(k.shape)}, "
-                f"values {list(v.shape)}")
+    kv_heads = 1 if known_equal(k[1], 1) and known_equal(v[1], 1) else h
+    if not (known_equal(k[0], b) and known_equal(k[1], kv_heads) and known_equal(k[3], dqk)
+            and known_equal(v[0], b) and known_equal(v[1], kv_heads) and known_equal(v[2], sk)):
+        return (f"the shapes do not pair up as attention: query {list(tensor_of(site['query']).shape)}, keys "
+                f"{list(tensor_of(site['key_states']).shape)}, values {list(tensor_of(site['value_states']).shape)}")
     sinks, per_query = "sinks" in site.stages, "query_sinks" in site.stages
     if (site.rescale is not None) + sinks + per_query > 1:
         return "sinks both as an extra softmax column and as a rescale of the output"
@@ -363,10 +372,13 @@ def _clamp_reason(site: Site, post: float | None) -> str | None:
 def _used_outside(site: Site) -> str | None:
     inside = set(site.replaced)
     full = tensor_of(site["scores"]).shape
+    # replace_metadata_reads rewrites expand_as of 4-D scores only, a dtype read (type_as) of any rank
+    folded = len(full) != 4
     for node in site.replaced:
         if node is site.output:
             continue
-        others = [u for u in node.users if u not in inside and not metadata_read(u, node, full)]
+        others = [u for u in node.users if u not in inside and not (
+            metadata_read(u, node, full) and not (folded and u.target == "expand_as"))]
         if others:
             what = "attention weights" if node is site.softmax or node in site.probabilities.nodes else "scores"
             users = ", ".join(describe_node(u) for u in others)
@@ -409,7 +421,9 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
         details["clamp"] = "neutral (mask clamped alike)"
     if dropout_p:
         details["dropout_p"] = dropout_p
-    if site.has("mask"):
+    if site.has("mask") and q.dim() != 4:  # N-D (attention_fold.py): the mask tensor, folded
+        kwargs["attn_mask"], details["mask"] = site["mask"], f"tensor (folded with the {q.dim() - 3} leading dims)"
+    elif site.has("mask"):
         mask_kwargs, mask_details = mask_keywords(site["mask"], q.shape[2], k.shape[2], mask_to_flags, additive=True)
         kwargs.update(mask_kwargs)
         details.update(mask_details)
@@ -474,7 +488,7 @@ class SoftmaxAttentionRewrite(GraphRewrite):
                 logger.debug("%s is not an attention softmax", softmax.name)
                 continue
             where = (module_path(softmax), source_line(softmax))
-            reason = reason or check_site(site)
+            reason = reason or check_site(site, fold=True)
             if reason is not None:
                 log.left_alone.append(LeftAlone(self.name, *where, reason))
                 continue
@@ -533,7 +547,10 @@ class SoftmaxAttentionRewrite(GraphRewrite):
         if not known_equal(tensor_of(key).shape[1], tensor_of(value).shape[1]):
             key, value = site["key_states"], site["value_states"]
         q, k = tensor_of(site["query"]), tensor_of(key)
-        details["heads"] = f"{q.shape[1]}/{k.shape[1]}"
+        lead = q.dim() - 3  # 1, or the leading dims of N-D attention folded into the batch dim
+        details["heads"] = f"{q.shape[lead]}/{k.shape[lead]}"
+        if lead > 1:
+            details["folded"] = f"{q.dim()}-D, {lead} leading dims into the batch dim"
         out = site.output
         given = kwargs.get("attn_mask")
         kwargs["attn_mask"] = _scaled_mask(graph, site, given)
@@ -556,8 +573,11 @@ class SoftmaxAttentionRewrite(GraphRewrite):
             kwargs["attn_mask"] = with_subtracted(graph, out, kwargs["attn_mask"], site["subtracted"])
         per_query = site.has("query_sinks")
         try:
-            new = insert_call(graph, out, attention_with_lse if per_query else attention, (site["query"], key, value),
-                              kwargs, meta_from=out)
+            if lead > 1:
+                new = fold_attention(graph, out, attention, site["query"], key, value, kwargs, lead)
+            else:
+                new = insert_call(graph, out, attention_with_lse if per_query else attention,
+                                  (site["query"], key, value), kwargs, meta_from=out)
         except (TypeError, ValueError):
             if isinstance(kwargs["attn_mask"], torch.fx.Node):  # the mask nodes inserted above, if any
                 erase_unused(graph, [kwargs["attn_mask"]])

@@ -210,9 +210,10 @@ def test_inplace_fill_outside_attention_is_kept_exact():
 
 # Families whose attention these spellings are, run as the coverage sweep runs them (optimize(); xlm's
 # length check reads .item()): every softmax attention site rewritten, logits as eager.
-# prophetnet: its main stream (einsum) is; its predict stream is 5-D ([B, ngram, H, S, D]), left alone.
+# prophetnet: its main stream (einsum) and its 5-D predict stream ([B, ngram, H, S, D], folded into the
+# batch dim: test_attention_fold.py), counted per module: 2 sites of 2 attentions each.
 # inkling2_text: 2 self-attention sites with per-query sinks, 4 sites without sinks.
-FAMILIES = {"xlm": (2, 0), "mvp": (2, 0), "trocr": (2, 0), "xglm": (2, 0), "prophetnet": (2, 2),
+FAMILIES = {"xlm": (2, 0), "mvp": (2, 0), "trocr": (2, 0), "xglm": (2, 0), "prophetnet": (2, 0),
             "inkling2_text": (6, 0)}
 
 
@@ -225,5 +226,4 @@ def test_family_attention_is_rewritten(family):
     assert row.status == "ok", row.reason
     assert row.rewritten == {"kda_compile.attention": want_rewritten}, row.rewritten
     assert sum(row.left_alone.values()) == want_left, row.left_alone
-    assert all("not all 4-D" in reason for reason in row.left_alone), row.left_alone
     assert row.logits_error < 1e-5

@@ -25,7 +25,8 @@ pool past ``T // P`` is ever complete, so ``n_kept <= slots``); a query sees at 
 slots past ``n_sel`` hold -1 and equal the layout above. ``n_sel`` itself stays on the device: the tail is
 scattered to the columns ``n_sel * P + j``.
 
-Memory: queries go in blocks and the pools in blocks, with a running top-k of int64 order keys (the
+Memory: the pool keys are formed a block of pools at a time (``pooled_keys``: no copy of the key cache, only
+``pk`` itself, ``[B, T / P, D]``); queries go in blocks and the pools in blocks, with a running top-k of int64 order keys (the
 tie rule of ``reference.order_keys``), so the largest temporary is one block's ``[B, s_blk, H_I, p_blk]``
 float32 logits (under ``BLOCK_BYTES``): no ``[B, S, T]`` or ``[B, S, H_I, T]`` tensor (nor ``[B, S, T / P]``)
 exists. The work stops at the last pool the block's queries can see from key 0 (causal prefill: half; rows with
@@ -59,18 +60,31 @@ def first_valid(key_valid: torch.Tensor) -> torch.Tensor:
 
 
 def pooled_keys(k, gate, key_valid, ape, first):
-    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring)."""
-    b, t_len, _ = k.shape
+    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring).
+
+    In blocks of pools whose temporaries (the gathered keys and gates, their product, the indices) stay under
+    ``BLOCK_BYTES``: a decode step over a long cache never holds a copy of the whole key cache. Each pool is
+    formed on its own, so the blocks do not change a bit of the result."""
+    b, t_len, d = k.shape
     pool = ape.shape[0]
     n_pools = (t_len + pool - 1) // pool
-    tok = first[:, None, None] + torch.arange(n_pools * pool, device=k.device).view(1, n_pools, pool)
-    safe = tok.clamp(0, max(t_len - 1, 0))
+    pk = k.new_empty((b, n_pools, d))
+    pool_valid = torch.empty((b, n_pools), dtype=torch.bool, device=k.device)
+    per_pool = b * pool * (d * (2 * k.element_size() + 12) + 64)  # keys, product, gates (fp32 x3), indices
+    step = max(1, BLOCK_BYTES // max(1, per_pool))
     b_ix = torch.arange(b, device=k.device)[:, None, None]
-    valid = key_valid[b_ix, safe] & (tok < t_len)
-    logits = gate[b_ix, safe].float() + ape.float()[None, None]
-    logits = logits.masked_fill(~valid[..., None], float("-inf"))
-    probs = torch.nan_to_num(logits.softmax(dim=2)).to(k.dtype)
-    return (probs * k[b_ix, safe]).sum(dim=2), valid.all(-1)
+    ape32 = ape.float()[None, None]
+    for p0 in range(0, n_pools, step):
+        p1 = min(n_pools, p0 + step)
+        tok = first[:, None, None] + torch.arange(p0 * pool, p1 * pool, device=k.device).view(1, p1 - p0, pool)
+        safe = tok.clamp(0, max(t_len - 1, 0))
+        valid = key_valid[b_ix, safe] & (tok < t_len)
+        logits = gate[b_ix, safe].float() + ape32
+        logits = logits.masked_fill(~valid[..., None], float("-inf"))
+        probs = torch.nan_to_num(logits.softmax(dim=2)).to(k.dtype)
+        pk[:, p0:p1] = (probs * k[b_ix, safe]).sum(dim=2)
+        pool_valid[:, p0:p1] = valid.all(-1)
+    return pk, pool_valid
 
 
 def _order_keys(scores: torch.Tensor, visible: torch.Tensor, start: int) -> torch.Tensor:

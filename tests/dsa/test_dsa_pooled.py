@@ -101,6 +101,25 @@ def test_small_blocks_merge_the_same(monkeypatch):
     assert torch.equal(blocked, whole) and torch.equal(blocked, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pool_keys_in_blocks_are_bitwise_the_whole(monkeypatch, dtype):
+    """Pool keys formed a few pools at a time (bounded temporaries) equal those formed at once, bit for bit,
+    left padding and a partial last pool included; the selections too."""
+    a = _args(b=3, s=5, t=29, dim=8, pool=4, seed=11)
+    k, gate = a["k"].to(dtype), a["gate"].to(dtype)
+    first = pooled.first_valid(a["key_valid"])
+    whole = pooled.pooled_keys(k, gate, a["key_valid"], a["ape"], first)
+    want = dsa_pooled_indexer_topk(a["q"], a["k"], a["weights"], a["gate"], a["ape"], 8, scale=0.5,
+                                   key_valid=a["key_valid"])
+    per_pool = 3 * 4 * (8 * (2 * k.element_size() + 12) + 64)
+    monkeypatch.setattr(pooled, "BLOCK_BYTES", 2 * per_pool)  # two pools per block
+    blocked = pooled.pooled_keys(k, gate, a["key_valid"], a["ape"], first)
+    assert whole[0].shape == (3, 8, 8) and torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    got = dsa_pooled_indexer_topk(a["q"], a["k"], a["weights"], a["gate"], a["ape"], 8, scale=0.5,
+                                  key_valid=a["key_valid"])
+    assert torch.equal(got, want)
+
+
 def test_ties_take_the_lower_pool():
     """Exact integer scores with many equal values: the selection is the dense oracle's stable order."""
     g = torch.Generator().manual_seed(7)

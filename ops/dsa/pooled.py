@@ -26,11 +26,11 @@ slots past ``n_sel`` hold -1 and equal the layout above. ``n_sel`` itself stays 
 scattered to the columns ``n_sel * P + j``.
 
 Memory: the pool keys are formed a block of pools at a time (``pooled_keys``: no copy of the key cache, only
-``pk`` itself, ``[B, T / P, D]``); queries go in blocks and the pools in blocks, with a running top-k of int64 order keys (the
-tie rule of ``reference.order_keys``), so the largest temporary is one block's ``[B, s_blk, H_I, p_blk]``
-float32 logits (under ``BLOCK_BYTES``): no ``[B, S, T]`` or ``[B, S, H_I, T]`` tensor (nor ``[B, S, T / P]``)
-exists. The work stops at the last pool the block's queries can see from key 0 (causal prefill: half; rows with
-left padding see fewer, their extra pools are masked).
+``pk`` itself, ``[B, T / P, D]``); queries go in blocks and the pools in blocks, with a running top-k of int64
+order keys (the tie rule of ``reference.order_keys``), so the largest temporary is one block's
+``[B, s_blk, H_I, p_blk]`` float32 logits (under ``BLOCK_BYTES``): no ``[B, S, T]`` or ``[B, S, H_I, T]``
+tensor (nor ``[B, S, T / P]``) exists. The work stops at the last pool the block's queries can see from key 0
+(causal prefill: half; rows with left padding see fewer, their extra pools are masked).
 """
 from __future__ import annotations
 

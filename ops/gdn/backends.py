@@ -22,7 +22,8 @@ Backends, best first (docs/gdn.md, section 3):
    cheaper than any KDA kernel fed a broadcast gate.
 3. ``decode_kernel`` (priority 8, ``decode_backend.py``): decode only, KDA's fused Triton decode step with the
    scalar gate (``decode.py``): one gate load, softplus and ``exp`` per token and value head, no broadcast
-   tensor. Below FLA's fused step (not yet measured on a GPU); CUDA decode without FLA runs it.
+   tensor. Below FLA's fused step (faster in a CUDA graph, slower called eagerly at batch 1: docs/gdn.md section 4);
+   CUDA decode without FLA runs it.
 4. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
    / ``fused_recurrent_kda_fwd``) with the gate broadcast over the K channels, on CUDA: our Triton prefill
    kernels when FLA is missing (decode goes to ``decode_kernel`` first). Exact, but pays KDA's per-channel cost.
@@ -35,12 +36,11 @@ one (the KDA route on CPU, for tests of its plumbing).
 """
 from __future__ import annotations
 
-import contextlib
-import types
 from dataclasses import dataclass
 
 import torch
 
+from kda_compile.ops._backend_registry import BackendRegistry
 from kda_compile.ops._common import record_fallback
 from kda_compile.ops.gdn.reference import gdn_reference
 from kda_compile.ops.kda.backends import MAX_RESIDUALS  # noqa: F401  (the KDA route hands the KDA op's slots through)
@@ -77,56 +77,21 @@ class ReferenceBackend(KDAReferenceBackend):
 
 
 REFERENCE = ReferenceBackend()
-_registry: list[tuple[int, object]] = [(0, REFERENCE)]
-# Process-wide (autograd runs a CUDA backward on its own thread, which must choose as the forward did).
-_restriction = types.SimpleNamespace(names=None)
-
-
-def register_backend(backend, priority: int) -> None:
-    """Add a backend; the highest-priority backend that supports a call serves it."""
-    _registry.append((priority, backend))
-    _registry.sort(key=lambda item: -item[0])
-
-
-def registered_backends() -> list[str]:
-    return [backend.name for _, backend in _registry]
-
-
-def backend_named(name: str):
-    """The registered backend called ``name`` (a backward runs on the backend its forward ran on)."""
-    for _, backend in _registry:
-        if backend.name == name:
-            return backend
-    raise ValueError(f"backend must name a registered backend ({', '.join(registered_backends())}), got {name!r}")
-
-
-def explicitly_requested(name: str) -> bool:
-    """Whether an ``only_backends`` block names ``name`` (lets a backend serve beyond its usual devices)."""
-    return _restriction.names is not None and name in _restriction.names
-
-
-@contextlib.contextmanager
-def only_backends(*names: str):
-    """Within the block, only the named GDN backends (and the reference) may serve calls, in every thread:
-    e.g. ``only_backends("kda_kernels")`` measures GDN through the KDA kernels while FLA is installed.
-    Meant for tests and benchmarks, not for concurrent use."""
-    known = registered_backends()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"names must be registered GDN backends ({', '.join(known)}), got {unknown}")
-    previous = _restriction.names
-    _restriction.names = frozenset(names) | {REFERENCE.name}
-    try:
-        yield
-    finally:
-        _restriction.names = previous
+# (priority, backend), higher priority tried first, and the only_backends restriction (process-wide).
+REGISTRY = BackendRegistry("GDN", REFERENCE)
+register_backend = REGISTRY.register
+registered_backends = REGISTRY.names
+backend_named = REGISTRY.named
+explicitly_requested = REGISTRY.explicitly_requested
+# e.g. ``only_backends("kda_kernels")`` measures GDN through the KDA kernels while FLA is installed
+only_backends = REGISTRY.only
 
 
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: GDNOptions):
     """The backend that serves this call; on CUDA, a call the first candidate cannot serve is logged."""
-    allowed = _restriction.names
+    allowed = REGISTRY.allowed
     reasons = []
-    for _, backend in _registry:
+    for _, backend in REGISTRY.entries:
         if (allowed is not None and backend.name not in allowed) or op not in backend.serves:
             continue
         in_design = getattr(backend, "in_design", None)

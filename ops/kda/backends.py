@@ -26,13 +26,12 @@ report (``record_fallback``).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
-import types
 from dataclasses import dataclass
 
 import torch
 
+from kda_compile.ops._backend_registry import BackendRegistry
 from kda_compile.ops._common import grads_by_autograd, record_fallback
 from kda_compile.ops.kda.reference import kda_reference
 
@@ -96,54 +95,18 @@ class ReferenceBackend:
 
 REFERENCE = ReferenceBackend()
 
-# (priority, backend): higher priority is tried first. Populated by register_backend.
-_registry: list[tuple[int, object]] = [(0, REFERENCE)]
-
-
-def register_backend(backend, priority: int) -> None:
-    """Add a backend; the highest-priority backend that supports a call serves it."""
-    _registry.append((priority, backend))
-    _registry.sort(key=lambda item: -item[0])
-
-
-def registered_backends() -> list[str]:
-    return [backend.name for _, backend in _registry]
-
-
-def backend_named(name: str):
-    """The registered backend called ``name`` (a backward runs on the backend its forward ran on)."""
-    for _, backend in _registry:
-        if backend.name == name:
-            return backend
-    raise ValueError(f"backend must name a registered backend ({', '.join(registered_backends())}), got {name!r}")
-
-
-# Process-wide, not thread-local: autograd runs a CUDA backward on its own device thread, and the
-# backward must pick the backend the forward picked (a restriction it did not see sent the backward of a
-# reference forward to FLA's kernels with no residuals).
-_restriction = types.SimpleNamespace(names=None)
-
-
-@contextlib.contextmanager
-def only_backends(*names: str):
-    """Within the block, only the named backends (and the reference) may serve calls, in every thread
-    (autograd's backward threads included): e.g. ``only_backends("fla")`` measures the FLA path while
-    faster backends are registered. Meant for tests and benchmarks, not for concurrent use."""
-    known = registered_backends()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"names must be registered KDA backends ({', '.join(known)}), got {unknown}")
-    previous = _restriction.names
-    _restriction.names = frozenset(names) | {REFERENCE.name}
-    try:
-        yield
-    finally:
-        _restriction.names = previous
+# (priority, backend), higher priority tried first, and the only_backends restriction (process-wide).
+REGISTRY = BackendRegistry("KDA", REFERENCE)
+register_backend = REGISTRY.register
+registered_backends = REGISTRY.names
+backend_named = REGISTRY.named
+# e.g. ``only_backends("fla")`` measures the FLA path while faster backends are registered
+only_backends = REGISTRY.only
 
 
 def restricted_to() -> frozenset[str] | None:
     """The backends ``only_backends`` allows now (the reference among them), or None when unrestricted."""
-    return _restriction.names
+    return REGISTRY.allowed
 
 
 _logged_preferences: set[tuple[str, str, str]] = set()  # (op, backend, reason) already logged
@@ -152,8 +115,8 @@ _logged_preferences: set[tuple[str, str, str]] = set()  # (op, backend, reason) 
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions):
     """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
     reasons = []
-    allowed = _restriction.names
-    candidates = [backend for _, backend in _registry
+    allowed = REGISTRY.allowed
+    candidates = [backend for _, backend in REGISTRY.entries
                   if (allowed is None or backend.name in allowed) and op in getattr(backend, "serves", (op,))]
     preferred = {backend: why for backend in candidates if hasattr(backend, "preferred_reason")
                  and (why := backend.preferred_reason(device, dtype, K, V, opts))}

@@ -30,7 +30,7 @@ def test_backward_runs_where_the_forward_ran(monkeypatch, module, op):
     args = make(KDAShape(1, 20, 1, 1, 8, 8), seed=3, requires_grad=True, initial_state=True)
     o, _ = op(**args)
     want = torch.autograd.grad(o.sum(), [args["q"], args["g"]])
-    monkeypatch.setattr(module, "_registry", [(100, _Unusable()), *module._registry])
+    monkeypatch.setattr(module.REGISTRY, "entries", [(100, _Unusable()), *module.REGISTRY.entries])
     with module.only_backends("reference"):
         o, _ = op(**args)
     got = torch.autograd.grad(o.sum(), [args["q"], args["g"]])  # after the block: _Unusable would be selected
@@ -39,5 +39,5 @@ def test_backward_runs_where_the_forward_ran(monkeypatch, module, op):
 
 
 def test_backend_named_rejects_unknown_names():
-    with pytest.raises(ValueError, match="backend must name a registered backend.*'nope'"):
+    with pytest.raises(ValueError, match="backend must name a registered KDA backend.*'nope'"):
         kda_backends.backend_named("nope")

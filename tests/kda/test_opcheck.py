@@ -161,7 +161,7 @@ def test_differentiating_a_forward_that_saved_nothing_recomputes(monkeypatch):
     the reference's, equal to those of a forward that saved."""
     from kda_compile.ops.kda import backends
 
-    monkeypatch.setattr(backends, "_registry", [(100, _ResidualBackend()), *backends._registry])
+    monkeypatch.setattr(backends.REGISTRY, "entries", [(100, _ResidualBackend()), *backends.REGISTRY.entries])
     args = _public_args("plain", True, True, "cpu", requires_grad=True)
     leaves = [t for t in _tensors(args) if t is not None and t.requires_grad]
     grads = {}

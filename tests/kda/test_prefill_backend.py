@@ -65,7 +65,7 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
             return None
 
     ours = TritonChunkBackend()
-    monkeypatch.setattr(backends, "_registry", [(10, Everything()), (5, ours), (0, backends.REFERENCE)])
+    monkeypatch.setattr(backends.REGISTRY, "entries", [(10, Everything()), (5, ours), (0, backends.REFERENCE)])
     cuda = torch.device("cuda")
 
     def chosen(**options):

@@ -247,7 +247,7 @@ def test_cuda_triton_prefill_extreme_gates(value, pattern, seed, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("value, pattern", [(float("-inf"), "run"), (-1e30, "random"), (-100.0, "channels")])
-def test_cuda_prefill_k128_extreme_gates_through_the_cuda_scan(value, pattern):
+def test_cuda_prefill_k128_extreme_gates_through_the_cuda_scan(monkeypatch, value, pattern):
     # bf16, K = V = 128: the Triton prepare (finished gates are outside the CUDA prepare's design) feeds the CUDA scan.
     from kda_compile.ops.kda import cuda_scan
 
@@ -255,15 +255,8 @@ def test_cuda_prefill_k128_extreme_gates_through_the_cuda_scan(value, pattern):
     args = make_kda_args(KDAShape(1, 200, 1, 2, 128, 128), seed=9, dtype=torch.bfloat16, initial_state=True,
                          device="cuda")
     args["g"] = args["g"] * 0.05
-    previous = os.environ.get(cuda_scan.KERNEL_ENV)
-    os.environ[cuda_scan.KERNEL_ENV] = "cuda"
-    try:
-        check(with_extreme_gates(args, value, pattern))
-    finally:
-        if previous is None:
-            os.environ.pop(cuda_scan.KERNEL_ENV)
-        else:
-            os.environ[cuda_scan.KERNEL_ENV] = previous
+    monkeypatch.setenv(cuda_scan.KERNEL_ENV, "cuda")
+    check(with_extreme_gates(args, value, pattern))
 
 
 # One shape (packed or not) per dtype: each new shape costs FLA a cold autotune of minutes on the GPU, so the

@@ -11,6 +11,7 @@ The CPU run checks the reference math; the GPU box runs the CUDA variant over ev
 import contextlib
 import importlib.util
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -107,17 +108,9 @@ def _backend(name):
     from kda_compile.ops.kda.backends import only_backends
 
     forced = (cuda_prepare.KERNEL_ENV, cuda_scan.KERNEL_ENV) if name == "cuda_kernels" else ()
-    previous = {env: os.environ.get(env) for env in forced}
-    os.environ.update({env: "cuda" for env in forced})
-    try:
-        with only_backends("triton_chunk" if name == "cuda_kernels" else name):
-            yield
-    finally:
-        for env, value in previous.items():
-            if value is None:
-                os.environ.pop(env)
-            else:
-                os.environ[env] = value
+    with mock.patch.dict(os.environ, dict.fromkeys(forced, "cuda")), \
+            only_backends("triton_chunk" if name == "cuda_kernels" else name):
+        yield
 
 
 def _call(op, backend):

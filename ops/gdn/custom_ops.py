@@ -104,8 +104,8 @@ def chunk_gdn_bwd(
                     allow_neg_eigval, chunk_size, training=True)
     saved = [res0, res1, res2, res3, res4, res5, res6, res7, res8, res9, res10, res11, res12]
     ran_on = backend_named(backend) if backend else _backend("chunk_gdn", q, v, opts)
-    backend, residuals = backward_source("chunk_gdn", ran_on, REFERENCE, q, k, v, opts, saved, residuals_saved)
-    grads = backend.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, residuals, do, dht,
+    runs_on, residuals = backward_source("chunk_gdn", ran_on, REFERENCE, q, k, v, opts, saved, residuals_saved)
+    grads = runs_on.chunk_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, residuals, do, dht,
                                    opts)
     return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
 

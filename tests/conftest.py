@@ -5,7 +5,9 @@ Profiles (select with HYPOTHESIS_PROFILE):
   examples for the same test code on every machine (CI fails only for what a change did, and a
   failure reproduces anywhere);
 - ``explore``: as ``ci`` with fresh random examples each run (to look for new failures locally);
-- ``thorough``: many fresh random examples, run on the GPU box.
+- ``thorough``: many fresh random examples (200 per test, or ``KDA_TEST_THOROUGH_EXAMPLES``: a long search
+  split into runs of fewer examples, each with its own ``--hypothesis-seed``, finishes run by run inside a time
+  limit), run on the GPU box.
 A failure found by a random profile is pinned with ``@example`` in its test.
 """
 import importlib.util
@@ -39,7 +41,7 @@ settings.register_profile(
 settings.register_profile("explore", settings.get_profile("ci"), derandomize=False)
 settings.register_profile(
     "thorough",
-    max_examples=200,
+    max_examples=int(os.environ.get("KDA_TEST_THOROUGH_EXAMPLES", "200")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

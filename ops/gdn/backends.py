@@ -17,13 +17,12 @@ Backends, best first (docs/gdn.md, section 3):
 1. ``chunk_kernels`` (priority 20, ``chunk_backend.py``): our KDA chunk kernels with the scalar gate
    (``prefill.py``) for CUDA inference with bf16 / fp16 and K = V = 128: plain ``q k^T`` / ``k k^T`` products
    scaled by a decay matrix, exact for any gate at a cost that does not depend on the data. Inference only.
-2. ``fla`` (priority 10, ``fla_backend.py``): fla-core 0.6's gated-delta-rule kernels on CUDA. They use
+2. ``decode_kernel`` (priority 15, ``decode_backend.py``): decode only, KDA's fused Triton decode step with the
+   scalar gate (``decode.py``): one gate load, softplus and ``exp`` per token and value head, no broadcast
+   tensor. Faster than FLA's fused step in a CUDA graph and called eagerly (docs/gdn.md section 4).
+3. ``fla`` (priority 10, ``fla_backend.py``): fla-core 0.6's gated-delta-rule kernels on CUDA. They use
    the per-head gate as a scalar: the intra-chunk work has no per-channel exponentials, which makes them
    cheaper than any KDA kernel fed a broadcast gate.
-3. ``decode_kernel`` (priority 8, ``decode_backend.py``): decode only, KDA's fused Triton decode step with the
-   scalar gate (``decode.py``): one gate load, softplus and ``exp`` per token and value head, no broadcast
-   tensor. Below FLA's fused step (faster in a CUDA graph, slower called eagerly at batch 1: docs/gdn.md section 4);
-   CUDA decode without FLA runs it.
 4. ``kda_kernels`` (priority 5, ``kda_backend.py``): the KDA op (``torch.ops.kda_compile.chunk_kda_fwd``
    / ``fused_recurrent_kda_fwd``) with the gate broadcast over the K channels, on CUDA: our Triton prefill
    kernels when FLA is missing (decode goes to ``decode_kernel`` first). Exact, but pays KDA's per-channel cost.

@@ -1,12 +1,12 @@
 """GDN decode (``fused_recurrent_gdn``) on our fused Triton step with the scalar gate (``decode.py``): the
 ``decode_kernel`` backend.
 
-Registered BELOW FLA (priority 8 < 10) and above the KDA route (5): with fla-core installed FLA's fused
-recurrent step stays the default (ours takes 0.74-0.76x its GPU time at batch 64-256 in a CUDA graph, H200, but
-its eager host path is slower at batch 1 and its first call autotunes: docs/gdn.md section 4); without it this backend serves CUDA decode
-in place of the KDA route, which fed KDA's decode kernel a gate broadcast over the K channels (a
-``[B, T, HV, K]`` tensor written and read, K exponentials per row where one suffices). ``only_backends
-("decode_kernel")`` runs it anyway (benchmarks; on CPU under the Triton interpreter, tests).
+Registered ABOVE FLA (priority 15 > 10): one step replayed from a CUDA graph takes 0.95x FLA's GPU time at batch
+1 and 0.74-0.76x at batch 64-256, called eagerly its host path is shorter than FLA's public function's, and its
+first call in a fresh process compiles one shipped config (no autotuning): docs/gdn.md section 4. It replaced the
+KDA route, which fed KDA's decode kernel a gate broadcast over the K channels (a ``[B, T, HV, K]`` tensor written
+and read, K exponentials per row where one suffices). ``only_backends("decode_kernel")`` also runs it on CPU under
+the Triton interpreter (tests).
 
 A call variant whose kernel fails to compile is served by the next backend, recorded (``own_kernels.py``).
 """
@@ -63,4 +63,4 @@ class DecodeKernelBackend:
             lambda fallback: fallback.recurrent_forward(*args, opts, output_final_state))
 
 
-register_backend(DecodeKernelBackend(), priority=8)
+register_backend(DecodeKernelBackend(), priority=15)

@@ -183,8 +183,9 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
 #pragma unroll
             for (int j = 0; j < 4; ++j) dst[cl[j]] = ex2(Glast[j]);
         }
-        // A operands as fp32 bits for TF32 products (the hardware reads the top 19 bits), as the Triton kernel's
-        // tf32 stripes: k index tig <-> channel 2 tig, tig + 4 <-> 2 tig + 1 (k-step 0; k-step 1: + 8)
+        // A operands rounded to TF32 (nearest): the hardware would truncate fp32 bits, and on nearly collinear keys
+        // the biased products of A_kk cost the final state 1.24x FLA's error (docs/kda-kernels.md section 4).
+        // k index tig <-> channel 2 tig, tig + 4 <-> 2 tig + 1 (k-step 0; k-step 1: + 8)
         u32 aq[2][4], ak[2][4];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -203,8 +204,8 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
             }
 #pragma unroll
             for (int ks = 0; ks < 2; ++ks) {
-                aq[ks][hh] = __float_as_uint(qe[2 * ks]); aq[ks][2 + hh] = __float_as_uint(qe[2 * ks + 1]);
-                ak[ks][hh] = __float_as_uint(ke[2 * ks]); ak[ks][2 + hh] = __float_as_uint(ke[2 * ks + 1]);
+                aq[ks][hh] = tf32_rna(qe[2 * ks]); aq[ks][2 + hh] = tf32_rna(qe[2 * ks + 1]);
+                ak[ks][hh] = tf32_rna(ke[2 * ks]); ak[ks][2 + hh] = tf32_rna(ke[2 * ks + 1]);
             }
             if (hh ? ok1 : ok0) {
                 const long long o = o_off + row * vs_row + c0 + 2 * tig;
@@ -228,7 +229,7 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
                 for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
                     for (int nt = 0; nt < 2; ++nt) {
-                        const u32 b0 = __float_as_uint(kb[4 * nt + 2 * ks]), b1 = __float_as_uint(kb[4 * nt + 2 * ks + 1]);
+                        const u32 b0 = tf32_rna(kb[4 * nt + 2 * ks]), b1 = tf32_rna(kb[4 * nt + 2 * ks + 1]);
                         mma_tf32(accq[s][nt], aq[ks], b0, b1);
                         mma_tf32(acck[s][nt], ak[ks], b0, b1);
                     }

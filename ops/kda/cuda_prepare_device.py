@@ -36,6 +36,9 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], u32 b
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// x rounded to the nearest TF32 value (fp32 bits, the 13 low ones zero): a TF32 product reads the top 19 bits of an
+// fp32 operand, i.e. truncates it, a biased error (docs/kda-kernels.md section 4)
+__device__ __forceinline__ u32 tf32_rna(float x) { u32 r; asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x)); return r; }
 // x = hi + lo, hi rounded to TF32 and lo the rest (rounded): three TF32 products carry about fp32 accuracy
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));

@@ -13,8 +13,9 @@ Triton does not give: each warp owns one 16-token block of the chunk in the regi
 
 - the loaded q / k / gate elements are the tensor-core A operands as they stand (no layout conversion
   through shared memory per K slice, which was most of the Triton kernel's instructions); the A products
-  take fp32 operands on TF32 tensor cores, as the Triton kernel's (bf16 operands doubled the error of
-  ``A_qk`` against float64: 2.9e-3 against 1.8e-3, H100);
+  take fp32 operands rounded to TF32 on TF32 tensor cores, as the Triton kernel's (bf16 operands doubled the
+  error of ``A_qk`` against float64: 2.9e-3 against 1.8e-3, H100; truncated TF32 operands, what the hardware
+  does to fp32 bits, left nearly collinear keys a final state 1.24x FLA's error);
 - the block-local cumsum is three lane shuffles per element; only the four block sums cross warps
   (one barrier per K slice, double-buffered);
 - warp r multiplies only the key blocks s <= r (the products above the block diagonal are zero);

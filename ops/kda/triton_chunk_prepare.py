@@ -148,7 +148,7 @@ def kda_prepare_kernel(
     else:
         aqk0, aqk1, aqk2, aqk3, akk0, akk1, akk2, akk3 = channel_gate_pass(
             Q, Kt, G_in, A_log, Dt_bias, W, QG, KD, DECAY, G_OUT, rows, ok, rows3, ok3, beta3, hv, scale, lower_bound,
-            H, HV, K, BKC, L2NORM, GATE, EXACT_DIAGONAL, HAS_A_LOG, HAS_DT_BIAS, SAVE_G, DOT_BF16, A_PRECISION)
+            H, HV, K, BKC, L2NORM, GATE, EXACT_DIAGONAL, HAS_A_LOG, HAS_DT_BIAS, SAVE_G, A_PRECISION)
     block_of_row = rows[:, None] // BC
     zero = tl.zeros([BT, BC], dtype=tl.float32)
 

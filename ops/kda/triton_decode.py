@@ -22,9 +22,11 @@ V-split costs no extra state traffic: each state element is still read once and 
 token's q / k / g / beta / v loads are all issued before its prologue math: loaded one at a time
 between the L2-norm reductions, their round trips queued behind each other (batch 64 on an H100:
 101.7 us, 88% of the copy bandwidth, before this order; docs/kda-kernels.md section 8).
-Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` are autotuned per (K, V, grid size
-class, dtypes); a small grid (batch 1) favours a small ``BV`` to spread the state over more SMs.
-Under the interpreter one fixed config runs (it cannot benchmark).
+Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` come from a shipped table by grid size class
+(``shipped_config``; a small grid, batch 1, favours a small ``BV`` to spread the state over more SMs), so the
+first call compiles one kernel and times nothing: 1.3 s in a fresh process against 4.9-5.4 s with autotuning
+over the 13 candidates (H200, GDN, batch 1 / 64; docs/kda-kernels.md section 8). ``KDA_COMPILE_DECODE_AUTOTUNE=1``
+autotunes instead, per (K, V, grid size class, dtypes), at the first call of each.
 
 Gate forms (``SCALAR_GATE``, compile-time): KDA's gate is a ``[K]`` row per token and value head (``g``
 ``[B, T, HV, K]``, ``dt_bias`` ``[HV * K]``); GDN's is one value (``g`` ``[B, T, HV]``, ``dt_bias`` ``[HV]``),
@@ -55,10 +57,30 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+AUTOTUNE_ENV = "KDA_COMPILE_DECODE_AUTOTUNE"
+# (BV, num_warps) by grid size class for K = 128: each class's fastest config, or within 5% of it, for the GDN and
+# the KDA step at every batch size of the class (H200, bf16, V = 128, 32 value heads, fp32 state; one step replayed
+# from a CUDA graph, every candidate of ``_configs``): batch 1-2 7.5-8.8 us, 4-8 10.6-15.7 us, 16-32 24.1-42.8 us,
+# 64-256 76.6-282 us. H100 and H200 share the SM design and count, and the kernel streams its state (a memory-bound
+# step), so other GPUs take the same table; autotuning (``AUTOTUNE_ENV``) is there for a GPU where it is not best.
+SHIPPED_CONFIGS = {64: (16, 4), 256: (32, 2), 1024: (64, 4), 4096: (64, 4)}
+
+
+def shipped_config(BK: int, V: int, nh_class: int) -> dict:
+    """The launch config without autotuning: the table's ``BV`` (at most V rounded up to a power of 2) and its
+    warps scaled with K, so each thread keeps the table's share of the ``[BK, BV]`` state tile (16-64 fp32
+    elements: what ``_prune_configs`` allows)."""
+    bv, warps = SHIPPED_CONFIGS[nh_class]
+    if _interpreted():  # what the interpreter runs anyway (``_configs``): fewer, wider programs are faster there
+        bv, warps = 32, 1
+    bv = min(bv, max(16, next_power_of_2(V)))
+    return {"BV": bv, "num_warps": max(1, min(8, warps * BK // 128)), "num_stages": 1}
+
+
 def _configs() -> list:
-    """Autotune candidates (BV, num_warps). On CUDA the test suite runs only the first surviving
-    config (see tests/conftest.py), so the list starts with a safe default: BV = 32 with 4 warps
-    gives each thread 32 state elements of a K = 128 tile (about 92 registers on sm_90)."""
+    """Autotune candidates (BV, num_warps), tried under ``AUTOTUNE_ENV`` only. On CUDA the test suite runs only
+    the first surviving config (see tests/conftest.py), so the list starts with a safe default: BV = 32 with 4
+    warps gives each thread 32 state elements of a K = 128 tile (about 92 registers on sm_90)."""
     if _interpreted():
         return [triton.Config({"BV": 32}, num_warps=1, num_stages=1)]
     shapes = [(32, 4), (16, 1), (16, 2), (16, 4), (16, 8), (32, 1), (32, 2), (32, 8), (64, 2), (64, 4), (64, 8),
@@ -80,7 +102,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def grid_class(state_heads: int) -> int:
-    """Autotune key for the grid size: ``state_heads = N * HV`` rounded up to a power of 4 in
+    """Config key for the grid size: ``state_heads = N * HV`` rounded up to a power of 4 in
     [64, 4096]. Four classes (batch 1-2, up to 8, up to 32, more, at 32 heads) bound re-tuning as
     batch sizes vary, while batch 1 and batch 64 still get their own tiles."""
     c = 64
@@ -241,7 +263,7 @@ def fused_recurrent_kda_decode_kernel(
 # The gate codes as plain ints for the launcher (unwrapping a constexpr costs host time per call).
 _GATE_PRECOMPUTED, _GATE_SOFTPLUS, _GATE_LOWER_BOUND = int(GATE_PRECOMPUTED), int(GATE_SOFTPLUS), int(GATE_LOWER_BOUND)
 
-# key of the autotuner's cache -> the launch kwargs of the config it picked (BV, num_warps, ...)
+# launch key -> the launch kwargs of its config (BV, num_warps, ...): shipped, or the autotuner's pick
 _TUNED: dict[tuple, dict] = {}
 
 
@@ -332,10 +354,12 @@ def fused_recurrent_kda_triton(
     key = (BK, V, nh_class, bool(scalar_gate), *[t.dtype for t in tensors])
     tuned = _TUNED.get(key)
     if tuned is None:
-        fused_recurrent_kda_decode_kernel[lambda meta: (cdiv(V, meta["BV"]), N * HV)](*args, **flags)
-        _TUNED[key] = fused_recurrent_kda_decode_kernel.best_config.all_kwargs()
-    else:
-        # Later calls launch the tuned config directly: the autotuner rebuilds its key from all ~45
-        # arguments on every call, microseconds of host time in a launch-bound batch-1 decode step.
-        fused_recurrent_kda_decode_kernel.fn[(cdiv(V, tuned["BV"]), N * HV)](*args, **flags, **tuned)
+        if os.environ.get(AUTOTUNE_ENV, "0") == "1":
+            fused_recurrent_kda_decode_kernel[lambda meta: (cdiv(V, meta["BV"]), N * HV)](*args, **flags)
+            _TUNED[key] = fused_recurrent_kda_decode_kernel.best_config.all_kwargs()
+            return o, ht
+        tuned = _TUNED[key] = shipped_config(BK, V, nh_class)
+    # The config is launched directly: the autotuner rebuilds its key from all ~45 arguments on every call,
+    # microseconds of host time in a launch-bound batch-1 decode step.
+    fused_recurrent_kda_decode_kernel.fn[(cdiv(V, tuned["BV"]), N * HV)](*args, **flags, **tuned)
     return o, ht

@@ -79,7 +79,7 @@ def channel_gate_pass(Q, Kt, G_in, A_log, Dt_bias, W, QG, KD, DECAY, G_OUT, rows
                       lower_bound, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BKC: tl.constexpr,
                       L2NORM: tl.constexpr, GATE: tl.constexpr, EXACT_DIAGONAL: tl.constexpr,
                       HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SAVE_G: tl.constexpr,
-                      DOT_BF16: tl.constexpr, A_PRECISION: tl.constexpr):
+                      A_PRECISION: tl.constexpr):
     """Pass 1 for the per-channel gate ``[TT, HV, K]``: writes ``qg, kd`` and ``x = beta 2^G k`` (into ``W``),
     ``decay`` and with ``SAVE_G`` the chunk-local gate cumsum; returns the four column stripes ``[BT, BC]`` of
     ``A_qk`` and of ``A_kk`` (before beta and the triangle masks)."""
@@ -147,10 +147,10 @@ def channel_gate_pass(Q, Kt, G_in, A_log, Dt_bias, W, QG, KD, DECAY, G_OUT, rows
         keys = k3 * tl.exp2(key_exp)  # k 2^(a_own - G)
 
         key0, key1, key2, key3 = split_blocks(keys, NB, BC, BKC)
-        aqk0, akk0 = stripe_products(aqk0, akk0, qe, ke, key0, m0, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk1, akk1 = stripe_products(aqk1, akk1, qe, ke, key1, m1, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk2, akk2 = stripe_products(aqk2, akk2, qe, ke, key2, m2, A_PRECISION, DOT_BF16, NB, BC, BKC)
-        aqk3, akk3 = stripe_products(aqk3, akk3, qe, ke, key3, m3, A_PRECISION, DOT_BF16, NB, BC, BKC)
+        aqk0, akk0 = stripe_products(aqk0, akk0, qe, ke, key0, m0, A_PRECISION, NB, BC, BKC)
+        aqk1, akk1 = stripe_products(aqk1, akk1, qe, ke, key1, m1, A_PRECISION, NB, BC, BKC)
+        aqk2, akk2 = stripe_products(aqk2, akk2, qe, ke, key2, m2, A_PRECISION, NB, BC, BKC)
+        aqk3, akk3 = stripe_products(aqk3, akk3, qe, ke, key3, m3, A_PRECISION, NB, BC, BKC)
 
     if EXACT_DIAGONAL and tl.max(slow_slices, 0) > 0:
         # Rare (gates near -inf): the exact diagonal blocks of the slow channels, in a second pass that
@@ -252,21 +252,21 @@ def split_blocks(x, NB: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr):
 
 
 @triton.jit
-def stripe_products(aqk, akk, qe, ke, key, middle, PRECISION: tl.constexpr, DOT_BF16: tl.constexpr, NB: tl.constexpr,
-            BC: tl.constexpr, BKC: tl.constexpr):
+def stripe_products(aqk, akk, qe, ke, key, middle, PRECISION: tl.constexpr, NB: tl.constexpr, BC: tl.constexpr,
+                    BKC: tl.constexpr):
     """Column stripe s (keys of block s) of ``A_qk`` and ``A_kk`` ``[NB * BC, BC]`` (fp32) plus one K slice's
     products, accumulated in place on the tensor cores. ``qe, ke = q, k * 2^(G - p_own)`` ``[NB, BC, BKC]``,
     ``key = k * 2^(a_s - G)`` of the
     block's 16 keys ``[BC, BKC]``, ``middle = 2^(p_r - a_s)`` ``[NB, BKC]`` (0 for the blocks and
     channels the stripe leaves out; from ``block_gates``).
-    Diagonal entries of slow channels are left out (``exact_diagonal`` adds them). For fp32 / fp16
-    inputs the operands are rounded to TF32 (``tf32_round``); bf16 inputs skip it (pass 1 is
-    instruction-bound, and their error is dominated by the bf16 intermediates)."""
+    Diagonal entries of slow channels are left out (``exact_diagonal`` adds them). The operands are rounded to
+    TF32 (``tf32_round``) for every input dtype: truncated (what the tensor cores do to fp32 bits), the biased
+    products of ``A_kk`` gave bf16 inputs with nearly collinear keys a final state 1.26x FLA's error from the fp64
+    recurrence (H200; docs/kda-kernels.md section 4)."""
     q_op = tl.reshape(qe * middle[:, None, :], [NB * BC, BKC])
     k_op = tl.reshape(ke * middle[:, None, :], [NB * BC, BKC])
     key_t = tl.trans(key)
-    if not DOT_BF16:
-        q_op, k_op, key_t = tf32_round(q_op), tf32_round(k_op), tf32_round(key_t)
+    q_op, k_op, key_t = tf32_round(q_op), tf32_round(k_op), tf32_round(key_t)
     return (tl.dot(q_op, key_t, aqk, input_precision=PRECISION), tl.dot(k_op, key_t, akk, input_precision=PRECISION))
 
 

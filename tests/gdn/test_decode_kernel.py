@@ -179,19 +179,20 @@ def _opcheck_args(options, device, dtype=torch.float32, K=32, V=16):
 
 
 # ---- the backend's choice (host only) ------------------------------------------------------------------------
-def test_registered_below_fla_above_the_kda_route(monkeypatch):
+def test_registered_above_fla_for_decode(monkeypatch):
     names = registered_backends()
-    assert names.index("fla") < names.index("decode_kernel") < names.index("kda_kernels")
+    assert names.index("decode_kernel") < names.index("fla") < names.index("kda_kernels")
     backend = decode_backend.DecodeKernelBackend()
     assert backend.serves == frozenset({"fused_recurrent_gdn"})  # chunk_gdn never lands here
     opts = _options(1.0, True, True, True, False)
     monkeypatch.setattr(fla_backend, "_load_fla", lambda: (object(), None))
-    assert select_backend("fused_recurrent_gdn", CUDA, torch.bfloat16, 128, 128, opts).name == "fla"
-    monkeypatch.setattr(fla_backend, "_load_fla", lambda: (None, "fla-core is not installed"))
     monkeypatch.setattr(decode_backend, "_kernel_unusable", lambda: None)
     clear_fallback_events()
     assert select_backend("fused_recurrent_gdn", CUDA, torch.bfloat16, 128, 128, opts).name == "decode_kernel"
-    assert [e.chosen for e in fallback_events()] == ["decode_kernel"]  # FLA missing on CUDA is recorded, as before
+    assert not fallback_events()  # the first choice on CUDA
+    monkeypatch.setattr(decode_backend, "_kernel_unusable", lambda: "triton is not installed")
+    assert select_backend("fused_recurrent_gdn", CUDA, torch.bfloat16, 128, 128, opts).name == "fla"
+    assert [e.chosen for e in fallback_events()] == ["fla"]  # our kernel missing on CUDA is recorded
     clear_fallback_events()
 
 

@@ -31,7 +31,12 @@ DEVICE = triton_device("the Triton decode kernel")
 from kda_compile.ops.kda import backends  # noqa: E402
 from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
 from kda_compile.ops.kda.decode_backend import TritonDecodeBackend  # noqa: E402
-from kda_compile.ops.kda.triton_decode import fused_recurrent_kda_triton, grid_class  # noqa: E402
+from kda_compile.ops.kda.triton_decode import (  # noqa: E402
+    SHIPPED_CONFIGS,
+    fused_recurrent_kda_triton,
+    grid_class,
+    shipped_config,
+)
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 O_TOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
@@ -234,6 +239,44 @@ def test_backend_recurrent_forward(output_final_state):
 def test_grid_class_buckets():
     assert [grid_class(n) for n in (1, 32, 64, 65, 256, 2048, 8192, 10**6)] == [64, 64, 64, 256, 256, 4096,
                                                                                4096, 4096]
+
+
+@pytest.mark.parametrize("interpreted", ["0", "1"])
+def test_shipped_configs_fit_every_head_dim(monkeypatch, interpreted):
+    """Every (K, V, grid class) gets a config the autotuner's own pruning would keep on a GPU: 8-64 fp32 state
+    elements per thread, BV no wider than V needs; at K = V = 128 the measured table itself. Interpreted (no
+    registers), the interpreter's one config, BV = 32 at most."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpreted)
+    for nh_class in SHIPPED_CONFIGS:
+        for BK in (16, 32, 64, 128, 256):
+            for V in (1, 8, 16, 60, 100, 128, 256):
+                config = shipped_config(BK, V, nh_class)
+                per_thread = BK * config["BV"] // (32 * config["num_warps"])
+                assert interpreted == "1" or 8 <= per_thread <= 64, (BK, V, nh_class, config)
+                assert config["BV"] <= max(16, 1 << (V - 1).bit_length()), (BK, V, nh_class, config)
+        if interpreted == "0":
+            assert (shipped_config(128, 128, nh_class)["BV"], shipped_config(128, 128, nh_class)["num_warps"]) \
+                == SHIPPED_CONFIGS[nh_class]
+
+
+def test_default_launch_does_not_autotune(monkeypatch):
+    """The first call of a new launch key compiles the shipped config only (a fresh process's first decode step
+    costs one compile, not 13 compiles and timings); KDA_COMPILE_DECODE_AUTOTUNE=1 autotunes."""
+    from kda_compile.ops.kda import triton_decode
+
+    monkeypatch.setattr(triton_decode, "_TUNED", {})
+    monkeypatch.delenv(triton_decode.AUTOTUNE_ENV, raising=False)
+    tuner = triton_decode.fused_recurrent_kda_decode_kernel
+
+    def no_autotuning(*args, **kwargs):
+        raise AssertionError("the default decode launch ran the autotuner")
+
+    monkeypatch.setattr(type(tuner), "run", no_autotuning)
+    args = make_kda_args(KDAShape(2, 1, 2, 2, 32, 32), seed=3, dtype=torch.float32, gate_form="softplus",
+                         initial_state=True, device=DEVICE)
+    check(args)
+    (config,) = triton_decode._TUNED.values()
+    assert config == shipped_config(32, 32, grid_class(4))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -195,6 +195,19 @@ CATALOG: dict[str, Benchmark] = {
         views=(View("time", ours=("kda_compile",), baselines=("hf_eager_fla",)),
                View("time_per_token", ours=("kda_compile",), baselines=("hf_eager_fla",))),
     ),
+    "e2e_qwen3_next": Benchmark(
+        title="End to end: Qwen3-Next-shaped model",
+        measures="`Qwen3NextForCausalLM` from transformers at the released model's widths (hidden 2048; gated delta "
+        "rule with 16 q/k heads and 32 value heads of 128; softmax attention 16 / 2 heads of 256; MoE 512 experts, "
+        "10 active) with 4 layers (GDN, GDN, GDN, attention), random weights, bf16, batch 1. Prefill (`time`): one "
+        "forward of the prompt with a fresh cache and `logits_to_keep=1`. Decode (`time_per_token`): 16 greedy "
+        "single-token forwards with the cache after a 512-token prompt, median of 3 loops. `hf_eager_fla`: HF eager "
+        "with flash-linear-attention's GDN kernels; `kda_compile`: `kda_compile.optimize(model.forward)`.",
+        command="python -m kda_compile.bench e2e --model qwen3_next --configs hf_eager_fla,kda_compile "
+        "--prompts 1024,4096 --decode-repeats 3 --new-tokens 16",
+        views=(View("time", ours=("kda_compile",), baselines=("hf_eager_fla",)),
+               View("time_per_token", ours=("kda_compile",), baselines=("hf_eager_fla",))),
+    ),
     "cp": Benchmark(
         title="Context-parallel KDA prefill: one long sequence over several GPUs",
         measures="The forward of `chunk_kda` in inference mode on ONE sequence (B = 1, `cu_seqlens = [0, T]`) of "

@@ -1,7 +1,8 @@
 """End to end: a Hugging Face decoder's prefill forward in four configurations, side by side.
 
-``--model kimi_linear``: a Kimi-Linear-shaped model, prefill tokens/s and decode ms per token with
-HF eager (FLA kernels / torch fallback), Inductor and kda_compile; see e2e_kimi.py.
+``--model kimi_linear`` / ``--model qwen3_next``: a Kimi-Linear- / Qwen3-Next-shaped hybrid model, prefill
+tokens/s and decode ms per token with HF eager (FLA kernels / torch fallback), Inductor and kda_compile; see
+e2e_hybrid.py (e2e_kimi.py, e2e_qwen3_next.py).
 
 ``--model llama`` (default): a Llama-style model of about 1B parameters (hidden 2048, 16 layers,
 32 heads / 8 KV heads, MLP 8192), random weights, bf16, batch 1, the decoder body without the LM
@@ -36,17 +37,19 @@ CONFIGURATIONS = ("hf_eager", "hf_sdpa", "inductor", "kda_compile")
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", choices=("llama", "kimi_linear"), default="llama")
+    parser.add_argument("--model", choices=("llama", "kimi_linear", "qwen3_next"), default="llama")
     parser.add_argument("--prompts", default=None,
-                        help="comma-separated prompt lengths (llama: 1024,4096,8192; kimi_linear: 1024,4096)")
+                        help="comma-separated prompt lengths (llama: 1024,4096,8192; kimi_linear, qwen3_next: "
+                             "1024,4096)")
     parser.add_argument("--configs", default=None, help="comma-separated subset of the configurations (llama: " +
-                        ", ".join(CONFIGURATIONS) + "; kimi_linear: hf_eager_fla, hf_eager_torch, inductor, "
-                        "kda_compile)")
+                        ", ".join(CONFIGURATIONS) + "; kimi_linear, qwen3_next: hf_eager_fla, "
+                        "hf_eager_torch, inductor, kda_compile)")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (llama: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA)")
+                        help="decoder layers (llama: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA; "
+                             "qwen3_next: 4 = 3 GDN + 1 attention)")
     parser.add_argument("--no-cache", action="store_true",
                         help="llama: forward with use_cache=False (training-style mask)")
-    kimi = parser.add_argument_group("kimi_linear")
+    kimi = parser.add_argument_group("kimi_linear, qwen3_next")
     kimi.add_argument("--decode-prompt", type=int, default=512, help="prompt before the timed decode loop")
     kimi.add_argument("--new-tokens", type=int, default=32, help="single-token forwards timed per decode loop")
     kimi.add_argument("--decode-repeats", type=int, default=5, help="decode loops timed (median reported)")
@@ -83,12 +86,12 @@ def _forward(model, input_ids, use_cache):
 
 
 def run(args) -> list[dict]:
-    if args.model == "kimi_linear":
-        from kda_compile.bench import e2e_kimi
+    if args.model in ("kimi_linear", "qwen3_next"):
+        from kda_compile.bench import e2e_hybrid, e2e_kimi, e2e_qwen3_next
 
-        return e2e_kimi.run(args)
+        return e2e_hybrid.run((e2e_kimi if args.model == "kimi_linear" else e2e_qwen3_next).MODEL, args)
     if args.smoke:
-        raise SystemExit("--smoke is offered for --model kimi_linear only")
+        raise SystemExit("--smoke is offered for --model kimi_linear and qwen3_next only")
     if not torch.cuda.is_available():
         raise SystemExit("the end-to-end benchmark needs a CUDA device")
     args.layers = args.layers or 16

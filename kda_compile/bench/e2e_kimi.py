@@ -4,51 +4,18 @@ A Kimi-Linear-shaped ``KimiLinearForCausalLM`` from transformers, random weights
 at the released model's widths (hidden 2304; KDA 32 heads x 128, conv 4; MLA 32 heads, kv_lora
 512, nope 128, rope 64, v 128, no q LoRA; MoE 16 experts / 4 active of 1024 plus one shared, the
 first layer dense; vocabulary 163840) with few layers: ``--layers 4`` gives KDA, KDA, KDA, MLA
-(every fourth layer is MLA). Configurations:
-
-- ``hf_eager_fla``: eager, HF's KDA functions bound to flash-linear-attention (FLA installed);
-- ``hf_eager_torch``: eager, HF's torch fallbacks (what HF runs without FLA; its chunk fallback
-  materialises a [H, T/64, 64, 64, K] decay tensor, so prompts above ``--torch-max-prompt`` are
-  skipped). The model is the same; HF's two module-level KDA names are pointed at their
-  ``__wrapped__`` torch functions while this configuration runs;
-- ``inductor``: ``torch.compile`` with Inductor of the model as installed (FLA bound when present:
-  a graph break at each FLA call). kda_compile's trace-time substitution is process-wide once
-  kda_compile is imported, so this runs kda_compile's backend with every rewrite and the
-  substitution off: Inductor's ``compile_fx`` on the graph Dynamo traced from HF's code, as
-  ``torch.compile`` does without kda_compile;
-- ``kda_compile``: ``kda_compile.optimize`` (default Config, Inductor).
-
-Metrics (median of repeats, also p20 / p80 in the CSV):
-
-- prefill: one forward of the prompt with a fresh cache and ``logits_to_keep=1`` (what
-  ``generate()`` runs first), tokens per second at each ``--prompts`` length;
-- decode: after a ``--decode-prompt`` token prefill (not timed), a timed loop of
-  ``--new-tokens`` single-token forwards with the cache, each feeding back the greedy token (what
-  ``generate()`` does per step, without its logits processors); milliseconds per token.
-
-Compiled configurations compile ``model.forward`` (as for ``generate()``), with automatic dynamic
-shapes; a warm-up pass over every prompt length and one decode loop compiles everything before
-timing. Each configuration runs in a try/except: a failure (FLA missing, out of memory, a compile
-error) is recorded and printed, and the others still run. Prefill logits of each configuration are
-compared with the first configuration that ran (bf16 relative error of the last token's logits).
+(every fourth layer is MLA). The configurations (HF eager with FLA's kernels or HF's torch fallback,
+Inductor, kda_compile) and the metrics (prefill tokens/s, decode ms per token) are ``e2e_hybrid.py``'s;
+HF's torch fallback for KDA materialises a [H, T/64, 64, 64, K] decay tensor, hence its prompt limit.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
-import importlib
-import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
-from kda_compile.bench.common import format_table, row, time_quantiles
+from kda_compile.bench import e2e_hybrid
 
-logger = logging.getLogger("kda_compile.bench.e2e_kimi")
-
-CONFIGURATIONS = ("hf_eager_fla", "hf_eager_torch", "inductor", "kda_compile")
 HF_KIMI_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
 KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
 
@@ -76,33 +43,13 @@ TINY = Shape(hidden=64, kda_heads=2, kda_head_dim=16, mla_heads=2, kv_lora_rank=
              experts=4, active_experts=2, moe_intermediate=32, dense_intermediate=96, vocab=128)
 
 
-@dataclass(frozen=True)
-class Options:
-    shape: Shape = Shape()
-    layers: int = 4
-    prompts: tuple[int, ...] = (1024, 4096)
-    decode_prompt: int = 512
-    new_tokens: int = 32
-    repeats: int = 5
-    torch_max_prompt: int = 1024
-    configs: tuple[str, ...] = CONFIGURATIONS
-    device: str = "cuda"
-    dtype: torch.dtype = torch.bfloat16
-    compiler: str = "inductor"  # kda_compile.Config.compiler ("aot_eager" for the CPU smoke run)
-    mode: str | None = None  # torch.compile mode of the compiled configurations
-
-
-def layer_types(layers: int) -> list[str]:
-    """Every fourth layer is MLA (full attention), as in the released model (3 KDA : 1 MLA)."""
-    return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
-
-
 def build_model(shape: Shape, layers: int, device: str, dtype: torch.dtype, seed: int = 0):
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     config = KimiLinearConfig(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.dense_intermediate,
-        moe_intermediate_size=shape.moe_intermediate, num_hidden_layers=layers, layer_types=layer_types(layers),
+        moe_intermediate_size=shape.moe_intermediate, num_hidden_layers=layers,
+        layer_types=e2e_hybrid.layer_types(layers),
         mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_attention_heads=shape.mla_heads,
         num_key_value_heads=shape.mla_heads, kv_lora_rank=shape.kv_lora_rank, q_lora_rank=None,
         qk_nope_head_dim=shape.nope, qk_rope_head_dim=shape.rope, v_head_dim=shape.v,
@@ -115,210 +62,5 @@ def build_model(shape: Shape, layers: int, device: str, dtype: torch.dtype, seed
     return model.eval()
 
 
-def bound_kda_implementation() -> str:
-    """Where HF's chunk KDA function points: ``fla...`` or HF's own torch fallback."""
-    from kda_compile.passes.kda_substitution import hf_bound_implementation
-
-    implementation = hf_bound_implementation(getattr(importlib.import_module(HF_KIMI_MODULE), KDA_FUNCTIONS[0]))
-    return f"{implementation.__module__}.{implementation.__name__}"
-
-
-@contextlib.contextmanager
-def kda_binding(binding: str):
-    """``"fla"``: require HF's KDA functions to be FLA's; ``"torch"``: point HF's module-level KDA
-    names at their torch fallbacks (``__wrapped__``) for the duration; ``"installed"``: as is."""
-    module = importlib.import_module(HF_KIMI_MODULE)
-    if binding == "fla" and not bound_kda_implementation().startswith("fla."):
-        raise RuntimeError(f"HF's Kimi-Linear bound {bound_kda_implementation()}: flash-linear-attention was "
-                           "not importable when transformers loaded the model code (pip install \"kda-compile[fla]\")")
-    from kda_compile.passes.kda_substitution import hf_torch_path
-
-    with hf_torch_path(module, *(KDA_FUNCTIONS if binding == "torch" else ())):
-        yield
-
-
-def _compiled_forward(model, name: str, opts: Options):
-    import kda_compile
-    from kda_compile.backend import KdaCompileBackend
-
-    kwargs = {} if opts.mode is None else {"mode": opts.mode}
-    if name == "kda_compile":
-        return kda_compile.optimize(model.forward, kda_compile.Config(compiler=opts.compiler), **kwargs)
-    switches = {f.name: False for f in dataclasses.fields(kda_compile.Config) if f.type in (bool, "bool")}
-    plain = KdaCompileBackend(kda_compile.Config(compiler=opts.compiler, **switches))
-    return torch.compile(model.forward, backend=plain, **kwargs)
-
-
-def _timed(fn, device: str, reps: int = 3) -> tuple[float, float, float]:
-    """p20 / p50 / p80 milliseconds: CUDA events (triton's do_bench) on CUDA, a wall clock elsewhere."""
-    if device == "cuda":
-        return time_quantiles(fn, warmup_ms=50, rep_ms=500)
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    samples.sort()
-    return samples[len(samples) // 5], samples[len(samples) // 2], samples[(4 * len(samples)) // 5]
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def prefill(model, ids):
-    with torch.inference_mode():
-        return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1]
-
-
-def decode_ms_per_token(model, ids, new_tokens: int, device: str) -> tuple[float, list[int]]:
-    """Greedy decode loop after an untimed prefill: (ms per token, tokens)."""
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        tokens = []
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(new_tokens):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = out.logits[:, -1:].argmax(-1)
-            tokens.append(token)
-        _sync(device)
-        elapsed = (time.perf_counter() - start) * 1e3
-    return elapsed / new_tokens, [int(t) for t in torch.cat(tokens, 1)[0].tolist()]
-
-
-def _run_configuration(name: str, opts: Options, prompts: dict[int, torch.Tensor], decode_ids: torch.Tensor):
-    """Rows, last-token logits per prompt and the decode tokens of one configuration."""
-    binding = {"hf_eager_fla": "fla", "hf_eager_torch": "torch"}.get(name, "installed")
-    short_only = name == "hf_eager_torch" or (name == "inductor" and not bound_kda_implementation().startswith("fla."))
-    lengths = [T for T in prompts if not short_only or T <= opts.torch_max_prompt]
-    skipped = [T for T in prompts if T not in lengths]
-    if skipped:
-        logger.info("%s: prompts %s skipped (HF's torch fallback; --torch-max-prompt %d)", name, skipped,
-                    opts.torch_max_prompt)
-    rows, logits, model = [], {}, None
-    try:
-        with kda_binding(binding):
-            model = build_model(opts.shape, opts.layers, opts.device, opts.dtype)
-            if name in ("inductor", "kda_compile"):
-                model.forward = _compiled_forward(model, name, opts)
-                for T in lengths:  # warm-up: compile prefill for every length, then the decode graph
-                    prefill(model, prompts[T])
-                decode_ms_per_token(model, decode_ids, 2, opts.device)
-            for T in lengths:
-                logits[T] = prefill(model, prompts[T]).float().cpu()
-                times = _timed(lambda: prefill(model, prompts[T]), opts.device)
-                shape = f"1x{T}"
-                rows.append(row("kimi_linear_prefill", name, "inference", shape, "time", "ms", times))
-                rows.append(row("kimi_linear_prefill", name, "inference", shape, "tokens_per_s", "tok/s",
-                                tuple(T / (t * 1e-3) for t in reversed(times))))
-                logger.info("%s prefill T=%d: %.2f ms", name, T, times[1])
-            per_token, tokens = [], None
-            for _ in range(opts.repeats):
-                ms, tokens = decode_ms_per_token(model, decode_ids, opts.new_tokens, opts.device)
-                per_token.append(ms)
-            per_token.sort()
-            n = len(per_token)
-            decode = (per_token[n // 5], per_token[n // 2], per_token[(4 * n) // 5])
-            rows.append(row("kimi_linear_decode", name, "inference", f"1x{opts.decode_prompt}+{opts.new_tokens}",
-                            "time_per_token", "ms", decode))
-            logger.info("%s decode: %.3f ms/token", name, decode[1])
-            if name == "kda_compile":
-                import kda_compile
-
-                logger.info("kda_compile report:\n%s", kda_compile.report(model.forward))
-    finally:
-        del model
-        gc.collect()
-        if opts.device == "cuda":
-            torch.cuda.empty_cache()
-        torch._dynamo.reset()
-    return rows, logits, tokens
-
-
-def measure(opts: Options) -> tuple[list[dict], dict[str, str], dict]:
-    """Run every configuration; returns (CSV rows, failures by configuration, summary for the table)."""
-    gen = torch.Generator().manual_seed(0)
-    prompts = {T: torch.randint(3, opts.shape.vocab, (1, T), generator=gen).to(opts.device) for T in opts.prompts}
-    decode_ids = torch.randint(3, opts.shape.vocab, (1, opts.decode_prompt), generator=gen).to(opts.device)
-    rows, failures, logits, tokens = [], {}, {}, {}
-    for name in opts.configs:
-        try:
-            got, logits[name], tokens[name] = _run_configuration(name, opts, prompts, decode_ids)
-            rows += got
-        except Exception as exc:  # noqa: BLE001  (record it, run the other configurations)
-            failures[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-            logger.warning("%s failed: %s", name, failures[name], exc_info=logger.isEnabledFor(logging.DEBUG))
-    return rows, failures, {"logits": logits, "tokens": tokens}
-
-
-def _median(rows, op, provider, shape, metric):
-    for r in rows:
-        if (r["op"], r["provider"], r["shape"], r["metric"]) == (op, provider, shape, metric):
-            return r["p50"]
-    return None
-
-
-def print_tables(opts: Options, rows: list[dict], failures: dict[str, str], summary: dict) -> None:
-    ran = [c for c in opts.configs if c not in failures]
-    reference = ran[0] if ran else None
-    lines = []
-    for T in opts.prompts:
-        base = _median(rows, "kimi_linear_prefill", "hf_eager_fla", f"1x{T}", "time")
-        ind = _median(rows, "kimi_linear_prefill", "inductor", f"1x{T}", "time")
-        for name in ran:
-            ms = _median(rows, "kimi_linear_prefill", name, f"1x{T}", "time")
-            if ms is None:
-                continue
-            ref = summary["logits"].get(reference, {}).get(T)
-            got = summary["logits"][name][T]
-            err = "-" if ref is None or name == reference else f"{((got - ref).norm() / ref.norm()).item():.1e}"
-            lines.append([T, name, ms, T / (ms * 1e-3), "-" if base is None else base / ms,
-                          "-" if ind is None else ind / ms, err])
-    print(f"\nKimi-Linear-shaped, {opts.layers} layers {layer_types(opts.layers)}, hidden {opts.shape.hidden}, "
-          f"{str(opts.dtype).replace('torch.', '')}, batch 1: prefill (median; logits_to_keep=1)")
-    print(format_table(["prompt", "configuration", "ms", "tokens/s", "x vs hf_eager_fla", "x vs inductor",
-                        f"rel. err vs {reference}"], lines))
-    shape = f"1x{opts.decode_prompt}+{opts.new_tokens}"
-    base = _median(rows, "kimi_linear_decode", "hf_eager_fla", shape, "time_per_token")
-    lines = []
-    for name in ran:
-        ms = _median(rows, "kimi_linear_decode", name, shape, "time_per_token")
-        ref = summary["tokens"].get(reference)
-        same = "-" if ref is None else f"{sum(a == b for a, b in zip(summary['tokens'][name], ref))}/{len(ref)}"
-        lines.append([name, ms, "-" if base is None else base / ms, same])
-    print(f"\nDecode: {opts.new_tokens} greedy single-token forwards with the cache after a {opts.decode_prompt}-token "
-          f"prefill (median of {opts.repeats})")
-    print(format_table(["configuration", "ms per token", "x vs hf_eager_fla", f"tokens equal to {reference}"],
-                       lines))
-    for name, why in failures.items():
-        print(f"\nFAILED {name}: {why}")
-
-
-def run(args) -> list[dict]:
-    if args.smoke:
-        rows, failures, summary = measure(smoke_options())
-        print_tables(smoke_options(), rows, failures, summary)
-        return rows
-    if not torch.cuda.is_available():
-        raise SystemExit("the Kimi-Linear end-to-end benchmark needs a CUDA device (--smoke runs a tiny CPU check)")
-    opts = Options(layers=args.layers or 4, prompts=tuple(int(p) for p in (args.prompts or "1024,4096").split(",")),
-                   decode_prompt=args.decode_prompt, new_tokens=args.new_tokens, repeats=args.decode_repeats,
-                   torch_max_prompt=args.torch_max_prompt, mode=args.compile_mode,
-                   configs=tuple((args.configs or ",".join(CONFIGURATIONS)).split(",")))
-    unknown = [c for c in opts.configs if c not in CONFIGURATIONS]
-    if unknown:
-        raise SystemExit(f"--configs must name configurations among {', '.join(CONFIGURATIONS)}, got {unknown}")
-    logger.info("HF's KDA functions are bound to %s", bound_kda_implementation())
-    rows, failures, summary = measure(opts)
-    print_tables(opts, rows, failures, summary)
-    return rows
-
-
-def smoke_options() -> Options:
-    """Tiny widths on CPU in fp32, kda_compile on aot_eager: checks the wiring, not the speed."""
-    return Options(shape=TINY, layers=4, prompts=(8,), decode_prompt=8, new_tokens=2, repeats=1,
-                   torch_max_prompt=64, configs=("hf_eager_fla", "hf_eager_torch", "kda_compile"), device="cpu",
-                   dtype=torch.float32, compiler="aot_eager")
+MODEL = e2e_hybrid.HybridModel(name="kimi_linear", title="Kimi-Linear", hf_module=HF_KIMI_MODULE,
+                               kernel_names=KDA_FUNCTIONS, build=build_model, shape=Shape(), tiny=TINY)

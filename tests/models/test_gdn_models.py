@@ -168,3 +168,27 @@ def test_training_step_gradients_match():
         # cancelling per-token terms) keeps fp32 cancellation noise of ~1e-3 of itself: 1e-2 there.
         tol = 1e-2 if ref.norm() < 1e-3 * scale else 1e-4
         assert rel_error(grad, ref) < tol, name
+
+
+def test_qwen3_next_benchmark_smoke_run_on_cpu():
+    """``python -m kda_compile.bench e2e --model qwen3_next`` at tiny widths on CPU (kda_compile on aot_eager;
+    Inductor is left to the GPU run): every configuration either measures or records why it could not, and the
+    compiled model agrees with HF's torch fallback, prefill logits and decode tokens."""
+    from transformers.models.qwen3_next import modeling_qwen3_next
+
+    from kda_compile.bench import e2e_hybrid, e2e_qwen3_next
+
+    opts = e2e_hybrid.smoke_options(e2e_qwen3_next.MODEL)
+    with torch_path(modeling_qwen3_next, "causal_conv1d_fn", "causal_conv1d_update"):  # the benchmark switches GDN's
+        rows, failures, summary = e2e_hybrid.measure(e2e_qwen3_next.MODEL, opts)
+    measured = {(r["op"], r["provider"]) for r in rows if r["p50"] > 0}
+    for config in ("hf_eager_torch", "kda_compile"):
+        assert {("qwen3_next_prefill", config), ("qwen3_next_decode", config)} <= measured, failures
+    assert summary["tokens"]["kda_compile"] == summary["tokens"]["hf_eager_torch"]
+    (T,) = opts.prompts
+    assert rel_error(summary["logits"]["kda_compile"][T], summary["logits"]["hf_eager_torch"][T]) < 1e-4
+    # hf_eager_fla needs FLA's Triton kernels on CUDA tensors: on CPU it records a failure, naming the missing FLA
+    # where HF did not bind it
+    assert "hf_eager_fla" in failures, failures
+    if not e2e_hybrid.bound_implementation(e2e_qwen3_next.MODEL).startswith("fla."):
+        assert "flash-linear-attention was not importable" in failures["hf_eager_fla"]

@@ -238,11 +238,11 @@ def test_benchmark_smoke_run_on_cpu():
     """``python -m kda_compile.bench e2e --model kimi_linear`` at tiny widths on CPU (kda_compile on
     aot_eager; Inductor is left to the GPU run): every configuration either measures or records why
     it could not, and the compiled model agrees with HF's torch fallback."""
-    from kda_compile.bench import e2e_kimi
+    from kda_compile.bench import e2e_hybrid, e2e_kimi
 
-    opts = e2e_kimi.smoke_options()
+    opts = e2e_hybrid.smoke_options(e2e_kimi.MODEL)
     with torch_path(modeling, *CONV_FUNCTIONS):  # the benchmark switches only the KDA functions
-        rows, failures, summary = e2e_kimi.measure(opts)
+        rows, failures, summary = e2e_hybrid.measure(e2e_kimi.MODEL, opts)
     measured = {(r["op"], r["provider"]) for r in rows if r["p50"] > 0}
     for config in ("hf_eager_torch", "kda_compile"):
         assert {("kimi_linear_prefill", config), ("kimi_linear_decode", config)} <= measured, failures
@@ -252,5 +252,5 @@ def test_benchmark_smoke_run_on_cpu():
     # hf_eager_fla runs FLA's Triton kernels, which need CUDA tensors: on CPU it records a failure,
     # naming the missing FLA where HF did not bind it (kda_compile above ran HF as installed)
     assert "hf_eager_fla" in failures, failures
-    if not e2e_kimi.bound_kda_implementation().startswith("fla."):
+    if not e2e_hybrid.bound_implementation(e2e_kimi.MODEL).startswith("fla."):
         assert "flash-linear-attention was not importable" in failures["hf_eager_fla"]

@@ -1,7 +1,7 @@
 """GDN decode on our fused Triton step with the scalar gate (ops/gdn/decode.py, decode_backend.py; the KDA decode
 kernel's ``SCALAR_GATE`` form): against the fp64 token loop through the public function with
 ``only_backends("decode_kernel")``, on CUDA or on CPU under the Triton interpreter; the backend's choice on the host;
-``@pytest.mark.cuda`` tests of the default choice without FLA, opcheck and torch.compile on a GPU.
+``@pytest.mark.cuda`` tests of the default choice, opcheck and torch.compile on a GPU.
 
 Tolerances (relative RMS error against fp64 on the same rounded inputs, as tests/kda/test_triton_decode.py: the
 kernel computes in fp32 and keeps the state in fp32): final state 2e-5; ``o``, rounded once to the input dtype,
@@ -236,7 +236,7 @@ def test_a_kernel_that_does_not_compile_falls_back_once(monkeypatch):
     clear_fallback_events()
 
 
-# ---- CUDA: the default without FLA, opcheck, torch.compile (run on a GPU) ----------------------------------------
+# ---- CUDA: the default choice, opcheck, torch.compile (run on a GPU) ---------------------------------------------
 QWEN = KDAShape(8, 1, 16, 32, 128, 128)  # Qwen3-Next's decode step: 16 q/k heads, 32 value heads, K = V = 128
 QWEN_OPTIONS = dict(gate_form="in_kernel", qk_l2norm=True, beta_sigmoid=True, initial_state=True)
 
@@ -258,9 +258,12 @@ def decode_calls(monkeypatch):
 @ON_CUDA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("packed", [False, True], ids=["batched", "packed"])
-def test_cuda_default_without_fla_is_this_kernel(dtype, packed, decode_calls, monkeypatch):
-    """Without fla-core, CUDA decode runs this backend (not the KDA route), at Qwen3-Next's widths."""
-    monkeypatch.setattr(fla_backend, "_load_fla", lambda: (None, "fla-core is not installed"))
+@pytest.mark.parametrize("fla", ["as-installed", "missing"])
+def test_cuda_default_is_this_kernel(dtype, packed, fla, decode_calls, monkeypatch):
+    """CUDA decode runs this backend at Qwen3-Next's widths, ahead of FLA's step where fla-core is installed and
+    of the KDA route where it is not."""
+    if fla == "missing":
+        monkeypatch.setattr(fla_backend, "_load_fla", lambda: (None, "fla-core is not installed"))
     shape, cu = (KDAShape(1, 9, 16, 32, 128, 128), [0, 1, 1, 4, 9]) if packed else (QWEN, None)
     args = make_gdn_args(shape, seed=12, dtype=dtype, device="cuda", cu_seqlens=cu, **QWEN_OPTIONS)
     with torch.no_grad():

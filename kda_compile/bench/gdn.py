@@ -193,6 +193,11 @@ def _call(fn, args, mode: str):
     return o, state
 
 
+def op_name(mode: str) -> str:
+    """The public function a mode measures (the CSV's ``op``)."""
+    return "fused_recurrent_gated_delta_rule" if mode == "decode" else "chunk_gated_delta_rule"
+
+
 def _decode_graph_rows(op, name, shape_name, fn, args, copy_tbs, rows) -> None:
     """Decode on CUDA: one step replayed from a CUDA graph (no host time), and the state bytes it reads and
     writes per second (fp32 state in and out) over the measured copy bandwidth."""
@@ -208,7 +213,7 @@ def _decode_graph_rows(op, name, shape_name, fn, args, copy_tbs, rows) -> None:
 
 
 def bench_shape(shape_name, args, mode, providers, device, rows, lines, copy_tbs=None):
-    op = "fused_recurrent_gated_delta_rule" if mode == "decode" else "chunk_gated_delta_rule"
+    op = op_name(mode)
     if mode == "fwd+bwd":
         args = {n: (t.detach().requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
                 for n, t in args.items()}
@@ -269,7 +274,7 @@ def bench_cold_start(args, rows, lines) -> None:
             seconds, status = first_call_seconds(provider, mode, shape, heads, str(args.head_dim), args.device,
                                                  script=_COLD_SCRIPT)
             logger.info("GDN cold start, %s %s, %s: %.1f s (%s)", mode, shape, provider, seconds, status)
-            op = "fused_recurrent_gated_delta_rule" if mode == "decode" else "chunk_gated_delta_rule"
+            op = op_name(mode)
             label = f"{shape}x1" if mode == "decode" else shape
             rows.append(row(op, provider, "cold_start", label, "first_call_time", "s", (seconds,) * 3))
             lines.append(["cold_start " + mode, label, provider, seconds, "-", status])

@@ -64,15 +64,15 @@ AUTOTUNE_ENV = "KDA_COMPILE_DECODE_AUTOTUNE"
 # 64-256 76.6-282 us. H100 and H200 share the SM design and count, and the kernel streams its state (a memory-bound
 # step), so other GPUs take the same table; autotuning (``AUTOTUNE_ENV``) is there for a GPU where it is not best.
 SHIPPED_CONFIGS = {64: (16, 4), 256: (32, 2), 1024: (64, 4), 4096: (64, 4)}
+INTERPRETER_CONFIG = (32, 1)  # (BV, num_warps) under the Triton interpreter, which cannot benchmark
 
 
 def shipped_config(BK: int, V: int, nh_class: int) -> dict:
     """The launch config without autotuning: the table's ``BV`` (at most V rounded up to a power of 2) and its
     warps scaled with K, so each thread keeps the table's share of the ``[BK, BV]`` state tile (16-64 fp32
     elements: what ``_prune_configs`` allows)."""
-    bv, warps = SHIPPED_CONFIGS[nh_class]
-    if _interpreted():  # what the interpreter runs anyway (``_configs``): fewer, wider programs are faster there
-        bv, warps = 32, 1
+    # interpreted: the interpreter's one config (fewer, wider programs are faster there)
+    bv, warps = INTERPRETER_CONFIG if _interpreted() else SHIPPED_CONFIGS[nh_class]
     bv = min(bv, max(16, next_power_of_2(V)))
     return {"BV": bv, "num_warps": max(1, min(8, warps * BK // 128)), "num_stages": 1}
 
@@ -82,7 +82,7 @@ def _configs() -> list:
     the first surviving config (see tests/conftest.py), so the list starts with a safe default: BV = 32 with 4
     warps gives each thread 32 state elements of a K = 128 tile (about 92 registers on sm_90)."""
     if _interpreted():
-        return [triton.Config({"BV": 32}, num_warps=1, num_stages=1)]
+        return [triton.Config({"BV": INTERPRETER_CONFIG[0]}, num_warps=INTERPRETER_CONFIG[1], num_stages=1)]
     shapes = [(32, 4), (16, 1), (16, 2), (16, 4), (16, 8), (32, 1), (32, 2), (32, 8), (64, 2), (64, 4), (64, 8),
               (128, 4), (128, 8)]
     return [triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in shapes]

@@ -47,8 +47,9 @@ def dsa_indexer_topk(
             sees only the keys of its own sequence (causal within it when ``is_causal``).
 
     Returns:
-        int32 [B, S, topk] key indices into T, by score descending, equal scores by lower key index
-        (deterministic); -1 pads rows with fewer than ``topk`` visible keys. No gradient.
+        int32 [B, S, topk] key indices into T: the ``topk`` best visible keys (equal scores: the lower key
+        index wins, so the set is deterministic) in ascending key order, then -1 padding for rows with fewer
+        than ``topk`` visible keys. No gradient.
     """
     check_tensor("q", q, ndim=4, dtypes=_INDEXER_DTYPES)
     check_tensor("k", k, ndim=3, dtypes=_INDEXER_DTYPES)

@@ -1,8 +1,8 @@
 """DeepSeek Sparse Attention in plain torch, blockwise over queries: the CPU path and the tests' oracle.
 
 Indexer (docs/dsa.md §1): ``score[b, i, s] = sum_h w[b, i, h] * relu(scale * q[b, i, h] . k[b, s])``
-in float32, then per query the ``topk`` visible keys by score, descending, equal scores broken by the
-lower key index. A query's visible keys are a range ``[lo_i, hi_i)`` (its packed sequence, cut at the
+in float32, then per query the ``topk`` visible keys with the highest scores, equal scores broken by the
+lower key index, returned in ascending key order. A query's visible keys are a range ``[lo_i, hi_i)`` (its packed sequence, cut at the
 causal bound ``i + T - S``) intersected with ``key_mask``; fewer than ``topk`` visible keys pad with -1.
 
 Sparse attention over the selected keys: ``s = scale * q . k[idx]`` per head (GQA: head ``h`` reads key
@@ -79,10 +79,12 @@ def order_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
 
 
 def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
-    """int32 [..., topk] key indices from ``order_keys`` output; -1 for invisible keys and padding."""
+    """int32 [..., topk]: the indices of the ``topk`` largest ``order_keys`` keys in ascending key order,
+    then -1 (invisible keys are never chosen; rows with fewer visible keys pad)."""
     width = min(topk, keys.shape[-1])
-    best = torch.topk(keys, width, dim=-1, sorted=True).values
-    idx = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, -1)).to(torch.int32)
+    best = torch.topk(keys, width, dim=-1, sorted=False).values
+    idx = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, _LOW31)).sort(dim=-1).values
+    idx = torch.where(idx < _LOW31, idx, torch.full_like(idx, -1)).to(torch.int32)
     if width < topk:
         idx = torch.nn.functional.pad(idx, (0, topk - width), value=-1)
     return idx

@@ -1,24 +1,27 @@
-"""Triton kernel for the DSA lightning indexer: fused blockwise scores, written as exact top-k sort keys.
+"""Triton kernel for the DSA lightning indexer: fused blockwise scores, written as int32 codes, then an
+exact top-k by radix select (``triton_topk.py``).
 
 Kernel and launcher only (no torch.compile, no dispatch). For a tile of BLOCK_M queries x BLOCK_N keys
 the kernel loads the key tile once, loops over the H_I indexer heads (one [BLOCK_M, D] x [D, BLOCK_N]
 dot each) and accumulates ``w[i, h] * relu(scale * q[i, h] . k[s])`` in float32, so the
-[S, H_I, T] logits never exist. It then writes, instead of the score, the int64 sort key of
-``reference.order_keys`` (order-preserving fp32 bits << 31 | inverted key index; -1 for a key the query
-may not see: outside its [lo, hi) range or masked by key_mask). ``torch.topk`` over these keys is the
-exact top-k with the tie rule (equal scores: lower index first) on any GPU, without a custom select.
+[S, H_I, T] logits never exist. It then writes, instead of the score, its order-preserving int32 code
+(``triton_topk.score_codes``; ``CODE_HIDDEN`` for a key the query may not see: outside its [lo, hi) range
+or masked by key_mask). ``triton_topk.topk_from_codes`` selects each row's top-k from the codes with the
+tie rule (equal scores: lower index first), the same result as ``torch.topk`` over
+``reference.order_keys`` on any GPU.
 
-Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``indexer_keys_heads_kernel`` instead: one
+Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``indexer_codes_heads_kernel`` instead: one
 query per program, its H_I heads as the MMA's rows.
 
-Queries are processed in blocks whose [B, S_blk, width] key buffer stays under ``KEY_BUFFER_BYTES``;
-``width`` stops at the last key the block can see (causal: half the work in prefill), and key tiles
-wholly outside every row's range skip the head loop.
+Queries are processed in blocks whose [B, S_blk, width] code buffer (and the selection's [B, S_blk, topk]
+int64 scratch) stays under ``KEY_BUFFER_BYTES``; ``width`` stops at the last key the block can see (causal:
+half the work in prefill), and key tiles wholly outside every row's range skip the head loop.
 
 Under ``TRITON_INTERPRET=1`` a small fixed config runs the kernel on CPU tensors (fp32 / fp16).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,14 +29,17 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
-from kda_compile.ops.dsa.reference import topk_from_keys, visible_ranges
+from kda_compile.ops.dsa.reference import visible_ranges
+from kda_compile.ops.dsa.triton_topk import score_codes, topk_from_codes
 
 KEY_BUFFER_BYTES = 256 << 20
+PROGRAMS_PER_SM = 8  # decode: programs per SM the key stream is cut into
+MAX_TILES = 16  # decode: key tiles streamed by one program at most
 SHORT_QUERIES = 16  # below this many queries a query tile would be mostly padding: heads become the MMA's rows
 
 
 @triton.jit
-def indexer_keys_kernel(
+def indexer_codes_kernel(
     Q, K, W, KeyMask, Lo, Hi, Out,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kd,
@@ -44,10 +50,10 @@ def indexer_keys_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_KEY_MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Out[b, i - row0, s] = sort key of score[b, i, s] for queries row0 + [0, rows) and keys [0, width).
+    """Out[b, i - row0, s] = int32 code of score[b, i, s] for queries row0 + [0, rows) and keys [0, width).
 
     Q [B, S, H, D], K [B, T, D], W [B, S, H], KeyMask [B, T] (uint8), Lo / Hi [S] int64 (query i sees
-    keys lo <= s < hi), Out [B, rows, width] int64; all by strides. Grid (row tiles, key tiles, B)."""
+    keys lo <= s < hi), Out [B, rows, width] int32; all by strides. Grid (row tiles, key tiles, B)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -79,61 +85,53 @@ def indexer_keys_kernel(
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         acc += tl.maximum(logits, 0.0) * w[:, None]
 
-    # Order-preserving bits: flip the sign bit of non-negative floats, every bit of negative ones;
-    # + 0.0 folds -0.0 onto +0.0 so equal scores share one pattern.
-    bits = (acc + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    unsigned = bits & 0xFFFFFFFF
-    ordered = tl.where(bits >= 0, unsigned | 0x80000000, unsigned ^ 0xFFFFFFFF)
-    key = (ordered << 31) | (0x7FFFFFFF - offs_n.to(tl.int64))[None, :]
-    key = tl.where(visible, key, -1)
-    tl.store(Out + b * stride_ob + local[:, None] * stride_os + offs_n[None, :] * stride_ot, key,
-             mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(Out + b * stride_ob + local[:, None] * stride_os + offs_n[None, :] * stride_ot,
+             score_codes(acc, visible), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def indexer_keys_heads_kernel(
+def indexer_codes_heads_kernel(
     Q, K, W, KeyMask, Lo, Hi, Out,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kd,
     stride_wb, stride_ws, stride_wh,
     stride_mb, stride_mt,
     stride_ob, stride_os, stride_ot,
-    row0, width, H, D, scale,
+    row0, width, H, D, scale, TILES,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """As ``indexer_keys_kernel`` for one query per program with its heads as the MMA's M dimension:
-    decode and short chunks (a query tile would be mostly padding there). One [H_I, D] x [D, BLOCK_N]
-    dot, then the ReLU and the weighted sum over the head axis. Grid (rows, key tiles, B)."""
+    """As ``indexer_codes_kernel`` for one query per program with its heads as the MMA's M dimension:
+    decode and short chunks (a query tile would be mostly padding there). The program loads its query's
+    [H_I, D] heads and weights once and streams ``TILES`` key tiles (pipelined loads): per tile one
+    [H_I, D] x [D, BLOCK_N] dot, then the ReLU and the weighted sum over the head axis.
+    Grid (rows, key chunks of TILES * BLOCK_N, B)."""
     local = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    chunk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     qi = row0 + local
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < width
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     lo = tl.load(Lo + qi)
     hi = tl.load(Hi + qi)
-    visible = col_ok & (offs_n >= lo) & (offs_n < hi)
-    if HAS_KEY_MASK:
-        km = tl.load(KeyMask + b * stride_mb + offs_n * stride_mt, mask=col_ok, other=0)
-        visible = visible & (km != 0)
     q = tl.load(Q + b * stride_qb + qi * stride_qs + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
     w = tl.load(W + b * stride_wb + qi * stride_ws + offs_h * stride_wh, mask=h_ok, other=0.0).to(tl.float32)
-    k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                mask=(visible[:, None]) & d_ok[None, :], other=0.0)
-    logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-    score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
-    bits = (score + 0.0).to(tl.int32, bitcast=True).to(tl.int64)
-    unsigned = bits & 0xFFFFFFFF
-    ordered = tl.where(bits >= 0, unsigned | 0x80000000, unsigned ^ 0xFFFFFFFF)
-    key = (ordered << 31) | (0x7FFFFFFF - offs_n.to(tl.int64))
-    key = tl.where(visible, key, -1)
-    tl.store(Out + b * stride_ob + local * stride_os + offs_n * stride_ot, key, mask=col_ok)
+    for t in tl.range(0, TILES, num_stages=NUM_STAGES):
+        offs_n = (chunk * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < width
+        visible = col_ok & (offs_n >= lo) & (offs_n < hi)
+        if HAS_KEY_MASK:
+            km = tl.load(KeyMask + b * stride_mb + offs_n * stride_mt, mask=col_ok, other=0)
+            visible = visible & (km != 0)
+        k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                    mask=(visible[:, None]) & d_ok[None, :], other=0.0)
+        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
+        tl.store(Out + b * stride_ob + local * stride_os + offs_n * stride_ot, score_codes(score, visible),
+                 mask=col_ok)
 
 
 def interpreted() -> bool:
@@ -142,12 +140,40 @@ def interpreted() -> bool:
 
 def _config(dim: int, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). The fp32 score tile [BLOCK_M, BLOCK_N] stays in
-    registers across the head loop; the key tile [BLOCK_N, D] is loaded once per program."""
+    registers across the head loop; the key tile [BLOCK_N, D] is loaded once per program. bf16 / fp16 at
+    D = 128 from an H200 sweep (docs/dsa.md section 4): 64 x 128 with 4 warps, 3 stages scored 493 TFLOP/s at
+    16k causal (64 x 256 / 8 warps 472, 64 x 128 / 8 warps 446, 128 x 128 / 8 warps 419)."""
     if interpreted():
         return 16, 16, 1, 1
     if dtype == torch.float32 or dim > 128:
         return 64, 64, 4, 2
-    return 64, 128, 8, 3
+    return 64, 128, 4, 3
+
+
+def _heads_config(dim: int, dtype: torch.dtype):
+    """(BLOCK_N, num_warps, num_stages) of the heads-as-rows kernel. bf16 / fp16 at 64 heads x 128 from an H200
+    sweep (batch 64 x 32k keys in a CUDA graph): 64 keys per tile, 4 warps, 3 stages 191 us (2.8 TB/s of keys);
+    64 / 4 / 4 204 us, 128 / 8 / 3 233 us, 128 / 4 / 3 247 us, 256 / 8 / 3 251 us; 4 to 16 programs per SM
+    within 2%."""
+    if interpreted():
+        return 16, 1, 1
+    if dtype == torch.float32 or dim > 128:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tiles_per_program(tiles: int, rows: int, device: torch.device) -> int:
+    """Key tiles each program of the heads-as-rows kernel streams: as many as keep about
+    ``PROGRAMS_PER_SM`` programs per SM busy (each loads its query's heads once), at most ``MAX_TILES``."""
+    if interpreted() or device.type != "cuda":
+        return 2
+    target = PROGRAMS_PER_SM * _sm_count(device)
+    return max(1, min(MAX_TILES, (tiles * rows) // target))
 
 
 def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: float, is_causal: bool):
@@ -167,8 +193,10 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
     mask = key_mask.view(torch.uint8) if key_mask is not None else lo
     mask_strides = tuple(key_mask.stride()) if key_mask is not None else (0, 0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # Rows per block: the int64 key buffer [B, rows, T] under KEY_BUFFER_BYTES, a multiple of BLOCK_M.
-    step = max(block_m, (KEY_BUFFER_BYTES // max(1, b * t_len * 8)) // block_m * block_m)
+    # Rows per block: the int32 codes [B, rows, T] and the int64 selection scratch [B, rows, topk] under
+    # KEY_BUFFER_BYTES, a multiple of BLOCK_M.
+    row_bytes = b * (t_len * 4 + topk * 8)
+    step = max(block_m, (KEY_BUFFER_BYTES // max(1, row_bytes)) // block_m * block_m)
     for start in range(0, s_len, step):
         stop = min(s_len, start + step)
         # The last key this block can see (causal rows end at i + T - S); the rest is never written.
@@ -176,21 +204,23 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
         if width <= 0:
             out[:, start:stop] = -1
             continue
-        keys = torch.empty((b, stop - start, width), dtype=torch.int64, device=device)
-        strides = (*q.stride(), *k.stride(), *weights.stride(), *mask_strides, *keys.stride())
+        codes = torch.empty((b, stop - start, width), dtype=torch.int32, device=device)
+        strides = (*q.stride(), *k.stride(), *weights.stride(), *mask_strides, *codes.stride())
         if s_len < SHORT_QUERIES:  # decode / short chunks: heads as the MMA's rows
-            grid = (stop - start, cdiv(width, block_n), b)
-            indexer_keys_heads_kernel[grid](
-                q, k, weights, mask, lo, hi, keys, *strides, start, width, heads, dim, float(scale),
+            block_n, warps, stages = _heads_config(dim, q.dtype)
+            tiles = tiles_per_program(cdiv(width, block_n), (stop - start) * b, device)
+            grid = (stop - start, cdiv(width, block_n * tiles), b)
+            indexer_codes_heads_kernel[grid](
+                q, k, weights, mask, lo, hi, codes, *strides, start, width, heads, dim, float(scale), tiles,
                 BLOCK_H=max(16, next_power_of_2(heads)), BLOCK_N=block_n, BLOCK_D=block_d,
-                HAS_KEY_MASK=key_mask is not None, PRECISION=precision, num_warps=warps, num_stages=stages,
+                HAS_KEY_MASK=key_mask is not None, PRECISION=precision, NUM_STAGES=stages, num_warps=warps,
             )
         else:
             grid = (cdiv(stop - start, block_m), cdiv(width, block_n), b)
-            indexer_keys_kernel[grid](
-                q, k, weights, mask, lo, hi, keys, *strides, start, stop - start, width, heads, dim, float(scale),
+            indexer_codes_kernel[grid](
+                q, k, weights, mask, lo, hi, codes, *strides, start, stop - start, width, heads, dim, float(scale),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, HAS_KEY_MASK=key_mask is not None,
                 PRECISION=precision, num_warps=warps, num_stages=stages,
             )
-        out[:, start:stop] = topk_from_keys(keys, topk)
+        topk_from_codes(codes, lo, hi, start, topk, out[:, start:stop])
     return out

@@ -13,9 +13,21 @@ Chunks whose indices are all -1 (the early queries of a causal prefill: query i 
 skip their loads and dots. The accumulator [BLOCK_H, d_v / DV_SPLITS] is float32 in registers: at 128
 heads d_v is split over two programs (each recomputes the scores, and then reads the value columns
 separately instead of reusing the key tile), which measured faster than 64-head blocks.
+
+Split-K (flash decoding) for small grids. At decode (S = 1) the grid is B x 2 programs at 128 heads: 128
+at batch 64 (one per SM on an H100), 2 at batch 1 (130 SMs idle, each program walking all 2048 indices).
+With ``topk_splits`` > 1 the token's top-k list is cut into contiguous ranges of whole BLOCK_K chunks, one
+program each; a split program writes its own normalised output ``acc / l`` and natural-log lse (-inf for a
+split without a valid index) to float32 scratch [B, S, splits, Hq, d_v] and [B, S, splits, Hq], and
+``sparse_attention_combine_kernel`` merges them per (token, head): lse = log sum_j exp(lse_j),
+o = sum_j exp(lse_j - lse) o_j (o = 0, lse = -inf for a row with no valid index in any split, as unsplit).
+The launcher picks the count with a wave model (``choose_topk_splits``): batch 1 decode gets 32 splits, while
+prefill and batch-64 decode, whose grids already occupy every SM, stay unsplit and launch as before.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -24,6 +36,8 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
+
+logger = logging.getLogger(__name__)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -36,26 +50,50 @@ def sparse_attention_fwd_kernel(
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_ib, stride_is, stride_ik,
-    stride_ob, stride_os, stride_oh, stride_od,
-    stride_lb, stride_ls, stride_lh,
+    stride_ob, stride_os, stride_oj, stride_oh, stride_od,
+    stride_lb, stride_ls, stride_lj, stride_lh,
     S, TOPK, GROUPS, D_MAIN, D_TAIL, D_V, DV_PER_PROGRAM, scale,
+    NUM_SPLITS, TOPK_PER_SPLIT, HEAD_BLOCKS, DV_SPLITS,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HAS_TAIL: tl.constexpr, SHARED_V: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_TAIL: tl.constexpr, SHARED_V: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Out[b, i, heads, dv slice] and Lse[b, i, heads] for one token and one head block.
+    """Out[b, i, (split,) heads, dv slice] and Lse[b, i, (split,) heads] for one token and one head block.
 
     Q [B, S, Hq, Dqk], K [B, T, Hkv, Dqk], V [B, T, Hkv, *] (with SHARED_V unused: the value is K's main
-    tile), Idx [B, S, TOPK] int32, Out [B, S, Hq, Dv], Lse [B, S, Hq] float32; all by strides.
-    Grid (B * S, Hkv * head blocks per group, value slices)."""
-    token = tl.program_id(0)
+    tile), Idx [B, S, TOPK] int32, all by strides. Without SPLIT_K: grid (B * S, HEAD_BLOCKS, DV_SPLITS), the
+    program walks the whole top-k list and writes Out [B, S, Hq, Dv] (q's dtype) and Lse [B, S, Hq] float32
+    (stride_oj / stride_lj unused). With SPLIT_K: grid (B * S * NUM_SPLITS * HEAD_BLOCKS * DV_SPLITS,), the
+    value slice varying fastest, then the head block, the split, the token (the programs that gather the same
+    rows run side by side, so all but the first read them from L2); split j walks indices
+    [j * TOPK_PER_SPLIT, min(TOPK, (j + 1) * TOPK_PER_SPLIT)) and writes its normalised partial output and
+    natural-log partial lse (-inf when it saw no valid index) to float32 scratch Out [B, S, NUM_SPLITS, Hq, Dv]
+    and Lse [B, S, NUM_SPLITS, Hq], combined by ``sparse_attention_combine_kernel``."""
+    if SPLIT_K:
+        pid = tl.program_id(0)
+        dv_idx = pid % DV_SPLITS
+        pid = pid // DV_SPLITS
+        head_block = pid % HEAD_BLOCKS
+        pid = pid // HEAD_BLOCKS
+        split = pid % NUM_SPLITS
+        token = pid // NUM_SPLITS
+        lo = split * TOPK_PER_SPLIT
+        hi = tl.minimum(lo + TOPK_PER_SPLIT, TOPK)
+    else:
+        token = tl.program_id(0)
+        head_block = tl.program_id(1)
+        dv_idx = tl.program_id(2)
+        split = 0
+        lo = 0
+        hi = TOPK
     b = (token // S).to(tl.int64)
     i = (token % S).to(tl.int64)
     blocks_per_group = tl.cdiv(GROUPS, BLOCK_H)
-    kvh = tl.program_id(1) // blocks_per_group
-    in_group = (tl.program_id(1) % blocks_per_group) * BLOCK_H + tl.arange(0, BLOCK_H)
+    kvh = head_block // blocks_per_group
+    in_group = (head_block % blocks_per_group) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = in_group < GROUPS
     heads = kvh * GROUPS + in_group
-    dv0 = tl.program_id(2) * DV_PER_PROGRAM
+    dv0 = dv_idx * DV_PER_PROGRAM
 
     offs_dm = tl.arange(0, BLOCK_DM)
     dm_ok = offs_dm < D_MAIN
@@ -79,9 +117,9 @@ def sparse_attention_fwd_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_DM], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    for start in range(0, TOPK, BLOCK_K):
+    for start in range(lo, hi, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(i_base + offs_k * stride_ik, mask=offs_k < TOPK, other=-1)
+        idx = tl.load(i_base + offs_k * stride_ik, mask=offs_k < hi, other=-1)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
             rows = tl.where(valid, idx, 0).to(tl.int64)
@@ -110,14 +148,65 @@ def sparse_attention_fwd_kernel(
     safe_l = tl.where(alive, l_i, 1.0)
     o = acc / safe_l[:, None]
     o_base = Out + b * stride_ob + i * stride_os + heads[:, None] * stride_oh
+    lse_base = Lse + b * stride_lb + i * stride_ls + heads * stride_lh
+    if SPLIT_K:
+        o_base += split * stride_oj
+        lse_base += split * stride_lj
     if SHARED_V:
         tl.store(o_base + offs_dm[None, :] * stride_od, o.to(Out.dtype.element_ty),
                  mask=h_ok[:, None] & (offs_dm < D_V)[None, :])
     else:
         tl.store(o_base + (dv0 + offs_dv[None, :]) * stride_od, o.to(Out.dtype.element_ty),
                  mask=h_ok[:, None] & dv_ok[None, :])
-    if tl.program_id(2) == 0:
+    if dv_idx == 0:
         lse = tl.where(alive, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
+        tl.store(lse_base, lse, mask=h_ok)
+
+
+@triton.jit
+def sparse_attention_combine_kernel(
+    OPart, LsePart, Out, Lse,
+    stride_pb, stride_ps, stride_pj, stride_ph, stride_pd,
+    stride_qb, stride_qs, stride_qj, stride_qh,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_ls, stride_lh,
+    S, H, D_V, NUM_SPLITS,
+    BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge the split partials of one token, a block of heads and a block of value columns.
+
+    OPart [B, S, NUM_SPLITS, H, D_V] float32 (each split's output normalised by its own exp-sum), LsePart
+    [B, S, NUM_SPLITS, H] float32 (natural log, -inf for a split without a valid index), Out [B, S, H, D_V]
+    (q's dtype), Lse [B, S, H] float32. lse = log sum_j exp(lse_j), o = sum_j exp(lse_j - lse) o_j; a row
+    without a valid index in any split gets o = 0 and lse = -inf. Grid (B * S, head blocks, value blocks)."""
+    token = tl.program_id(0)
+    b = (token // S).to(tl.int64)
+    i = (token % S).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    offs_dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < D_V
+    lse_base = LsePart + b * stride_qb + i * stride_qs + heads * stride_qh
+    o_base = OPart + b * stride_pb + i * stride_ps + heads[:, None] * stride_ph + offs_dv[None, :] * stride_pd
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for j in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_base + j * stride_qj, mask=h_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # dead rows: exp(-inf - 0) = 0, never -inf - -inf
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for j in range(NUM_SPLITS):
+        w = tl.exp(tl.load(lse_base + j * stride_qj, mask=h_ok, other=float("-inf")) - m_use)
+        o_j = tl.load(o_base + j * stride_pj, mask=h_ok[:, None] & dv_ok[None, :], other=0.0)
+        total += w
+        acc += w[:, None] * o_j
+    alive = total > 0
+    safe = tl.where(alive, total, 1.0)
+    o = acc / safe[:, None]
+    tl.store(Out + b * stride_ob + i * stride_os + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+             o.to(Out.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
+    if tl.program_id(2) == 0:
+        lse = tl.where(alive, m_use + tl.log(safe), float("-inf"))
         tl.store(Lse + b * stride_lb + i * stride_ls + heads * stride_lh, lse, mask=h_ok)
 
 
@@ -131,6 +220,16 @@ class SparseConfig:
     dv_splits: int  # programs sharing one (token, head block), each with a slice of d_v
     num_warps: int
     num_stages: int
+    # Contiguous ranges of the top-k list, one program each, merged by the combine kernel (split-K, as in
+    # flash decoding). None: chosen per call by ``choose_topk_splits`` (1 unless the grid is under two
+    # waves, e.g. decode); an int forces that many (capped at the chunk count, normalised so that no split
+    # is empty). Forced values are for tests and benchmark sweeps.
+    topk_splits: int | None = None
+
+    def __post_init__(self):
+        t = self.topk_splits
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"SparseConfig.topk_splits must be None (automatic) or an int >= 1, got {t!r}")
 
 
 def interpreted() -> bool:
@@ -154,7 +253,16 @@ def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype) -> Spar
     prefill, top-k 2048, bf16; docs/dsa.md): 128 heads per program with d_v split over two programs
     (186 TFLOP/s: each gathered key chunk serves 128 heads; the split keeps the [128, 256] accumulator in
     registers) beat 64 heads x 64 keys (158) and 64 x 32 (139). Float32 or smaller groups use smaller
-    head blocks (shared memory; at least 16, the MMA's minimum)."""
+    head blocks (shared memory; at least 16, the MMA's minimum).
+
+    ``topk_splits`` stays None (automatic, ``choose_topk_splits``), and decode keeps the prefill tiles,
+    d_v split included, until a decode sweep says otherwise. The trade there: the value split recomputes
+    the 576-wide scores in both programs (1664 MMA columns per key for 1088 useful) and gathers each row
+    twice (the second time mostly from L2: the split grid puts the two slices side by side), but it
+    doubles the programs per token, so half as many top-k splits fill the GPU (fewer float32 partials to
+    write and merge). The alternative without recomputation, 64 heads with d_v = 512 whole and the key
+    tile reused as the value (``SparseConfig(64, 64, 1, 8, 2)``), has the same program count (two head
+    blocks, each gathering the rows) and measured 15% slower in prefill; in decode its fewer FLOPs may win."""
     if interpreted():
         return SparseConfig(16, 16, 1, 1, 1)
     wide = max(d_qk, d_v) > 256
@@ -169,6 +277,74 @@ def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype) -> Spar
     return SparseConfig(block_h, 64 if block_h >= 32 else 32, 1, 8 if wide else 4, 2)
 
 
+# The split-K policy's wave model, in units of one BLOCK_K chunk of one program (the gather of 32 rows of 576
+# bf16 = 36 KiB and its dots at the DeepSeek-V3.2 decode widths). The wide half-precision configs hold one
+# program per SM (a [128, 256] float32 accumulator plus a 128 x 576 query), so programs run in waves of one per
+# SM. Calibrated on an H200 (graph-replayed decode, T = 32k): batch 1 ran 31 us with 32 splits, 34 with 16,
+# 38 with 64; batch 16 85 us with 4 splits (97 with 8, 148 with 2, 262 unsplit); batch 64 262 us unsplit, 291
+# with 2, 316 with 4.
+RESIDENT_PROGRAMS = 1  # programs resident per SM
+PROGRAM_CHUNKS = 2.0  # per program: the query tile load (128 x 576 bf16 = 144 KiB at 128 heads) and epilogue
+PARTIAL_CHUNKS = 3.0  # per split program: its float32 partial (128 KiB at 128 heads x 256 columns), and
+# the same again spread over the GPU when the combine kernel reads it back
+COMBINE_CHUNKS = 1.0  # the combine kernel's launch and its short grid
+INTERPRETED_SMS = 4  # a pretend SM count on CPU (the interpreter), so small test shapes split
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _device_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETED_SMS
+    return sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def effective_splits(splits: int, chunks: int) -> tuple[int, int]:
+    """(splits, chunks per split) after capping at the chunk count and dropping empty splits: 3 splits of
+    5 chunks -> (3, 2) (2 + 2 + 1), 4 splits of 5 chunks -> (3, 2) as well."""
+    chunks = max(1, chunks)
+    per = cdiv(chunks, max(1, min(splits, chunks)))
+    return cdiv(chunks, per), per
+
+
+@functools.lru_cache(maxsize=None)
+def choose_topk_splits(base_programs: int, chunks: int, sms: int) -> int:
+    """Top-k splits for a grid of ``base_programs`` (tokens x head blocks x value slices), ``chunks`` BLOCK_K
+    chunks per token, on ``sms`` SMs: the count minimising a wave model of the forward's time (ties to fewer).
+
+    A grid of two waves or more stays unsplit (prefill: 4k tokens x 2 value slices = 8192 programs, the
+    launch is exactly the unsplit one). Otherwise, with one resident program per SM,
+
+        cost(s) = waves(s) * (ceil(chunks / s) + PROGRAM_CHUNKS + PARTIAL_CHUNKS [s > 1])
+                  + [s > 1] (base * s * PARTIAL_CHUNKS / sms + COMBINE_CHUNKS),  waves(s) = ceil(base * s / sms)
+
+    i.e. splitting pays when it puts idle SMs to work, not for its own sake: it adds a float32 partial per
+    program (written and read back), a query tile load per program and a second launch. On 132 SMs with the
+    DeepSeek-V3.2 decode config (128 heads, d_v in two slices: 2 programs per token, 64 chunks of 32 keys):
+    batch 1 -> 32 splits (64 programs of two chunks), batch 16 -> 4, batch 64 -> 1 (128 programs already hold
+    one SM each: more splits only add waves), the choices the H200 timings above favour."""
+    if chunks <= 1 or base_programs >= 2 * sms * RESIDENT_PROGRAMS:
+        return 1
+    slots = sms * RESIDENT_PROGRAMS
+
+    def cost(splits: int) -> float:
+        per = cdiv(chunks, splits)
+        waves = cdiv(base_programs * splits, slots)
+        if splits == 1:
+            return waves * (per + PROGRAM_CHUNKS)
+        return (waves * (per + PROGRAM_CHUNKS + PARTIAL_CHUNKS)
+                + base_programs * splits * PARTIAL_CHUNKS / slots + COMBINE_CHUNKS)
+
+    counts = sorted({effective_splits(s, chunks)[0] for s in range(1, chunks + 1)})
+    best = min(counts, key=lambda s: (cost(s), s))
+    logger.debug("sparse attention forward: %d top-k splits for %d programs x %d chunks on %d SMs",
+                 best, base_programs, chunks, sms)
+    return best
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -177,7 +353,8 @@ def sparse_attention_fwd_triton(q, k, v, indices, scale: float, d_v: int, *, con
     """(o [B, S, Hq, d_v] contiguous in q's dtype, lse [B, S, Hq] float32) of ``dsa_sparse_attention``.
 
     q [B, S, Hq, Dqk], k [B, T, Hkv, Dqk], v [B, T, Hkv, d_v] or None (value = k[..., :d_v]), indices
-    int32 [B, S, topk]; any strides."""
+    int32 [B, S, topk]; any strides. ``config.topk_splits`` (None: ``choose_topk_splits``) > 1 runs the
+    split-K form: float32 partials [B, S, splits, Hq, d_v] and [B, S, splits, Hq], then the combine kernel."""
     b, s_len, hq, d_qk = q.shape
     hkv = k.shape[2]
     groups = hq // hkv
@@ -192,13 +369,40 @@ def sparse_attention_fwd_triton(q, k, v, indices, scale: float, d_v: int, *, con
     dv_per_program = cdiv(d_v, cfg.dv_splits)
     block_dv = max(16, next_power_of_2(dv_per_program))
     value = k if v is None else v
-    grid = (b * s_len, hkv * cdiv(groups, cfg.block_h), cfg.dv_splits)
-    sparse_attention_fwd_kernel[grid](
-        q, k, value, indices, o, lse,
-        *q.stride(), *k.stride(), *value.stride(), *indices.stride(), *o.stride(), *lse.stride(),
-        s_len, topk, groups, d_main, d_tail, d_v, dv_per_program, float(scale),
+    head_blocks = hkv * cdiv(groups, cfg.block_h)
+    chunks = cdiv(topk, cfg.block_k)
+    if cfg.topk_splits is None:
+        splits = choose_topk_splits(b * s_len * head_blocks * cfg.dv_splits, chunks, _device_sms(q.device))
+    else:
+        splits = cfg.topk_splits
+    splits, chunks_per_split = effective_splits(splits, chunks)
+    common = dict(
         BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_DM=block_dm, BLOCK_DT=block_dt, BLOCK_DV=block_dv,
-        HAS_TAIL=d_tail > 0, SHARED_V=shared_v, PRECISION=_precision(q.dtype),
+        HAS_TAIL=d_tail > 0, SHARED_V=shared_v, SPLIT_K=splits > 1, PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    strides = (*q.stride(), *k.stride(), *value.stride(), *indices.stride())
+    if splits == 1:
+        grid = (b * s_len, head_blocks, cfg.dv_splits)
+        sparse_attention_fwd_kernel[grid](
+            q, k, value, indices, o, lse, *strides,
+            *o.stride()[:2], 0, *o.stride()[2:], *lse.stride()[:2], 0, lse.stride(2),
+            s_len, topk, groups, d_main, d_tail, d_v, dv_per_program, float(scale),
+            1, topk, head_blocks, cfg.dv_splits, **common,
+        )
+        return o, lse
+    o_part = torch.empty((b, s_len, splits, hq, d_v), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((b, s_len, splits, hq), dtype=torch.float32, device=q.device)
+    grid = (b * s_len * splits * head_blocks * cfg.dv_splits,)
+    sparse_attention_fwd_kernel[grid](
+        q, k, value, indices, o_part, lse_part, *strides, *o_part.stride(), *lse_part.stride(),
+        s_len, topk, groups, d_main, d_tail, d_v, dv_per_program, float(scale),
+        splits, chunks_per_split * cfg.block_k, head_blocks, cfg.dv_splits, **common,
+    )
+    block_h = min(16, next_power_of_2(hq))
+    block_dv = min(64, next_power_of_2(d_v))  # 16 x 64 tiles: 64 programs per token at 128 heads x 512
+    sparse_attention_combine_kernel[(b * s_len, cdiv(hq, block_h), cdiv(d_v, block_dv))](
+        o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
+        s_len, hq, d_v, splits, BLOCK_H=block_h, BLOCK_DV=block_dv, num_warps=4,
     )
     return o, lse

@@ -24,7 +24,14 @@ from triton_device import triton_device  # noqa: E402
 DEVICE = triton_device("the DSA Triton kernels")
 
 from kda_compile.ops.dsa.triton_indexer import indexer_topk_triton  # noqa: E402
-from kda_compile.ops.dsa.triton_sparse import SparseConfig, sparse_attention_fwd_triton  # noqa: E402
+from kda_compile.ops.dsa.triton_sparse import (  # noqa: E402
+    INTERPRETED_SMS,
+    SparseConfig,
+    choose_topk_splits,
+    default_config,
+    effective_splits,
+    sparse_attention_fwd_triton,
+)
 from kda_compile.ops.dsa.triton_sparse_bwd import sparse_attention_bwd_triton  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -86,3 +93,74 @@ def test_sparse_attention_kernels(args):
 ])
 def test_sparse_attention_kernel_layouts(case, config):
     _check_kernels(make_dsa_attention_args(case, torch.float32, DEVICE, seed=3), config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Split-K over the top-k list (decode): partials per range of the list, merged by log-sum-exp
+# ----------------------------------------------------------------------------------------------
+def _split_rows_args(case, dtype, seed=5):
+    """``case``'s tensors with four index rows per batch entry that stress the merge: no valid index
+    (o = 0, lse = -inf), valid only in the first slots (every later split empty), valid only in the last
+    partial chunk (every earlier split empty), and unique keys at random slots. Needs ``case.s == 4``."""
+    args = make_dsa_attention_args(case, dtype, DEVICE, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.full((case.b, case.s, case.topk), -1, dtype=torch.int32)
+    last = case.topk - case.topk % 16 if case.topk % 16 else case.topk - 16
+    for bi in range(case.b):
+        idx[bi, 1, :5] = torch.randperm(case.t, generator=gen)[:5].to(torch.int32)
+        idx[bi, 2, last:] = torch.randperm(case.t, generator=gen)[:case.topk - last].to(torch.int32)
+        n = min(case.t, case.topk) - 7
+        idx[bi, 3, torch.randperm(case.topk, generator=gen)[:n]] = torch.randperm(case.t, generator=gen)[:n].to(
+            torch.int32)
+    args["indices"] = idx.to(DEVICE)
+    return args
+
+
+# top-k 70 in chunks of 16: 5 chunks; 2 splits (3 + 2) and 3 splits (2 + 2 + 1) do not divide them, 4 is
+# normalised to 3 (no empty split), 8 is capped at 5 (one chunk each)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [1, 2, 3, 4, 8])
+def test_sparse_attention_topk_splits(splits, dtype):
+    case = DSAAttentionCase(b=1, s=4, t=80, hq=4, dqk=48, dv=32, topk=70, absorbed=True)
+    _check_kernels(_split_rows_args(case, dtype), SparseConfig(16, 16, 1, 1, 1, splits))
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+def test_sparse_attention_topk_splits_layouts(splits):
+    # separate values, two KV heads, d_v split over two programs, more heads than one block: every program
+    # coordinate of the folded split grid (value slice, head block, split, token) is non-trivial
+    case = DSAAttentionCase(b=2, s=4, t=50, hq=20, hkv=2, dqk=24, dv=40, topk=40, absorbed=False)
+    _check_kernels(_split_rows_args(case, torch.float32), SparseConfig(16, 16, 2, 1, 1, splits))
+
+
+def test_sparse_attention_automatic_splits():
+    """Decode-sized grids split by themselves (the interpreter pretends to have 4 SMs); the result is the
+    same as the unsplit kernel's up to rounding."""
+    case = DSAAttentionCase(b=1, s=1, t=300, hq=8, dqk=40, dv=16, topk=256, absorbed=True)
+    args = make_dsa_attention_args(case, torch.float32, DEVICE, seed=7)
+    args["indices"] = torch.randperm(case.t)[:case.topk].to(torch.int32).view(1, 1, -1).to(DEVICE)
+    if DEVICE.type == "cpu":
+        assert default_config(8, 40, 16, torch.float32).topk_splits is None
+        assert choose_topk_splits(1, 16, INTERPRETED_SMS) == 4  # 1 token x 1 head block, 16 chunks of 16
+    _check_kernels(args)
+    o1, lse1 = sparse_attention_fwd_triton(args["q"], args["k"], None, args["indices"], 0.2, case.dv,
+                                           config=SparseConfig(16, 16, 1, 1, 1, 1))
+    o, lse = sparse_attention_fwd_triton(args["q"], args["k"], None, args["indices"], 0.2, case.dv)
+    assert o.is_contiguous() and o.dtype == args["q"].dtype and lse.dtype == torch.float32
+    assert_rel_close(o, o1, 1e-5, name="o", floor=1e-6)
+    assert_rel_close(lse, lse1, 1e-6, name="lse", floor=1e-6)
+
+
+def test_topk_split_policy():
+    """The wave model's choices on a 132-SM GPU at DeepSeek-V3.2 decode widths (2 programs per token: 128
+    heads, d_v in two slices; top-k 2048 in 64 chunks of 32) and at 4k prefill; and its argument checks."""
+    assert choose_topk_splits(2 * 1, 64, 132) == 32  # batch 1: 64 programs of two chunks (H200: 31 us, 64 splits 38)
+    assert choose_topk_splits(2 * 16, 64, 132) == 4
+    assert choose_topk_splits(2 * 64, 64, 132) == 1  # 128 programs already hold one SM each
+    assert choose_topk_splits(2 * 4096, 64, 132) == 1  # prefill: launched as without splits
+    assert choose_topk_splits(1, 1, 132) == 1  # a single chunk cannot split
+    assert effective_splits(3, 5) == (3, 2) and effective_splits(4, 5) == (3, 2)
+    assert effective_splits(8, 5) == (5, 1) and effective_splits(1, 5) == (1, 5) and effective_splits(2, 0) == (1, 1)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="topk_splits must be None"):
+            SparseConfig(16, 16, 1, 1, 1, bad)

@@ -127,17 +127,18 @@ def pool_slots(topk: int, pool: int, t_len: int) -> int:
     return min(topk // pool, t_len // pool)
 
 
-def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int):
+def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int, form_pools=None):
     """What both implementations start from: (key_valid, first [B], pos [S], pk [B, NP, D], pool_valid [B, NP],
     slots, n_sel). ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's ``min(topk // P, n_kept)``
-    is an int64 0-dim tensor on the device (it places the tail; never read on the host)."""
+    is an int64 0-dim tensor on the device (it places the tail; never read on the host). ``form_pools``: the
+    function forming the pools (default ``pooled_keys``; the CUDA path passes its kernel's)."""
     b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
     if key_valid is None:
         key_valid = torch.ones((b, t_len), dtype=torch.bool, device=q.device)
     first = first_valid(key_valid)
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
-    pk, pool_valid = pooled_keys(k, gate, key_valid, ape, first)
+    pk, pool_valid = (form_pools or pooled_keys)(k, gate, key_valid, ape, first)
     n_sel = pool_valid.any(0).sum().clamp(max=topk // pool)  # HF drops pools no row has, then tops k
     return key_valid, first, pos, pk, pool_valid, pool_slots(topk, pool, t_len), n_sel
 

@@ -1,8 +1,8 @@
 """Triton kernels for glm5_next's pooled DSA indexer: fused pool scores, written as exact top-k sort keys.
 
 Kernels and launcher only (no torch.compile, no dispatch). The pooled keys ``pk [B, NP, D]`` and which pools
-are complete and valid come from ``pooled.prepare`` (torch, ``O(T * D)``), as on the CPU path, so both paths
-score the same pool keys. For a tile of BLOCK_M queries x BLOCK_N pools the kernel loads the pool-key tile
+are complete and valid come from ``pooled.prepare`` with the pools formed by one kernel
+(``triton_pool_keys.py``: the CPU path's math in one pass over the key cache). For a tile of BLOCK_M queries x BLOCK_N pools the kernel loads the pool-key tile
 once, loops over the H_I indexer heads (one ``[BLOCK_M, D] x [D, BLOCK_N]`` dot each) and accumulates
 ``w[i, h] * relu(scale * q[i, h] . pk[p])`` in float32: the ``[S, H_I, NP]`` logits never exist. It writes,
 instead of the score, the int64 order key of ``pooled._order_keys`` (order-preserving fp32 bits << 31 |
@@ -30,6 +30,7 @@ import triton.language as tl
 from kda_compile.ops._common import cdiv, next_power_of_2
 from kda_compile.ops.dsa.pooled import finish, merge_best, output_width, pool_reach, prepare, write_pools
 from kda_compile.ops.dsa.triton_indexer import SHORT_QUERIES, interpreted
+from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton
 
 KEY_BUFFER_BYTES = 256 << 20  # one [B, S_blk, p_blk] int64 key buffer (plus the running top-k it merges into)
 POOL_BLOCK = 16384  # pools scored per merge step (T = 256k tokens at P = 16 in one step; tests lower it)
@@ -166,7 +167,8 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
     out = torch.full((b, s_len, output_width(topk, pool, select_tail)), -1, dtype=torch.int32, device=q.device)
     if b == 0 or s_len == 0:
         return out
-    key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset)
+    key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset,
+                                                                  form_pools=pooled_keys_triton)
     n_pools = k.shape[1] // pool  # the pools that can be complete (pooled.pool_slots)
     if slots > 0:
         weights = weights.float()  # the CPU path's rounding of the head weights

@@ -158,9 +158,12 @@ CATALOG: dict[str, Benchmark] = {
         "indexer as Hugging Face computes it (the [B, S, H_I, T] fp32 logits) and SDPA over every key with a dense "
         "mask of the selection (NaN where it would not fit in memory). `time`: GPU time (do_bench); `tflops`: "
         "FlashMLA's convention 2 * s_q * topk * heads * (d_qk + d_v) for the attention, the QK FLOPs of the visible "
-        "pairs for the indexer. Design: [docs/dsa.md](../docs/dsa.md).",
+        "pairs for the indexer; `gpu_time_cuda_graph`: decode replayed from a CUDA graph (no host time), per op "
+        "and for `dsa_decode_layer` (the indexer and the attention of one layer together). Design: "
+        "[docs/dsa.md](../docs/dsa.md).",
         command="python -m kda_compile.bench dsa",
-        views=(View("time", ours=("ours",), baselines=("dense torch",)), View("tflops", providers=("ours",))),
+        views=(View("time", ours=("ours",), baselines=("dense torch",)), View("tflops", providers=("ours",)),
+               View("gpu_time_cuda_graph", providers=("ours",))),
     ),
     "attention": Benchmark(
         title="Softmax attention",

@@ -17,7 +17,9 @@ dense shape whose temporaries would not fit in free memory is reported as ``OOM`
 with ``--modes fwd,fwd+bwd``: the attention's gradients of q and kv).
 
 Metrics per (op, provider, mode, shape): ``time`` (GPU time, triton's do_bench), ``wall_time`` (one call as
-its caller waits, host included, L2 flushed), ``tflops`` (FlashMLA's convention for the attention,
+its caller waits, host included, L2 flushed), for decode on CUDA ``gpu_time_cuda_graph`` (one call replayed from a
+CUDA graph, as a serving engine runs decode: no host time; also for ``dsa_decode_layer``, the indexer and the
+attention of one layer together), ``tflops`` (FlashMLA's convention for the attention,
 2 * B * s_q * topk * heads * (d_qk + d_v), forward only; the indexer's QK FLOPs 2 * H_I * D per visible
 (query, key) pair, or (query, complete pool) pair for the pooled indexer), ``peak_memory`` (MiB allocated
 above the inputs during one call).
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_compile.bench.common import format_table, row, time_quantiles, wall_time_quantiles
+from kda_compile.bench.common import cuda_graph_time, format_table, row, time_quantiles, wall_time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.dsa")
 
@@ -220,6 +222,28 @@ def _bench_one(rows, table, model: str, w: Widths, case: Case, op: str, provider
     table.append([shape, op, provider, mode, t[1], wall[1], tflops, peak])
 
 
+def _bench_decode_graphs(rows, table, model, case, index_op, indexer, q, kv, scale, d_v):
+    """Decode as a server runs it, replayed from a CUDA graph (no host time): the indexer, the attention over
+    the indices the captured indexer writes, and the layer's two ops together (``dsa_decode_layer``)."""
+    from kda_compile.ops import dsa_sparse_attention
+
+    shape = f"{model}:{case.name}"
+    captured = {}
+
+    def layer():
+        captured["idx"] = indexer()
+        return dsa_sparse_attention(q, kv, None, captured["idx"], scale, d_v=d_v)
+
+    idx = indexer()
+    steps = ((index_op, indexer), ("dsa_sparse_attention", lambda: dsa_sparse_attention(q, kv, None, idx, scale,
+                                                                                         d_v=d_v)),
+             ("dsa_decode_layer", layer))
+    for op, fn in steps:
+        graph = cuda_graph_time(fn)
+        rows.append(row(op, "ours", "fwd", shape, "gpu_time_cuda_graph", "ms", graph))
+        table.append([shape, op, "ours (CUDA graph)", "fwd", graph[1], "", "", ""])
+
+
 def _oom_row(rows, table, model, case, op, mode, why):
     shape = f"{model}:{case.name}"
     rows.append(row(op, "dense torch", mode, shape, "time", "ms", (float("nan"),) * 3))
@@ -249,6 +273,8 @@ def bench_case(model: str, w: Widths, case: Case, modes, dense: bool, device, sm
                        device, smoke)
             _bench_one(rows, table, model, w, case, "dsa_sparse_attention", "ours", "fwd", attend,
                        attention_flops(w, case), device, smoke)
+            if case.queries == 1 and device.type == "cuda" and not smoke:
+                _bench_decode_graphs(rows, table, model, case, index_op, indexer, q, kv, scale, w.latent)
     if "fwd+bwd" in modes:
         q.requires_grad_(True), kv.requires_grad_(True)
 

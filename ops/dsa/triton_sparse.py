@@ -39,8 +39,37 @@ from kda_compile.ops._common import cdiv, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
+SHORT_QUERIES = 16  # up to this many queries (decode, short chunks) every chunk is attended, -1 rows masked
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _attend_chunk(q_main, q_tail, k_base, v_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok, offs_dv, dv_ok, dv0,
+                  m_i, l_i, acc, qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, D_MAIN,
+                  HAS_TAIL: tl.constexpr, SHARED_V: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_K chunk of selected keys (-1 masked): gathered rows, scores, online softmax, ``acc += p @ v``."""
+    rows = tl.where(valid, idx, 0).to(tl.int64)
+    k_main = tl.load(k_base + rows[:, None] * stride_kt + offs_dm[None, :] * stride_kd,
+                     mask=valid[:, None] & dm_ok[None, :], other=0.0)
+    s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
+    if HAS_TAIL:
+        k_tail = tl.load(k_base + rows[:, None] * stride_kt + (D_MAIN + offs_dt[None, :]) * stride_kd,
+                         mask=valid[:, None] & dt_ok[None, :], other=0.0)
+        s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf on rows with nothing yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if SHARED_V:
+        acc = acc * alpha[:, None] + tl.dot(p.to(k_main.dtype), k_main, input_precision=PRECISION)
+    else:
+        v = tl.load(v_base + rows[:, None] * stride_vt + (dv0 + offs_dv[None, :]) * stride_vd,
+                    mask=valid[:, None] & dv_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -56,7 +85,7 @@ def sparse_attention_fwd_kernel(
     NUM_SPLITS, TOPK_PER_SPLIT, HEAD_BLOCKS, DV_SPLITS,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DM: tl.constexpr, BLOCK_DT: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_TAIL: tl.constexpr, SHARED_V: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Out[b, i, (split,) heads, dv slice] and Lse[b, i, (split,) heads] for one token and one head block.
 
@@ -104,6 +133,8 @@ def sparse_attention_fwd_kernel(
     if HAS_TAIL:
         q_tail = tl.load(q_base + (D_MAIN + offs_dt[None, :]) * stride_qd, mask=h_ok[:, None] & dt_ok[None, :],
                          other=0.0)
+    else:
+        q_tail = q_main  # unused
     offs_dv = tl.arange(0, BLOCK_DV)
     dv_ok = (offs_dv < DV_PER_PROGRAM) & (dv0 + offs_dv < D_V)
 
@@ -121,28 +152,17 @@ def sparse_attention_fwd_kernel(
         offs_k = start + tl.arange(0, BLOCK_K)
         idx = tl.load(i_base + offs_k * stride_ik, mask=offs_k < hi, other=-1)
         valid = idx >= 0
-        if tl.max(valid.to(tl.int32), 0) > 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k_main = tl.load(k_base + rows[:, None] * stride_kt + offs_dm[None, :] * stride_kd,
-                             mask=valid[:, None] & dm_ok[None, :], other=0.0)
-            s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
-            if HAS_TAIL:
-                k_tail = tl.load(k_base + rows[:, None] * stride_kt + (D_MAIN + offs_dt[None, :]) * stride_kd,
-                                 mask=valid[:, None] & dt_ok[None, :], other=0.0)
-                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
-            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf on rows with nothing yet
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if SHARED_V:
-                acc = acc * alpha[:, None] + tl.dot(p.to(k_main.dtype), k_main, input_precision=PRECISION)
-            else:
-                v = tl.load(v_base + rows[:, None] * stride_vt + (dv0 + offs_dv[None, :]) * stride_vd,
-                            mask=valid[:, None] & dv_ok[None, :], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+        if SKIP_EMPTY:  # prefill: the early queries' chunks are all -1
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                m_i, l_i, acc = _attend_chunk(
+                    q_main, q_tail, k_base, v_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok, offs_dv, dv_ok, dv0,
+                    m_i, l_i, acc, qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, D_MAIN,
+                    HAS_TAIL, SHARED_V, PRECISION)
+        else:  # no branch: the loads of the next chunk can be issued under this chunk's dots
+            m_i, l_i, acc = _attend_chunk(
+                q_main, q_tail, k_base, v_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok, offs_dv, dv_ok, dv0,
+                m_i, l_i, acc, qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, D_MAIN,
+                HAS_TAIL, SHARED_V, PRECISION)
 
     alive = l_i > 0
     safe_l = tl.where(alive, l_i, 1.0)
@@ -246,23 +266,22 @@ def head_widths(d_qk: int) -> tuple[int, int, int, int]:
     return main, main, tail, max(16, next_power_of_2(tail))
 
 
-def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype) -> SparseConfig:
+def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype, queries: int = SHORT_QUERIES + 1
+                   ) -> SparseConfig:
     """Fixed configs (no autotuning: deterministic launches, and the interpreter cannot tune).
 
-    From the H100 sweep of ``python -m kda_compile.bench dsa --modes configs`` (deepseek_v32 widths, 4k
-    prefill, top-k 2048, bf16; docs/dsa.md): 128 heads per program with d_v split over two programs
-    (186 TFLOP/s: each gathered key chunk serves 128 heads; the split keeps the [128, 256] accumulator in
-    registers) beat 64 heads x 64 keys (158) and 64 x 32 (139). Float32 or smaller groups use smaller
-    head blocks (shared memory; at least 16, the MMA's minimum).
+    Prefill (more than ``SHORT_QUERIES`` queries), from the H100 sweep of ``python -m kda_compile.bench dsa
+    --modes configs`` (deepseek_v32 widths, 4k prefill, top-k 2048, bf16; docs/dsa.md): 128 heads per program
+    with d_v split over two programs (186 TFLOP/s: each gathered key chunk serves 128 heads; the split keeps the
+    [128, 256] accumulator in registers) beat 64 heads x 64 keys (158) and 64 x 32 (139). Float32 or smaller
+    groups use smaller head blocks (shared memory; at least 16, the MMA's minimum).
 
-    ``topk_splits`` stays None (automatic, ``choose_topk_splits``), and decode keeps the prefill tiles,
-    d_v split included, until a decode sweep says otherwise. The trade there: the value split recomputes
-    the 576-wide scores in both programs (1664 MMA columns per key for 1088 useful) and gathers each row
-    twice (the second time mostly from L2: the split grid puts the two slices side by side), but it
-    doubles the programs per token, so half as many top-k splits fill the GPU (fewer float32 partials to
-    write and merge). The alternative without recomputation, 64 heads with d_v = 512 whole and the key
-    tile reused as the value (``SparseConfig(64, 64, 1, 8, 2)``), has the same program count (two head
-    blocks, each gathering the rows) and measured 15% slower in prefill; in decode its fewer FLOPs may win."""
+    Decode and short chunks attend every chunk without a branch, so the next chunk's gathers are pipelined
+    under the current chunk's dots; that needs a stage of shared memory more than 128 heads x 576 leave (254
+    KiB), and 64 heads with d_v = 512 whole and the key tile reused as the value (no score recomputation) is
+    the faster tile there anyway (H200, T = 32k, graph-replayed: batch 64 171 us, 213 TFLOP/s, against 262 us
+    for the prefill tile with the branch; batch 16 60 against 85 us). ``topk_splits`` stays None (automatic,
+    ``choose_topk_splits``)."""
     if interpreted():
         return SparseConfig(16, 16, 1, 1, 1)
     wide = max(d_qk, d_v) > 256
@@ -270,7 +289,7 @@ def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype) -> Spar
     if dtype == torch.float32:
         block_h = min(block_h, 32 if wide else 64)
         return SparseConfig(block_h, 16 if wide else 32, 1, 8 if wide else 4, 2)
-    if block_h == 128 and wide:
+    if block_h == 128 and wide and queries > SHORT_QUERIES:
         return SparseConfig(128, 32, 2, 8, 2)
     if block_h == 128:
         return SparseConfig(64, 64, 1, 8, 2)
@@ -322,10 +341,11 @@ def choose_topk_splits(base_programs: int, chunks: int, sms: int) -> int:
                   + [s > 1] (base * s * PARTIAL_CHUNKS / sms + COMBINE_CHUNKS),  waves(s) = ceil(base * s / sms)
 
     i.e. splitting pays when it puts idle SMs to work, not for its own sake: it adds a float32 partial per
-    program (written and read back), a query tile load per program and a second launch. On 132 SMs with the
-    DeepSeek-V3.2 decode config (128 heads, d_v in two slices: 2 programs per token, 64 chunks of 32 keys):
-    batch 1 -> 32 splits (64 programs of two chunks), batch 16 -> 4, batch 64 -> 1 (128 programs already hold
-    one SM each: more splits only add waves), the choices the H200 timings above favour."""
+    program (written and read back), a query tile load per program and a second launch. On 132 SMs with two
+    programs per token (DeepSeek-V3.2's 128 heads in two blocks) and 64 chunks: batch 1 -> 32 splits (64
+    programs of two chunks), batch 16 -> 4, batch 64 -> 1 (128 programs already hold one SM each: more splits
+    only add waves), the choices the H200 timings above favour; with the decode tile's 32 chunks of 64 keys,
+    batch 1 -> 32, batch 16 -> 4, batch 64 -> 1."""
     if chunks <= 1 or base_programs >= 2 * sms * RESIDENT_PROGRAMS:
         return 1
     slots = sms * RESIDENT_PROGRAMS
@@ -363,7 +383,7 @@ def sparse_attention_fwd_triton(q, k, v, indices, scale: float, d_v: int, *, con
     lse = torch.empty((b, s_len, hq), dtype=torch.float32, device=q.device)
     if b * s_len == 0:
         return o, lse
-    cfg = config or default_config(groups, d_qk, d_v, q.dtype)
+    cfg = config or default_config(groups, d_qk, d_v, q.dtype, s_len)
     d_main, block_dm, d_tail, block_dt = head_widths(d_qk)
     shared_v = v is None and cfg.dv_splits == 1 and d_v == d_main == block_dm
     dv_per_program = cdiv(d_v, cfg.dv_splits)
@@ -378,7 +398,8 @@ def sparse_attention_fwd_triton(q, k, v, indices, scale: float, d_v: int, *, con
     splits, chunks_per_split = effective_splits(splits, chunks)
     common = dict(
         BLOCK_H=cfg.block_h, BLOCK_K=cfg.block_k, BLOCK_DM=block_dm, BLOCK_DT=block_dt, BLOCK_DV=block_dv,
-        HAS_TAIL=d_tail > 0, SHARED_V=shared_v, SPLIT_K=splits > 1, PRECISION=_precision(q.dtype),
+        HAS_TAIL=d_tail > 0, SHARED_V=shared_v, SPLIT_K=splits > 1, SKIP_EMPTY=s_len > SHORT_QUERIES,
+        PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     strides = (*q.stride(), *k.stride(), *value.stride(), *indices.stride())

@@ -153,7 +153,7 @@ def test_sparse_attention_automatic_splits():
 
 def test_topk_split_policy():
     """The wave model's choices on a 132-SM GPU at DeepSeek-V3.2 decode widths (2 programs per token: 128
-    heads, d_v in two slices; top-k 2048 in 64 chunks of 32) and at 4k prefill; and its argument checks."""
+    heads in two blocks; top-k 2048 in 64 chunks of 32) and at 4k prefill; and its argument checks."""
     assert choose_topk_splits(2 * 1, 64, 132) == 32  # batch 1: 64 programs of two chunks (H200: 31 us, 64 splits 38)
     assert choose_topk_splits(2 * 16, 64, 132) == 4
     assert choose_topk_splits(2 * 64, 64, 132) == 1  # 128 programs already hold one SM each
@@ -164,3 +164,20 @@ def test_topk_split_policy():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="topk_splits must be None"):
             SparseConfig(16, 16, 1, 1, 1, bad)
+
+
+@pytest.mark.parametrize("rows", [4, 20])
+def test_empty_chunks_attended_or_skipped(rows):
+    """Up to ``SHORT_QUERIES`` queries every chunk is attended (all -1 chunks masked, no branch); more queries
+    skip all -1 chunks. Both give the oracle's o and lse on rows with no, few, trailing or scattered indices."""
+    case = DSAAttentionCase(b=1, s=4, t=80, hq=4, dqk=48, dv=32, topk=70, absorbed=True)
+    args = _split_rows_args(case, torch.float32)
+    if rows > 4:  # repeat the four patterns over more query rows, past the short-query bound
+        from kda_compile.ops.dsa.triton_sparse import SHORT_QUERIES
+
+        assert rows > SHORT_QUERIES
+        case = DSAAttentionCase(b=1, s=rows, t=80, hq=4, dqk=48, dv=32, topk=70, absorbed=True)
+        more = make_dsa_attention_args(case, torch.float32, DEVICE, seed=5)
+        more["indices"] = args["indices"].repeat(1, rows // 4, 1)
+        args = more
+    _check_kernels(args, SparseConfig(16, 16, 1, 1, 1, 1))

@@ -4,7 +4,9 @@ rule, ascending key order).
 
 Runs on CUDA, or on CPU under the Triton interpreter (small tiles there). Scores are drawn with many ties
 (quantised), signed zeros, infinities and the extremes of float32, over visible ranges that are empty,
-partial or wider than one tile, with top-k below, at and above the visible count.
+partial or wider than one tile, with top-k below, at and above the visible count. Both paths are checked:
+one program per row and the row split (forced with ``chunks``, including more chunks than a row has tiles),
+and the function that chooses between them.
 """
 import pytest
 import torch
@@ -52,11 +54,11 @@ def topk_cases(draw):
     return scores, visible, lo, hi, topk
 
 
-def _check(scores, visible, lo, hi, topk):
+def _check(scores, visible, lo, hi, topk, chunks=None):
     want = topk_from_keys(order_keys(scores, visible), topk)
     codes = reference_codes(scores, visible).to(DEVICE)
     out = torch.full((*scores.shape[:2], topk), 7, dtype=torch.int32, device=DEVICE)
-    triton_topk.topk_from_codes(codes, lo.to(DEVICE), hi.to(DEVICE), 0, topk, out)
+    triton_topk.topk_from_codes(codes, lo.to(DEVICE), hi.to(DEVICE), 0, topk, out, chunks=chunks)
     assert torch.equal(out.cpu(), want)
 
 
@@ -66,9 +68,10 @@ def test_radix_topk_equals_torch_topk(case):
     _check(*case)
 
 
-def test_row_offset_and_strided_output():
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_row_offset_and_strided_output(chunks):
     """``row0`` picks the rows' ranges from [S]-long lo / hi; ``out`` may be a strided view (the launcher
-    writes blocks of query rows into the full output)."""
+    writes blocks of query rows into the full output). Both paths."""
     g = torch.Generator().manual_seed(5)
     scores = (torch.randn(1, 3, 90, generator=g) * 3).round()
     lo_all = torch.tensor([0, 0, 10, 0, 30])
@@ -78,6 +81,76 @@ def test_row_offset_and_strided_output():
     want = topk_from_keys(order_keys(scores, visible), 24)
     out = torch.full((1, 5, 24), 7, dtype=torch.int32, device=DEVICE)
     triton_topk.topk_from_codes(reference_codes(scores, visible).to(DEVICE), lo_all.to(DEVICE), hi_all.to(DEVICE),
-                                2, 24, out[:, 2:])
+                                2, 24, out[:, 2:], chunks=chunks)
     assert torch.equal(out[:, 2:].cpu(), want)
     assert bool((out[:, :2] == 7).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# The row split (few long rows): forced, so the interpreter's small tiles give many chunks.
+# ----------------------------------------------------------------------------------------------
+@settings(max_examples=10, deadline=None)
+@given(topk_cases(), st.sampled_from([2, 3, 5, 20]))
+def test_row_split_equals_torch_topk(case, chunks):
+    """20 chunks: more than any drawn row has tiles (16 codes each under the interpreter), so some chunks
+    are empty."""
+    _check(*case, chunks=chunks)
+
+
+def _range_case(scores, lo, hi, keep=None):
+    col = torch.arange(scores.shape[-1])
+    visible = ((col >= lo[:, None]) & (col < hi[:, None]))[None].expand(scores.shape)
+    if keep is not None:
+        visible = visible & keep
+    return scores, visible, lo, hi
+
+
+@pytest.mark.parametrize("chunks, topks", [(3, (1, 60, 160)), (7, (23, 140))])
+def test_row_split_ties_across_chunks(chunks, topks):
+    """Three distinct scores over 150 keys: the top-k's smallest score is shared by keys in many chunks, and
+    only the lowest-indexed of them may be taken (the tie rank runs over the whole row, not per chunk). Rows
+    start and end inside tiles, one row sees part of one tile only (most chunks empty), one sees nothing;
+    top-k 160 is above every row's visible count."""
+    g = torch.Generator().manual_seed(11)
+    scores = torch.randint(0, 3, (1, 4, 150), generator=g).float()
+    lo = torch.tensor([0, 7, 70, 40])
+    hi = torch.tensor([150, 141, 75, 40])
+    case = _range_case(scores, lo, hi, torch.rand(1, 1, 150, generator=g) > 0.1)
+    for topk in topks:
+        _check(*case, topk, chunks=chunks)
+
+
+def test_row_split_special_and_hidden():
+    """Signed zeros, infinities and the float32 extremes, many equal; a batch whose keys are all hidden."""
+    g = torch.Generator().manual_seed(3)
+    table = torch.tensor(SPECIAL)
+    scores = table[torch.randint(0, len(SPECIAL), (2, 2, 120), generator=g)]
+    lo = torch.tensor([0, 13])
+    hi = torch.tensor([120, 101])
+    keep = torch.ones(2, 1, 120, dtype=torch.bool)
+    keep[1] = False
+    case = _range_case(scores, lo, hi, keep)
+    for topk in (7, 130):
+        _check(*case, topk, chunks=4)
+
+
+@pytest.mark.parametrize("grid_rows, width, sms, chunks", [
+    (64, 32768, 132, 6),  # decode, batch 64: 3 x 132 // 64 programs per row
+    (1, 32768, 132, 16),  # decode, batch 1: capped at 2 tiles of 1024 per chunk
+    (1, 131072, 132, 64),
+    (4096, 4096, 132, 1),  # prefill: the rows fill the GPU
+    (264, 32768, 132, 1),  # 2 rows per SM: no split
+    (1, 100, 132, 1),  # narrower than 4 tiles
+    (1, 4096, 132, 2),
+])
+def test_row_split_choice(grid_rows, width, sms, chunks):
+    assert triton_topk.row_split_chunks(grid_rows, width, sms, 1024) == chunks
+
+
+@pytest.mark.parametrize("chunks", [0, -2, 2.0, True])
+def test_chunks_argument_rejected(chunks):
+    codes = torch.zeros(1, 1, 8, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(1, 1, 4, dtype=torch.int32, device=DEVICE)
+    bounds = torch.tensor([0, 8], device=DEVICE)
+    with pytest.raises(ValueError, match="chunks must be None or an int >= 1"):
+        triton_topk.topk_from_codes(codes, bounds[:1], bounds[1:], 0, 4, out, chunks=chunks)

@@ -152,8 +152,9 @@ CATALOG: dict[str, Benchmark] = {
         title="DeepSeek Sparse Attention",
         measures="One DSA layer's two ops, bf16: `dsa_indexer` (the lightning indexer's scores and the top-k 2048 "
         "selection) and `dsa_sparse_attention` (the absorbed MQA form, d_qk 576 = latent 512 + rope 64, d_v 512, "
-        "over the selected keys). Widths `deepseek_v32` (128 heads, indexer 64 x 128) and `glm5` (64 heads, "
-        "indexer 32 x 128); shapes `prefill:1xSxS` (one causal sequence) and `decode:Bx1xT` (one query against T "
+        "over the selected keys). Widths `deepseek_v32` (128 heads, indexer 64 x 128), `glm5` (64 heads, "
+        "indexer 32 x 128) and `glm5_next` (`dsa_pooled_indexer`: 32 x 128 over pools of 16 keys; attention 64 heads "
+        "over latent 512, no rope); shapes `prefill:1xSxS` (one causal sequence) and `decode:Bx1xT` (one query against T "
         "cached keys). `ours`: `kda_compile.ops.dsa_indexer_topk` / `dsa_sparse_attention`; `dense torch`: the "
         "indexer as Hugging Face computes it (the [B, S, H_I, T] fp32 logits) and SDPA over every key with a dense "
         "mask of the selection (NaN where it would not fit in memory). `time`: GPU time (do_bench); `tflops`: "

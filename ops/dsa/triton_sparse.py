@@ -45,10 +45,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _attend_chunk(q_main, q_tail, k_base, v_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok, offs_dv, dv_ok, dv0,
-                  m_i, l_i, acc, qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, D_MAIN,
-                  HAS_TAIL: tl.constexpr, SHARED_V: tl.constexpr, PRECISION: tl.constexpr):
-    """One BLOCK_K chunk of selected keys (-1 masked): gathered rows, scores, online softmax, ``acc += p @ v``."""
+def gather_scores(q_main, q_tail, k_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok, stride_kt, stride_kd, D_MAIN,
+                  HAS_TAIL: tl.constexpr, PRECISION: tl.constexpr):
+    """(rows, k_main, k_tail, s): a chunk's selected key rows gathered (-1 masked to zeros; ``k_tail`` is
+    ``k_main`` without a tail) and the raw scores ``q . k`` [BLOCK_H, BLOCK_K] over the main and tail widths."""
     rows = tl.where(valid, idx, 0).to(tl.int64)
     k_main = tl.load(k_base + rows[:, None] * stride_kt + offs_dm[None, :] * stride_kd,
                      mask=valid[:, None] & dm_ok[None, :], other=0.0)
@@ -57,6 +57,18 @@ def _attend_chunk(q_main, q_tail, k_base, v_base, idx, valid, offs_dm, dm_ok, of
         k_tail = tl.load(k_base + rows[:, None] * stride_kt + (D_MAIN + offs_dt[None, :]) * stride_kd,
                          mask=valid[:, None] & dt_ok[None, :], other=0.0)
         s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+    else:
+        k_tail = k_main
+    return rows, k_main, k_tail, s
+
+
+@triton.jit
+def _attend_chunk(q_main, q_tail, k_base, v_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok, offs_dv, dv_ok, dv0,
+                  m_i, l_i, acc, qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, D_MAIN,
+                  HAS_TAIL: tl.constexpr, SHARED_V: tl.constexpr, PRECISION: tl.constexpr):
+    """One BLOCK_K chunk of selected keys (-1 masked): gathered rows, scores, online softmax, ``acc += p @ v``."""
+    rows, k_main, k_tail, s = gather_scores(q_main, q_tail, k_base, idx, valid, offs_dm, dm_ok, offs_dt, dt_ok,
+                                            stride_kt, stride_kd, D_MAIN, HAS_TAIL, PRECISION)
     s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no inf - inf on rows with nothing yet

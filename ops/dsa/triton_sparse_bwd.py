@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
-from kda_compile.ops.dsa.triton_sparse import LOG2E, head_widths, interpreted
+from kda_compile.ops.dsa.triton_sparse import LOG2E, gather_scores, head_widths, interpreted
 
 
 @triton.jit
@@ -59,6 +59,8 @@ def sparse_attention_dq_kernel(
     if HAS_TAIL:
         q_tail = tl.load(q_base + (D_MAIN + offs_dt[None, :]) * stride_qd, mask=h_ok[:, None] & dt_ok[None, :],
                          other=0.0)
+    else:
+        q_tail = q_main  # unused
     stat = b * stride_lb + i * stride_ls + heads * stride_lh
     lse = tl.load(Lse + stat, mask=h_ok, other=float("-inf"))
     alive = lse > float("-inf")
@@ -82,14 +84,8 @@ def sparse_attention_dq_kernel(
         idx = tl.load(i_base + offs_k * stride_ik, mask=offs_k < TOPK, other=-1)
         valid = idx >= 0
         if tl.max(valid.to(tl.int32), 0) > 0:
-            rows = tl.where(valid, idx, 0).to(tl.int64)
-            k_main = tl.load(k_base + rows[:, None] * stride_kt + offs_dm[None, :] * stride_kd,
-                             mask=valid[:, None] & dm_ok[None, :], other=0.0)
-            s = tl.dot(q_main, tl.trans(k_main), input_precision=PRECISION)
-            if HAS_TAIL:
-                k_tail = tl.load(k_base + rows[:, None] * stride_kt + (D_MAIN + offs_dt[None, :]) * stride_kd,
-                                 mask=valid[:, None] & dt_ok[None, :], other=0.0)
-                s += tl.dot(q_tail, tl.trans(k_tail), input_precision=PRECISION)
+            rows, k_main, k_tail, s = gather_scores(q_main, q_tail, k_base, idx, valid, offs_dm, dm_ok, offs_dt,
+                                                    dt_ok, stride_kt, stride_kd, D_MAIN, HAS_TAIL, PRECISION)
             keep = valid[None, :] & alive[:, None]
             p = tl.where(keep, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
             if SHARED_V:

@@ -67,8 +67,9 @@ CODE_HIDDEN = -(2**31)  # the code of a key the query may not see: below every v
 MAX_TILE = 4096  # codes per loaded tile (16 per thread at 8 warps)
 MIN_TILE = 1024
 
-# Row split (few long rows). A first choice from the costs of the one-program kernel (one row of 32k keys:
-# 76 us on an H200, about 2 us per 4096-wide tile and round), not yet swept on a GPU.
+# Row split (few long rows). Chosen from the costs of the one-program kernel (one row of 32k keys: 76 us on an
+# H200, about 2 us per 4096-wide tile and round); measured with these values (H200, CUDA graph): one row of
+# 32k 28 us, 64 rows of 32k 72 us (99 with one program per row). Not swept further.
 SPLIT_TILE = 1024  # codes per loaded tile of the row-split kernels (8 per thread at 4 warps)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split while B * rows < this many programs per SM
 SPLIT_PROGRAMS_PER_SM = 3  # aim for about this many (chunk, row) programs per SM

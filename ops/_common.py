@@ -209,6 +209,12 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def sm_count(index: int) -> int:
+    """The device's streaming multiprocessor count, asked once (the kernels' launch policies read it per call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def gradients_needed(*tensors) -> bool:
     """Whether autograd will differentiate a call: grad mode on and an input (None allowed) requires grad."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

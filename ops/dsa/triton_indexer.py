@@ -21,14 +21,13 @@ Under ``TRITON_INTERPRET=1`` a small fixed config runs the kernel on CPU tensors
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count
 from kda_compile.ops.dsa.reference import visible_ranges
 from kda_compile.ops.dsa.triton_topk import score_codes, topk_from_codes
 
@@ -162,17 +161,12 @@ def _heads_config(dim: int, dtype: torch.dtype):
     return 64, 4, 3
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def tiles_per_program(tiles: int, rows: int, device: torch.device) -> int:
     """Key tiles each program of the heads-as-rows kernel streams: as many as keep about
     ``PROGRAMS_PER_SM`` programs per SM busy (each loads its query's heads once), at most ``MAX_TILES``."""
     if interpreted() or device.type != "cuda":
         return 2
-    target = PROGRAMS_PER_SM * _sm_count(device)
+    target = PROGRAMS_PER_SM * sm_count(cuda_index(device))
     return max(1, min(MAX_TILES, (tiles * rows) // target))
 
 

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count
 
 logger = logging.getLogger(__name__)
 
@@ -322,15 +322,10 @@ COMBINE_CHUNKS = 1.0  # the combine kernel's launch and its short grid
 INTERPRETED_SMS = 4  # a pretend SM count on CPU (the interpreter), so small test shapes split
 
 
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETED_SMS
-    return sm_count(torch.cuda.current_device() if device.index is None else device.index)
+    return sm_count(cuda_index(device))
 
 
 def effective_splits(splits: int, chunks: int) -> tuple[int, int]:

@@ -54,14 +54,13 @@ Two paths run this select (``topk_from_codes`` picks one with ``row_split_chunks
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import arg_error, cdiv, next_power_of_2
+from kda_compile.ops._common import arg_error, cdiv, cuda_index, next_power_of_2, sm_count
 
 CODE_HIDDEN = -(2**31)  # the code of a key the query may not see: below every visible code
 MAX_TILE = 4096  # codes per loaded tile (16 per thread at 8 warps)
@@ -376,11 +375,6 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def row_split_chunks(grid_rows: int, width: int, sm_count: int, tile: int = SPLIT_TILE) -> int:
     """How many chunks to cut each row into: 1 = one program per row.
 
@@ -425,7 +419,7 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
         return
     split_tile = INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE
     if chunks is None:
-        sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else _sm_count(codes.device)
+        sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else sm_count(cuda_index(codes.device))
         chunks = row_split_chunks(b * rows, width, sms, split_tile)
         if chunks > 1 and _eager_and_small(codes, b * rows * width):
             chunks = 1

@@ -32,7 +32,7 @@ from functools import cache
 import torch
 import triton
 
-from kda_compile.ops._common import cuda_index
+from kda_compile.ops._common import cuda_index, sm_count
 from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
 from kda_compile.ops.kda import cuda_scan_source
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
@@ -140,11 +140,6 @@ def _precisions(dtype: torch.dtype):
     return dtype == torch.bfloat16, "tf32", "tf32x3", "tf32x3"
 
 
-@cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def segment_cost(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int, P: int, *,
                  first_x_blocks: int | None = None, resident: int = SCAN_RESIDENT) -> float:
     """The Triton scan with P segments in units of one of its chunk steps (4 products of ``[64, K] x [K, BV]``):
@@ -202,7 +197,7 @@ def _chunks_per_sequence(T: int, N: int, varlen: bool) -> int:
 def _device_sms(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
-    return _sm_count(cuda_index(device))
+    return sm_count(cuda_index(device))
 
 
 def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks: int, first_x_blocks: int, T: int,

@@ -26,7 +26,6 @@ use float32 / float16 there; bfloat16 dots are unreliable in the 3.6 interpreter
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._common import cdiv, next_power_of_2, sm_count
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a plain global is rejected by the compiler (not by the interpreter)
 
@@ -239,11 +238,6 @@ def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min
         return waves * (cdiv(num_tiles, splits) + fixed) + SPLIT_COST_TILES * (splits - 1)
 
     return min(range(1, most + 1), key=lambda s: (cost(s), s))
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -228,11 +228,9 @@ def _bench_decode_graphs(rows, table, model, case, index_op, indexer, q, kv, sca
     from kda_compile.ops import dsa_sparse_attention
 
     shape = f"{model}:{case.name}"
-    captured = {}
 
     def layer():
-        captured["idx"] = indexer()
-        return dsa_sparse_attention(q, kv, None, captured["idx"], scale, d_v=d_v)
+        return dsa_sparse_attention(q, kv, None, indexer(), scale, d_v=d_v)
 
     idx = indexer()
     steps = ((index_op, indexer), ("dsa_sparse_attention", lambda: dsa_sparse_attention(q, kv, None, idx, scale,

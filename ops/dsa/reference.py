@@ -2,8 +2,9 @@
 
 Indexer (docs/dsa.md §1): ``score[b, i, s] = sum_h w[b, i, h] * relu(scale * q[b, i, h] . k[b, s])``
 in float32, then per query the ``topk`` visible keys with the highest scores, equal scores broken by the
-lower key index, returned in ascending key order. A query's visible keys are a range ``[lo_i, hi_i)`` (its packed sequence, cut at the
-causal bound ``i + T - S``) intersected with ``key_mask``; fewer than ``topk`` visible keys pad with -1.
+lower key index, returned in ascending key order. A query's visible keys are a range ``[lo_i, hi_i)`` (its
+packed sequence, cut at the causal bound ``i + T - S``) intersected with ``key_mask``; fewer than ``topk``
+visible keys pad with -1.
 
 Sparse attention over the selected keys: ``s = scale * q . k[idx]`` per head (GQA: head ``h`` reads key
 head ``h // (Hq / Hkv)``), ``lse = logsumexp(s)`` over the valid indices, ``o = softmax(s) @ v[idx]``;

@@ -13,8 +13,8 @@ tie rule (equal scores: lower index first), the same result as ``torch.topk`` ov
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``indexer_codes_heads_kernel`` instead: one
 query per program, its H_I heads as the MMA's rows.
 
-Queries are processed in blocks whose [B, S_blk, width] code buffer (and the selection's [B, S_blk, topk]
-int64 scratch) stays under ``KEY_BUFFER_BYTES``; ``width`` stops at the last key the block can see (causal:
+Queries are processed in blocks whose [B, S_blk, width] code buffer stays under ``KEY_BUFFER_BYTES`` (the
+top-k writes its indices straight into the output); ``width`` stops at the last key the block can see (causal:
 half the work in prefill), and key tiles wholly outside every row's range skip the head loop.
 
 Under ``TRITON_INTERPRET=1`` a small fixed config runs the kernel on CPU tensors (fp32 / fp16).
@@ -187,10 +187,8 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
     mask = key_mask.view(torch.uint8) if key_mask is not None else lo
     mask_strides = tuple(key_mask.stride()) if key_mask is not None else (0, 0)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # Rows per block: the int32 codes [B, rows, T] and the int64 selection scratch [B, rows, topk] under
-    # KEY_BUFFER_BYTES, a multiple of BLOCK_M.
-    row_bytes = b * (t_len * 4 + topk * 8)
-    step = max(block_m, (KEY_BUFFER_BYTES // max(1, row_bytes)) // block_m * block_m)
+    # Rows per block: the int32 codes [B, rows, T] under KEY_BUFFER_BYTES, a multiple of BLOCK_M.
+    step = max(block_m, (KEY_BUFFER_BYTES // max(1, b * t_len * 4)) // block_m * block_m)
     for start in range(0, s_len, step):
         stop = min(s_len, start + step)
         # The last key this block can see (causal rows end at i + T - S); the rest is never written.

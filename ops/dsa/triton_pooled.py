@@ -2,12 +2,12 @@
 
 Kernels and launcher only (no torch.compile, no dispatch). The pooled keys ``pk [B, NP, D]`` and which pools
 are complete and valid come from ``pooled.prepare`` with the pools formed by one kernel
-(``triton_pool_keys.py``: the CPU path's math in one pass over the key cache). For a tile of BLOCK_M queries x BLOCK_N pools the kernel loads the pool-key tile
-once, loops over the H_I indexer heads (one ``[BLOCK_M, D] x [D, BLOCK_N]`` dot each) and accumulates
-``w[i, h] * relu(scale * q[i, h] . pk[p])`` in float32: the ``[S, H_I, NP]`` logits never exist. It writes,
-instead of the score, the int64 order key of ``pooled._order_keys`` (order-preserving fp32 bits << 31 |
-inverted pool index; -1 for a pool the query may not take: incomplete, invalid, or with its last token
-``first[b] + p * P + P - 1`` past the query's position). Tiles no query can see skip the head loop.
+(``triton_pool_keys.py``: the CPU path's math in one pass over the key cache). For a tile of BLOCK_M queries x
+BLOCK_N pools the kernel loads the pool-key tile once, loops over the H_I indexer heads (one
+``[BLOCK_M, D] x [D, BLOCK_N]`` dot each) and accumulates ``w[i, h] * relu(scale * q[i, h] . pk[p])`` in
+float32: the ``[S, H_I, NP]`` logits never exist. It writes, instead of the score, the int64 order key of
+``pooled._order_keys`` (order-preserving fp32 bits << 31 | inverted pool index; -1 for a pool the query may not
+take: incomplete, invalid, or with its last token ``first[b] + p * P + P - 1`` past the query's position). Tiles no query can see skip the head loop.
 
 The selection is the CPU path's merge: per query block, pool blocks of ``POOL_BLOCK`` pools are written into
 an int64 buffer ``[B, S_blk, p_blk]`` (under ``KEY_BUFFER_BYTES``) and merged into a running ``torch.topk`` of

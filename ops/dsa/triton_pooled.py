@@ -7,7 +7,8 @@ BLOCK_N pools the kernel loads the pool-key tile once, loops over the H_I indexe
 ``[BLOCK_M, D] x [D, BLOCK_N]`` dot each) and accumulates ``w[i, h] * relu(scale * q[i, h] . pk[p])`` in
 float32: the ``[S, H_I, NP]`` logits never exist. It writes, instead of the score, the int64 order key of
 ``pooled._order_keys`` (order-preserving fp32 bits << 31 | inverted pool index; -1 for a pool the query may not
-take: incomplete, invalid, or with its last token ``first[b] + p * P + P - 1`` past the query's position). Tiles no query can see skip the head loop.
+take: incomplete, invalid, or with its last token ``first[b] + p * P + P - 1`` past the query's position). Tiles
+no query can see skip the head loop.
 
 The selection is the CPU path's merge: per query block, pool blocks of ``POOL_BLOCK`` pools are written into
 an int64 buffer ``[B, S_blk, p_blk]`` (under ``KEY_BUFFER_BYTES``) and merged into a running ``torch.topk`` of

@@ -209,6 +209,11 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def triton_interpreted() -> bool:
+    """True under ``TRITON_INTERPRET=1``, where Triton kernels run on CPU tensors (read at every call: tests set it)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 @functools.cache
 def sm_count(index: int) -> int:
     """The device's streaming multiprocessor count, asked once (the kernels' launch policies read it per call)."""

@@ -9,12 +9,11 @@ Layouts: inputs are taken with any strides. Outputs follow the op's fixed layout
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._common import cdiv, next_power_of_2, triton_interpreted as _interpreted
 from kda_compile.ops.attention.triton_kernel import (
     attn_bwd_delta_kernel,
     attn_bwd_dkdv_kernel,
@@ -29,10 +28,6 @@ class TileConfig:
     block_n: int
     num_warps: int
     num_stages: int
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # Head-dim blocks are at least 32 wide. On sm_90 (triton 3.6, H100, 2026-11-22) the forward with a

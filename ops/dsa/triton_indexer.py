@@ -21,13 +21,12 @@ Under ``TRITON_INTERPRET=1`` a small fixed config runs the kernel on CPU tensors
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count
+from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count, triton_interpreted as interpreted
 from kda_compile.ops.dsa.reference import visible_ranges
 from kda_compile.ops.dsa.triton_topk import score_codes, topk_from_codes
 
@@ -131,10 +130,6 @@ def indexer_codes_heads_kernel(
         score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
         tl.store(Out + b * stride_ob + local * stride_os + offs_n * stride_ot, score_codes(score, visible),
                  mask=col_ok)
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _config(dim: int, dtype: torch.dtype):

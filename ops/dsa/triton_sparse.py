@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count
+from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count, triton_interpreted as interpreted
 
 logger = logging.getLogger(__name__)
 
@@ -262,10 +261,6 @@ class SparseConfig:
         t = self.topk_splits
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"SparseConfig.topk_splits must be None (automatic) or an int >= 1, got {t!r}")
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def head_widths(d_qk: int) -> tuple[int, int, int, int]:

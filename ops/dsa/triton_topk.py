@@ -54,13 +54,13 @@ Two paths run this select (``topk_from_codes`` picks one with ``row_split_chunks
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kda_compile.ops._common import arg_error, cdiv, cuda_index, next_power_of_2, sm_count
+from kda_compile.ops._common import triton_interpreted as interpreted
 
 CODE_HIDDEN = -(2**31)  # the code of a key the query may not see: below every visible code
 MAX_TILE = 4096  # codes per loaded tile (16 per thread at 8 warps)
@@ -371,10 +371,6 @@ def split_write_kernel(
 # ----------------------------------------------------------------------------------------------
 # Launcher.
 # ----------------------------------------------------------------------------------------------
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def row_split_chunks(grid_rows: int, width: int, sm_count: int, tile: int = SPLIT_TILE) -> int:
     """How many chunks to cut each row into: 1 = one program per row.
 

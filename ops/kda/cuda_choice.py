@@ -2,11 +2,10 @@
 the ``auto | triton | cuda`` switch read from the environment, and the device conditions every such kernel has."""
 from __future__ import annotations
 
-import os
 
 import torch
 
-from kda_compile.ops._common import cuda_index, device_capability, kernel_switch
+from kda_compile.ops._common import cuda_index, device_capability, kernel_switch, triton_interpreted
 
 KERNELS = ("auto", "triton", "cuda")
 # The C type of each ``cu_seqlens`` dtype the NVRTC kernels take (their sources are specialised on it).
@@ -24,7 +23,7 @@ def device_unsupported(x: torch.Tensor, *, min_capability: tuple[int, int] = (8,
     ``needs`` names from ``min_capability`` on), or None."""
     if not x.is_cuda:
         return "not a CUDA tensor"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if triton_interpreted():
         return "TRITON_INTERPRET=1"
     capability = device_capability(cuda_index(x.device))
     if capability < min_capability:

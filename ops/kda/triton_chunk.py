@@ -32,7 +32,7 @@ from functools import cache
 import torch
 import triton
 
-from kda_compile.ops._common import cuda_index, sm_count
+from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
 from kda_compile.ops.kda import cuda_scan_source
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
@@ -56,10 +56,6 @@ SCAN_RESIDENT = 2
 CUDA_STEP_COST = {32: 0.28, 64: 0.31}
 MAX_SEGMENTS = 16
 MIN_SEGMENT_CHUNKS = 8  # shorter segments are not worth their summaries
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # ------------------------------------------------------------------------------------------------

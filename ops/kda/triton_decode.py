@@ -46,15 +46,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._common import cdiv, next_power_of_2, triton_interpreted as _interpreted
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 
 MAX_HEAD_DIM = 256
 L2NORM_EPS = tl.constexpr(1e-6)  # inside the sqrt (FLA, HF); a plain global is rejected by the compiler
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 AUTOTUNE_ENV = "KDA_COMPILE_DECODE_AUTOTUNE"

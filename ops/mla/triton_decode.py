@@ -26,14 +26,13 @@ use float32 / float16 there; bfloat16 dots are unreliable in the 3.6 interpreter
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, next_power_of_2, sm_count
+from kda_compile.ops._common import cdiv, next_power_of_2, sm_count, triton_interpreted as interpreted
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a plain global is rejected by the compiler (not by the interpreter)
 
@@ -185,10 +184,6 @@ class DecodeConfig:
 
 INTERPRET_CONFIG = DecodeConfig(16, 16, 1, 1)
 MAX_SPLITS = 64
-
-
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeConfig:

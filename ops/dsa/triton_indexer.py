@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count, triton_interpreted as interpreted
 from kda_compile.ops.dsa.reference import visible_ranges
@@ -34,6 +35,7 @@ KEY_BUFFER_BYTES = 256 << 20
 PROGRAMS_PER_SM = 8  # decode: programs per SM the key stream is cut into
 MAX_TILES = 16  # decode: key tiles streamed by one program at most
 SHORT_QUERIES = 16  # below this many queries a query tile would be mostly padding: heads become the MMA's rows
+DECODE_KEY_DESCRIPTOR = True  # the heads-as-rows kernel loads keys by TMA where it can (``key_descriptor``)
 
 
 @triton.jit
@@ -97,13 +99,15 @@ def indexer_codes_heads_kernel(
     stride_ob, stride_os, stride_ot,
     row0, width, H, D, scale, TILES,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_KEY_MASK: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_KEY_MASK: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, K_DESCRIPTOR: tl.constexpr,
 ):
     """As ``indexer_codes_kernel`` for one query per program with its heads as the MMA's M dimension:
     decode and short chunks (a query tile would be mostly padding there). The program loads its query's
     [H_I, D] heads and weights once and streams ``TILES`` key tiles (pipelined loads): per tile one
-    [H_I, D] x [D, BLOCK_N] dot, then the ReLU and the weighted sum over the head axis.
-    Grid (rows, key chunks of TILES * BLOCK_N, B)."""
+    [H_I, D] x [D, BLOCK_N] dot, then the ReLU and the weighted sum over the head axis. With
+    ``K_DESCRIPTOR`` ``K`` is a tensor descriptor of the keys [B, T, D] with block [1, BLOCK_N, BLOCK_D]
+    (TMA loads; keys past T read as zeros, hidden keys are loaded and then coded hidden); the K strides are
+    then unused. Grid (rows, key chunks of TILES * BLOCK_N, B)."""
     local = tl.program_id(0)
     chunk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -124,8 +128,11 @@ def indexer_codes_heads_kernel(
         if HAS_KEY_MASK:
             km = tl.load(KeyMask + b * stride_mb + offs_n * stride_mt, mask=col_ok, other=0)
             visible = visible & (km != 0)
-        k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                    mask=(visible[:, None]) & d_ok[None, :], other=0.0)
+        if K_DESCRIPTOR:
+            k = tl.reshape(K.load([tl.program_id(2), (chunk * TILES + t) * BLOCK_N, 0]), [BLOCK_N, BLOCK_D])
+        else:
+            k = tl.load(K + b * stride_kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+                        mask=(visible[:, None]) & d_ok[None, :], other=0.0)
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         score = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)
         tl.store(Out + b * stride_ob + local * stride_os + offs_n * stride_ot, score_codes(score, visible),
@@ -154,6 +161,22 @@ def _heads_config(dim: int, dtype: torch.dtype):
     if dtype == torch.float32 or dim > 128:
         return 32, 4, 2
     return 64, 4, 3
+
+
+def key_descriptor(k: torch.Tensor, block_n: int, block_d: int):
+    """A TMA descriptor of the keys [B, T, D] for the heads-as-rows kernel, or None where the pointer loads run:
+    ``DECODE_KEY_DESCRIPTOR`` off, keys not in half precision, a GPU before Hopper (sm_90), ``D`` not a power of
+    two, or a layout TMA cannot address (last stride not 1, other strides or the base not 16-byte aligned).
+    TMA streams the keys faster (H200, batch 64 x 32k keys: 160 us against 177 us with pointer loads, 3.35
+    TB/s; batch 64 x 8k 54 against 58 us). The Triton interpreter runs the descriptor path too."""
+    if not DECODE_KEY_DESCRIPTOR or k.dtype not in (torch.float16, torch.bfloat16) or k.shape[2] != block_d:
+        return None
+    if not interpreted() and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
+        return None
+    size = k.element_size()
+    if k.stride(2) != 1 or k.data_ptr() % 16 or any((st * size) % 16 for st in k.stride()[:2]):
+        return None
+    return TensorDescriptor(k, list(k.shape), list(k.stride()), [1, block_n, block_d])
 
 
 def tiles_per_program(tiles: int, rows: int, device: torch.device) -> int:
@@ -197,10 +220,13 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
             block_n, warps, stages = _heads_config(dim, q.dtype)
             tiles = tiles_per_program(cdiv(width, block_n), (stop - start) * b, device)
             grid = (stop - start, cdiv(width, block_n * tiles), b)
+            k_desc = key_descriptor(k, block_n, block_d)
             indexer_codes_heads_kernel[grid](
-                q, k, weights, mask, lo, hi, codes, *strides, start, width, heads, dim, float(scale), tiles,
+                q, k if k_desc is None else k_desc, weights, mask, lo, hi, codes, *strides, start, width, heads,
+                dim, float(scale), tiles,
                 BLOCK_H=max(16, next_power_of_2(heads)), BLOCK_N=block_n, BLOCK_D=block_d,
-                HAS_KEY_MASK=key_mask is not None, PRECISION=precision, NUM_STAGES=stages, num_warps=warps,
+                HAS_KEY_MASK=key_mask is not None, PRECISION=precision, NUM_STAGES=stages,
+                K_DESCRIPTOR=k_desc is not None, num_warps=warps,
             )
         else:
             grid = (cdiv(stop - start, block_m), cdiv(width, block_n), b)

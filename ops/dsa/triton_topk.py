@@ -8,39 +8,50 @@ non-negative floats, ``bits ^ 0x7FFFFFFF`` for negative ones, -0.0 folded onto +
 
 The select, for one query row:
 
-1. Radix select: four rounds over the row's visible range ``[lo, hi)``, one byte of the code each, most
-   significant first. A round builds the 256-bin histogram of that byte among the keys that still match the
-   prefix chosen so far and keeps the bin holding the ``remaining``-th best key (``_radix_step``). After four
-   rounds the prefix is the exact code ``tau`` of the top-k's smallest member, and ``remaining`` says how many
-   keys of code ``tau`` belong to the top-k. A round whose chosen bin belongs to the top-k whole ends the
-   select early (``exact``): every key at or above that bin is in (with distinct scores this is the usual
-   case after two or three rounds).
+1. Radix select: rounds over the row's visible range ``[lo, hi)``, one ``BITS``-wide digit of the code each,
+   most significant first (``32 / BITS`` rounds: four of 8 bits, or eight of 4). A round builds the
+   histogram of that digit among the keys that still match the prefix chosen so far and keeps the bin holding
+   the ``remaining``-th best key (``_radix_step``). After the last round the prefix is the exact code ``tau``
+   of the top-k's smallest member, and ``remaining`` says how many keys of code ``tau`` belong to the top-k.
+   A round whose chosen bin belongs to the top-k whole ends the select early (``exact``): every key at or
+   above that bin is in (with distinct scores this is the usual case after about half the rounds).
 2. Compaction: one more pass writes, in index order, every key with code > ``tau`` and the first
    ``remaining`` keys with code == ``tau`` (the tie rule: equal scores, lower key index first), then -1 up
    to ``topk``.
 
-So a row costs five reads of its ``hi - lo`` codes (4 bytes each) and one write of its ``topk`` indices:
-no ``[rows, T]`` int64 buffer and no sort. The result equals ``reference.topk_from_keys`` (``torch.topk``
-over ``reference.order_keys``, listed in ascending key order) bit for bit.
+So a row costs a read of its ``hi - lo`` codes (4 bytes each) per round and one for the compaction (the
+register-resident kernel: one read), and one write of its ``topk`` indices: no ``[rows, T]`` int64 buffer and
+no sort. The result equals ``reference.topk_from_keys`` (``torch.topk`` over ``reference.order_keys``, listed
+in ascending key order) bit for bit, whatever the digit width.
 
-Two paths run this select (``topk_from_codes`` picks one with ``row_split_chunks``):
+The digit width trades rounds against the cost of a histogram, which Triton builds from about ``BITS`` warp
+ballots plus ``2**BITS / 32`` popcounts per code: a 16-bin round costs a few times less per resolved bit than a
+256-bin one. Where a round is only another loop iteration (the two one-launch kernels) 4-bit digits win; the
+row split pays a launch per round and keeps 8-bit digits (``TILED_BITS``, ``SPLIT_BITS``, ``RESIDENT_BITS``,
+H200 numbers beside them).
 
-- **One program per row** (``radix_topk_kernel``, one launch): the program streams its row five times,
-  keeping the histograms in registers. Used whenever the grid of rows (``B * rows``) fills the GPU (prefill:
-  thousands of rows) or rows are short.
+Three kernels run this select (``topk_from_codes`` picks one: ``_auto_resident``, then ``row_split_chunks``):
+
+- **Register-resident row** (``resident_topk_kernel``, one launch, one program per row): the program loads its
+  row once into registers (up to ``MAX_RESIDENT_WIDTH`` codes, 4 to 32 warps), runs the rounds from there and
+  compacts with two scans of the row. Taken automatically for batched decode: rows of at most
+  ``AUTO_RESIDENT_WIDTH`` codes, more than a few but too few to fill the GPU with the tiled kernel.
+- **One program per row over tiles** (``radix_topk_kernel``, one launch): the program streams its row once per
+  round and once to compact, keeping the histograms in registers. Used whenever the grid of rows
+  (``B * rows``) fills the GPU (prefill) or rows are short.
 - **Row split** (few long rows: decode, where ``B * rows`` is 1 to 64 and a row holds 8k to 128k keys, so
   one program per row would leave most SMs idle): one program per (chunk, row, batch), a row's tiles from
   ``lo``'s tile to ``hi`` cut into ``chunks`` contiguous runs of whole tiles (runs are empty when a row has
-  fewer tiles than chunks). A memset and six launches of grid (chunks, rows, B), with no host
-  synchronisation and no data-dependent launch size (a CUDA graph can capture it):
+  fewer tiles than chunks). A memset and ``R + 2`` launches (``R = 32 / SPLIT_BITS`` rounds) of grid (chunks,
+  rows, B), with no host synchronisation and no data-dependent launch size (a CUDA graph can capture it):
 
-  1. zero an int32 ``[4, B, rows, 256]`` histogram buffer (one per round);
-  2. four launches of ``split_hist_kernel``, one per round ``r``: each program takes the row's select state
+  1. zero an int32 ``[R, B, rows, 2**SPLIT_BITS]`` histogram buffer (one per round);
+  2. ``R`` launches of ``split_hist_kernel``, one per round ``r``: each program takes the row's select state
      (prefix, prefix mask, remaining, total, exact) one ``_radix_step`` further with round ``r - 1``'s
-     histogram, now complete (chunk 0 stores the new state in an int32 ``[5, 5, B, rows]`` buffer for the
+     histogram, now complete (chunk 0 stores the new state in an int32 ``[R, 5, B, rows]`` buffer for the
      next launch), histograms its chunk's matching codes and adds them into round ``r``'s histogram with one
-     256-wide atomic add. Programs of a row whose select ended early skip their codes;
-  3. ``split_count_kernel``: each program finishes the select with round 3's histogram (chunk 0 stores
+     atomic add per bin. Programs of a row whose select ended early skip their codes;
+  3. ``split_count_kernel``: each program finishes the select with the last round's histogram (chunk 0 stores
      ``tau``, ties and ``exact``) and counts its chunk's codes selected for sure and its codes equal to
      ``tau`` into an int32 ``[2, B, rows, chunks]`` buffer;
   4. ``split_write_kernel``: each program sums its row's counts over the chunks before it (its output offset,
@@ -49,8 +60,8 @@ Two paths run this select (``topk_from_codes`` picks one with ``row_split_chunks
 
   The histograms summed over chunks are those the one-program kernel builds, and both paths step through
   them with the same ``_radix_step`` / ``_select_rule`` / ``_compact``, so they write the same indices. A
-  row's codes are read five times in all, as in the one-program kernel, plus a few 256-wide histogram loads
-  and atomic adds per program.
+  row's codes are read once per round and once more to count and to compact, plus a few histogram loads and
+  atomic adds per program.
 """
 from __future__ import annotations
 
@@ -67,15 +78,30 @@ MAX_TILE = 4096  # codes per loaded tile (16 per thread at 8 warps)
 MIN_TILE = 1024
 
 # Row split (few long rows). Chosen from the costs of the one-program kernel (one row of 32k keys: 76 us on an
-# H200, about 2 us per 4096-wide tile and round); measured with these values (H200, CUDA graph): one row of
-# 32k 28 us, 64 rows of 32k 72 us (99 with one program per row). Not swept further.
+# H200, about 2 us per 4096-wide tile and round); measured with these values (H200, CUDA graph, codes of real
+# indexer scores): one row of 32k 30 us, 16 rows of 32k 37 us, 64 rows of 32k 75 us (82 with 3 programs per
+# SM, 121 with one program per row).
 SPLIT_TILE = 1024  # codes per loaded tile of the row-split kernels (8 per thread at 4 warps)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split while B * rows < this many programs per SM
-SPLIT_PROGRAMS_PER_SM = 3  # aim for about this many (chunk, row) programs per SM
+SPLIT_PROGRAMS_PER_SM = 6  # aim for about this many (chunk, row) programs per SM
 SPLIT_MIN_ROW_TILES = 4  # rows narrower than this many tiles stay one program per row
 SPLIT_MIN_CHUNK_TILES = 2  # each chunk streams at least this many tiles
 INTERPRETER_SMS = 4  # the SM count assumed under the Triton interpreter (so CPU tests take both paths)
 INTERPRETER_SPLIT_TILE = 16
+
+# Digit widths and the register-resident rows. H200, CUDA graph, codes of real indexer scores (64 heads x 128,
+# top-k 2048). A round's histogram costs about log2(bins) warp ballots plus bins / 32 popcounts per code, so
+# 4-bit digits are cheaper per resolved bit than 8-bit ones where a round costs no launch: the tiled kernel
+# with 4-bit digits takes 4096 causal rows of 16k keys in 1.02 ms (1.29 with 8-bit), 4096 x 4k in 148 us (175),
+# 1024 x 32k 604 us (605). The row split pays a launch per round: 8-bit digits (64 x 32k 75 us, 4-bit 82). The
+# register-resident kernel wins for a few dozen rows of at most 8k keys (64 x 8k 26.9 us: row split 36.9, tiles
+# 49.7) and loses for wider rows (64 x 32k 98.6 us, one row of 32k 97.5, 1024 x 32k 797) and for prefill.
+MAX_RESIDENT_WIDTH = 65536  # widest row (codes, rounded up to a power of two) the resident kernel can hold
+AUTO_RESIDENT_WIDTH = 8192  # widest row it takes when the path is chosen automatically
+AUTO_RESIDENT_ROWS_PER_SM = 0.25  # ... for B * rows from this many per SM up to SPLIT_BELOW_PROGRAMS_PER_SM
+RESIDENT_BITS = 4  # digit width of its radix rounds (32 / RESIDENT_BITS rounds at most)
+TILED_BITS = 4  # digit width of the one-program-per-row tiled kernel
+SPLIT_BITS = 8  # digit width of the row split (a launch per round)
 
 
 @triton.jit
@@ -103,30 +129,32 @@ def _radix_init(TOPK):
 
 
 @triton.jit
-def _round_hist(row, stride_ct, lo, hi, start, stop, prefix, prefix_mask, RND: tl.constexpr,
+def _round_hist(row, stride_ct, lo, hi, start, stop, prefix, prefix_mask, RND: tl.constexpr, BITS: tl.constexpr,
                 BLOCK: tl.constexpr):
-    """Round ``RND``'s 256-bin histogram of the code byte ``3 - RND`` over the tiles ``[start, stop)`` of a
-    row, among its codes in ``[lo, hi)`` that are visible and match ``prefix`` under ``prefix_mask``. ``u`` is
-    the code with its sign bit flipped: the same order, unsigned, so its bytes can be binned."""
+    """Round ``RND``'s ``2**BITS``-bin histogram of the code's digit ``RND`` (``BITS`` wide, most significant
+    first) over the tiles ``[start, stop)`` of a row, among its codes in ``[lo, hi)`` that are visible and match
+    ``prefix`` under ``prefix_mask``. ``u`` is the code with its sign bit flipped: the same order, unsigned, so
+    its digits can be binned."""
     hidden = -2147483647 - 1
-    shift = 24 - 8 * RND
-    hist = tl.zeros([256], dtype=tl.int32)
+    shift = 32 - BITS * (RND + 1)
+    hist = tl.zeros([1 << BITS], dtype=tl.int32)
     for tile in range(start, stop, BLOCK):
         offs = tile + tl.arange(0, BLOCK)
         code = tl.load(row + offs * stride_ct, mask=(offs >= lo) & (offs < hi), other=hidden)
         u = code ^ hidden
         match = (code != hidden) & ((u & prefix_mask) == prefix)
-        hist += tl.histogram((u >> shift) & 255, 256, mask=match)
+        hist += tl.histogram((u >> shift) & ((1 << BITS) - 1), 1 << BITS, mask=match)
     return hist
 
 
 @triton.jit
-def _radix_step(hist, prefix, prefix_mask, remaining, total, exact, RND: tl.constexpr):
-    """The state after round ``RND`` given its histogram ``hist`` (all zero once ``exact``): keep the bin
-    holding the ``remaining``-th best matching key. ``exact``: the chosen bin is wholly in the top-k (every
-    key with ``u >= prefix`` is), so later rounds change nothing."""
-    shift = 24 - 8 * RND
-    bins = tl.arange(0, 256)
+def _radix_step(hist, prefix, prefix_mask, remaining, total, exact, RND: tl.constexpr, BITS: tl.constexpr):
+    """The state after round ``RND`` (digit width ``BITS``: the code bits ``[32 - BITS (RND + 1), 32 - BITS
+    RND)``) given its histogram ``hist`` (``2**BITS`` bins; all zero once ``exact``): keep the bin holding the
+    ``remaining``-th best matching key. ``exact``: the chosen bin is wholly in the top-k (every key with
+    ``u >= prefix`` is), so later rounds change nothing."""
+    shift = 32 - BITS * (RND + 1)
+    bins = tl.arange(0, 1 << BITS)
     matching = tl.sum(hist, 0)
     if RND == 0:
         total = matching
@@ -137,7 +165,7 @@ def _radix_step(hist, prefix, prefix_mask, remaining, total, exact, RND: tl.cons
     left = want - tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
     remaining = tl.where(exact, remaining, left)
     prefix = tl.where(exact, prefix, prefix | (digit << shift))
-    prefix_mask = prefix_mask | ((tl.zeros([], dtype=tl.int32) + 255) << shift)
+    prefix_mask = prefix_mask | ((tl.zeros([], dtype=tl.int32) + ((1 << BITS) - 1)) << shift)
     exact = exact | (left == in_bin)
     return prefix, prefix_mask, remaining, total, exact
 
@@ -190,7 +218,7 @@ def radix_topk_kernel(
     stride_cb, stride_cs, stride_ct,
     stride_ob, stride_os, stride_ok,
     row0, TOPK,
-    BLOCK: tl.constexpr,
+    BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Out[b, local, :TOPK] = the top-TOPK key indices of code row ``Codes[b, local, lo:hi]`` in ascending
     order, -1 padded, where [lo, hi) = [Lo[row0 + local], Hi[row0 + local]). Grid (rows, B)."""
@@ -203,17 +231,64 @@ def radix_topk_kernel(
     row = Codes + b * stride_cb + local * stride_cs
 
     prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
-    for rnd in tl.static_range(4):
+    for rnd in tl.static_range(32 // BITS):
         hist = _round_hist(row, stride_ct, lo, hi, first, tl.where(exact, first, hi), prefix, prefix_mask,
-                           rnd, BLOCK)
+                           rnd, BITS, BLOCK)
         prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
-                                                                   exact, rnd)
+                                                                   exact, rnd, BITS)
     tau, ties, exact = _select_rule(prefix, remaining, total, exact, TOPK)
 
     out = Out + b * stride_ob + local * stride_os
     taken, _ = _compact(row, stride_ct, out, stride_ok, lo, hi, first, hi, tau, ties, exact,
                         tl.zeros([], dtype=tl.int32), tl.zeros([], dtype=tl.int32), BLOCK)
     _pad(out, stride_ok, taken, TOPK, BLOCK)
+
+
+# ----------------------------------------------------------------------------------------------
+# One program per row, the row held in registers.
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def resident_topk_kernel(
+    Codes, Lo, Hi, Out,
+    stride_cb, stride_cs, stride_ct,
+    stride_ob, stride_os, stride_ok,
+    row0, TOPK,
+    WIDTH: tl.constexpr, BITS: tl.constexpr,
+):
+    """As ``radix_topk_kernel`` for rows of at most ``WIDTH`` codes (a power of two): the program loads its
+    row once into registers (``u``: the code with its sign bit flipped, 0 for a hidden key), runs the radix
+    rounds over ``BITS``-bit digits from there (a round is skipped once the select is exact) and compacts with
+    two scans over the row. Grid (rows, B)."""
+    local = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    qi = row0 + local
+    lo = tl.load(Lo + qi)
+    hi = tl.load(Hi + qi)
+    hidden = -2147483647 - 1
+    offs = tl.arange(0, WIDTH)
+    row = Codes + b * stride_cb + local * stride_cs
+    u = tl.load(row + offs * stride_ct, mask=(offs >= lo) & (offs < hi), other=hidden) ^ hidden
+
+    prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
+    for rnd in tl.static_range(32 // BITS):
+        if exact == 0:
+            match = (u != 0) & ((u & prefix_mask) == prefix)
+            shift: tl.constexpr = 32 - BITS * (rnd + 1)
+            hist = tl.histogram((u >> shift) & ((1 << BITS) - 1), 1 << BITS, mask=match)
+            prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
+                                                                       exact, rnd, BITS)
+    tau, ties, exact = _select_rule(prefix, remaining, total, exact, TOPK)
+
+    code = u ^ hidden
+    visible = u != 0
+    eq = ((code == tau) & visible).to(tl.int32)
+    tie_rank = tl.cumsum(eq, 0) - eq
+    sel = (code > tau) | ((eq != 0) & (tie_rank < ties)) | (exact & (code >= tau) & visible)
+    sel = sel.to(tl.int32)
+    pos = tl.cumsum(sel, 0) - sel
+    out = Out + b * stride_ob + local * stride_os
+    tl.store(out + pos * stride_ok, offs.to(tl.int32), mask=sel != 0)
+    _pad(out, stride_ok, tl.sum(sel, 0), TOPK, 1024)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,26 +329,27 @@ def split_hist_kernel(
     Codes, Lo, Hi, Hist, State,
     stride_cb, stride_cs, stride_ct, stride_hr, stride_sk, stride_sf,
     row0, TOPK, CHUNKS,
-    RND: tl.constexpr, BLOCK: tl.constexpr,
+    RND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Round ``RND`` of the row-split select. Each program takes the row's state after round ``RND - 2``
     (``State[RND - 1]``) one ``_radix_step`` further with round ``RND - 1``'s complete histogram, chunk 0
     stores it (``State[RND]``), and adds this chunk's round ``RND`` histogram into ``Hist[RND, b, local]``.
-    Hist int32 [4, B, rows, 256] zeroed, State int32 [5, 5, B, rows], both contiguous. Grid (CHUNKS, rows, B)."""
+    Hist int32 [R, B, rows, 2**BITS] zeroed, State int32 [R + 1, 5, B, rows] (R = 32 / BITS rounds), both
+    contiguous. Grid (CHUNKS, rows, B)."""
     chunk = tl.program_id(0).to(tl.int64)
     local = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     lo, hi, start, stop = _chunk_tiles(Lo, Hi, row0 + local, chunk, CHUNKS, BLOCK)
     row_id = b * tl.num_programs(1) + local
-    hists = Hist + row_id * 256
+    hists = Hist + row_id * (1 << BITS)
     if RND == 0:
         prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
     else:
         prefix, prefix_mask, remaining, total, exact = _load_state(State, stride_sk, stride_sf, row_id, RND - 1,
                                                                    TOPK)
-        hist = tl.load(hists + (RND - 1) * stride_hr + tl.arange(0, 256))
+        hist = tl.load(hists + (RND - 1) * stride_hr + tl.arange(0, 1 << BITS))
         prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
-                                                                   exact, RND - 1)
+                                                                   exact, RND - 1, BITS)
         first = chunk == 0
         state = State + RND * stride_sk + row_id
         tl.store(state, prefix, mask=first)
@@ -283,8 +359,8 @@ def split_hist_kernel(
         tl.store(state + 4 * stride_sf, exact.to(tl.int32), mask=first)
     row = Codes + b * stride_cb + local * stride_cs
     hist = _round_hist(row, stride_ct, lo, hi, start, tl.where(exact, start, stop), prefix, prefix_mask,
-                       RND, BLOCK)
-    tl.atomic_add(hists + RND * stride_hr + tl.arange(0, 256), hist, mask=hist != 0, sem="relaxed")
+                       RND, BITS, BLOCK)
+    tl.atomic_add(hists + RND * stride_hr + tl.arange(0, 1 << BITS), hist, mask=hist != 0, sem="relaxed")
 
 
 @triton.jit
@@ -292,10 +368,10 @@ def split_count_kernel(
     Codes, Lo, Hi, Hist, State, Counts,
     stride_cb, stride_cs, stride_ct, stride_hr, stride_sk, stride_sf, stride_nk,
     row0, TOPK, CHUNKS,
-    BLOCK: tl.constexpr,
+    BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """After the four rounds: each program finishes the select (round 3's histogram), chunk 0 stores the rule
-    (tau, ties, exact) in ``State[4, :3]``, and Counts[0, b, local, chunk] = this chunk's codes selected for
+    """After the rounds: each program finishes the select (the last round's histogram), chunk 0 stores the rule
+    (tau, ties, exact) in ``State[0, :3]`` (slot 0 holds no state: the initial one is not stored), and Counts[0, b, local, chunk] = this chunk's codes selected for
     sure (> tau, or >= tau when ``exact``), Counts[1, ...] = its visible codes equal to tau (int32
     [2, B, rows, CHUNKS], contiguous; ``stride_nk`` between the two). Grid (CHUNKS, rows, B)."""
     chunk = tl.program_id(0).to(tl.int64)
@@ -303,13 +379,14 @@ def split_count_kernel(
     b = tl.program_id(2).to(tl.int64)
     lo, hi, start, stop = _chunk_tiles(Lo, Hi, row0 + local, chunk, CHUNKS, BLOCK)
     row_id = b * tl.num_programs(1) + local
-    prefix, prefix_mask, remaining, total, exact = _load_state(State, stride_sk, stride_sf, row_id, 3, TOPK)
-    hist = tl.load(Hist + row_id * 256 + 3 * stride_hr + tl.arange(0, 256))
+    last: tl.constexpr = 32 // BITS - 1
+    prefix, prefix_mask, remaining, total, exact = _load_state(State, stride_sk, stride_sf, row_id, last, TOPK)
+    hist = tl.load(Hist + row_id * (1 << BITS) + last * stride_hr + tl.arange(0, 1 << BITS))
     prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
-                                                               exact, 3)
+                                                               exact, last, BITS)
     tau, ties, exact = _select_rule(prefix, remaining, total, exact, TOPK)
     first = chunk == 0
-    state = State + 4 * stride_sk + row_id
+    state = State + row_id
     tl.store(state, tau, mask=first)
     tl.store(state + stride_sf, ties, mask=first)
     tl.store(state + 2 * stride_sf, exact.to(tl.int32), mask=first)
@@ -332,7 +409,7 @@ def split_count_kernel(
 @triton.jit
 def split_write_kernel(
     Codes, Lo, Hi, State, Counts, Out,
-    stride_cb, stride_cs, stride_ct, stride_sk, stride_sf, stride_nk,
+    stride_cb, stride_cs, stride_ct, stride_sf, stride_nk,
     stride_ob, stride_os, stride_ok,
     row0, TOPK, CHUNKS,
     BLOCK: tl.constexpr, CHUNKS_P2: tl.constexpr,
@@ -344,7 +421,7 @@ def split_write_kernel(
     b = tl.program_id(2).to(tl.int64)
     lo, hi, start, stop = _chunk_tiles(Lo, Hi, row0 + local, chunk, CHUNKS, BLOCK)
     row_id = b * tl.num_programs(1) + local
-    state = State + 4 * stride_sk + row_id
+    state = State + row_id
     tau = tl.load(state)
     ties = tl.load(state + stride_sf)
     exact = tl.load(state + 2 * stride_sf) != 0
@@ -377,7 +454,7 @@ def row_split_chunks(grid_rows: int, width: int, sm_count: int, tile: int = SPLI
     Split only while the grid of rows (``B * rows``) is under ``SPLIT_BELOW_PROGRAMS_PER_SM`` programs per SM
     and a row spans at least ``SPLIT_MIN_ROW_TILES`` tiles of ``tile`` codes; then aim for about
     ``SPLIT_PROGRAMS_PER_SM`` programs per SM, each chunk at least ``SPLIT_MIN_CHUNK_TILES`` tiles. On 132
-    SMs: 64 rows x 32k keys -> 6 chunks, 1 x 32k -> 16, 4096 x 4096 -> 1, 1 x 100 -> 1."""
+    SMs: 64 rows x 32k keys -> 12 chunks, 1 x 32k -> 16, 4096 x 4096 -> 1, 1 x 100 -> 1."""
     tiles = cdiv(width, tile)
     if grid_rows >= SPLIT_BELOW_PROGRAMS_PER_SM * sm_count or tiles < SPLIT_MIN_ROW_TILES:
         return 1
@@ -399,23 +476,55 @@ def _eager_and_small(codes: torch.Tensor, n_codes: int) -> bool:
     return n_codes < SPLIT_EAGER_MIN_CODES and not torch.cuda.is_current_stream_capturing()
 
 
+def resident_warps(width_p2: int) -> int:
+    """Warps of the register-resident kernel for rows of ``width_p2`` codes (H200 sweep: 16 warps at 8k and 16k,
+    i.e. 16 and 32 codes per thread; 32 warps at 32k, 32 per thread, 16% faster than 16 warps)."""
+    if width_p2 > 16384:
+        return 32
+    return max(4, min(16, width_p2 // 512))
+
+
+def _auto_resident(width_p2: int, grid_rows: int, sms: int) -> bool:
+    """Whether an automatic choice takes the register-resident kernel (see ``AUTO_RESIDENT_WIDTH``): rows of at
+    most that many codes, more than a few per GPU but fewer than the tiled kernel needs to fill it (batched
+    decode)."""
+    return (width_p2 <= AUTO_RESIDENT_WIDTH
+            and AUTO_RESIDENT_ROWS_PER_SM * sms <= grid_rows < SPLIT_BELOW_PROGRAMS_PER_SM * sms)
+
+
 def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row0: int, topk: int,
-                    out: torch.Tensor, *, chunks: int | None = None) -> None:
+                    out: torch.Tensor, *, chunks: int | None = None, resident: bool | None = None) -> None:
     """Write into ``out`` (int32 [B, rows, topk], any strides) the top-k of ``codes`` (int32 [B, rows, width]
     from ``score_codes``) in ascending key order; row ``r`` sees columns ``lo[row0 + r] <= s < hi[row0 + r]``
     (int64 [S]; ``hi`` at most ``width``).
 
-    ``chunks``: None picks the path (``row_split_chunks``, and one program per row for an eager call over few
+    ``resident``: None picks the register-resident kernel (``resident_topk_kernel``) unless ``chunks`` is given,
+    for rows of at most ``AUTO_RESIDENT_WIDTH`` codes when there are enough of them (``_auto_resident``); True
+    forces it (``width`` at most ``MAX_RESIDENT_WIDTH``), False keeps the tiled kernels. ``chunks``, on the
+    tiled kernels: None picks the path (``row_split_chunks``, and one program per row for an eager call over few
     codes: ``_eager_and_small``); 1 forces one program per row, more forces the row split into that many chunks
     per row."""
     b, rows, width = codes.shape
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise arg_error("chunks", chunks, "None or an int >= 1")
+    if resident is not None and not isinstance(resident, bool):
+        raise arg_error("resident", resident, "None, True or False")
+    width_p2 = max(16, next_power_of_2(width))
+    if resident and width_p2 > MAX_RESIDENT_WIDTH:
+        raise arg_error("resident", resident, f"None or False for rows wider than {MAX_RESIDENT_WIDTH} codes")
     if b * rows == 0:
+        return
+    sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else sm_count(cuda_index(codes.device))
+    if resident is None:
+        resident = chunks is None and _auto_resident(width_p2, b * rows, sms)
+    if resident:
+        resident_topk_kernel[(rows, b)](
+            codes, lo, hi, out, *codes.stride(), *out.stride(), row0, topk, WIDTH=width_p2, BITS=RESIDENT_BITS,
+            num_warps=1 if interpreted() else resident_warps(width_p2),
+        )
         return
     split_tile = INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE
     if chunks is None:
-        sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else sm_count(cuda_index(codes.device))
         chunks = row_split_chunks(b * rows, width, sms, split_tile)
         if chunks > 1 and _eager_and_small(codes, b * rows * width):
             chunks = 1
@@ -423,38 +532,41 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
         _row_split(codes, lo, hi, row0, topk, out, chunks, split_tile)
         return
     # About eight tiles per row: a pass's fixed cost (merging the warps' histograms) against the padding of a
-    # row's last tile (H200: 4k x 4k causal 251 us with 1024-wide tiles, 379 with 4096; one 32k row 122 us
-    # with 4096, 194 with 1024).
+    # row's last tile (H200, 8-bit digits: 4k x 4k causal 251 us with 1024-wide tiles, 379 with 4096; one 32k
+    # row 122 us with 4096, 194 with 1024).
     tile = min(MAX_TILE, max(MIN_TILE, next_power_of_2(width // 8)))
     if interpreted():
         tile = min(max(16, next_power_of_2(width)), 64)
     radix_topk_kernel[(rows, b)](
-        codes, lo, hi, out, *codes.stride(), *out.stride(), row0, topk,
+        codes, lo, hi, out, *codes.stride(), *out.stride(), row0, topk, BITS=TILED_BITS,
         BLOCK=tile, num_warps=1 if interpreted() else (8 if tile >= 2048 else 4),
     )
 
 
 def _row_split(codes, lo, hi, row0: int, topk: int, out, chunks: int, tile: int) -> None:
-    """The row-split path (module docstring): a memset and six launches of grid (chunks, rows, B). ``state``
-    slot ``r`` (1 to 3) holds the select state after rounds ``< r``, slot 4 the rule (tau, ties, exact); slot 0
-    is unused (the initial state is not stored)."""
+    """The row-split path (module docstring): a memset and ``32 / SPLIT_BITS + 2`` launches of grid (chunks,
+    rows, B). ``state`` slot ``r`` (1 to rounds - 1) holds the select state after rounds ``< r``, slot 0 the
+    rule (tau, ties, exact) once the rounds are done (the initial state is not stored)."""
     b, rows, _ = codes.shape
     device = codes.device
-    hist = torch.zeros((4, b, rows, 256), dtype=torch.int32, device=device)
-    state = torch.empty((5, 5, b, rows), dtype=torch.int32, device=device)
+    bits = SPLIT_BITS
+    rounds = 32 // bits
+    hist = torch.zeros((rounds, b, rows, 1 << bits), dtype=torch.int32, device=device)
+    state = torch.empty((rounds, 5, b, rows), dtype=torch.int32, device=device)
     counts = torch.empty((2, b, rows, chunks), dtype=torch.int32, device=device)
     grid = (chunks, rows, b)
     warps = 1 if interpreted() else 4
     strides = (*codes.stride(), hist.stride(0), state.stride(0), state.stride(1))
-    for rnd in range(4):
+    for rnd in range(rounds):
         split_hist_kernel[grid](
-            codes, lo, hi, hist, state, *strides, row0, topk, chunks, RND=rnd, BLOCK=tile, num_warps=warps,
+            codes, lo, hi, hist, state, *strides, row0, topk, chunks, RND=rnd, BITS=bits, BLOCK=tile,
+            num_warps=warps,
         )
     split_count_kernel[grid](
         codes, lo, hi, hist, state, counts, *strides, counts.stride(0), row0, topk, chunks,
-        BLOCK=tile, num_warps=warps,
+        BITS=bits, BLOCK=tile, num_warps=warps,
     )
     split_write_kernel[grid](
-        codes, lo, hi, state, counts, out, *codes.stride(), state.stride(0), state.stride(1), counts.stride(0),
+        codes, lo, hi, state, counts, out, *codes.stride(), state.stride(1), counts.stride(0),
         *out.stride(), row0, topk, chunks, BLOCK=tile, CHUNKS_P2=next_power_of_2(chunks), num_warps=warps,
     )

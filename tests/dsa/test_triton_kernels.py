@@ -52,6 +52,41 @@ def test_indexer_kernel(args):
         assert_true_topk(got, scores, visible, case.topk)
 
 
+@pytest.mark.parametrize("descriptor", [True, False])
+def test_indexer_decode_key_descriptor(descriptor, monkeypatch):
+    """Decode (fewer than SHORT_QUERIES queries) with the keys loaded through a TMA descriptor or by pointers:
+    the same exact selection on integer-valued inputs (exact scores), a causal range and a key mask included;
+    keys past T inside the last tile are zero-filled by the descriptor and coded hidden."""
+    from kda_compile.ops.dsa import triton_indexer
+
+    monkeypatch.setattr(triton_indexer, "DECODE_KEY_DESCRIPTOR", descriptor)
+    g = torch.Generator().manual_seed(1)
+    b, s_len, t_len, heads, dim, topk = 2, 3, 70, 4, 16, 9
+    q = torch.randint(-2, 3, (b, s_len, heads, dim), generator=g).half()
+    k = torch.randint(-2, 3, (b, t_len, dim), generator=g).half()
+    w = torch.randint(-2, 3, (b, s_len, heads), generator=g).half()
+    key_mask = torch.rand(b, t_len, generator=g) > 0.2
+    assert (triton_indexer.key_descriptor(k.to(DEVICE), 16, dim) is not None) is (
+        descriptor and (torch.device(DEVICE).type == "cpu" or torch.cuda.get_device_capability()[0] >= 9))
+    for mask in (None, key_mask):
+        got = indexer_topk_triton(q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), None if mask is None else mask.to(DEVICE),
+                                  None, topk, 0.5, True)
+        want = dense_topk(dense_scores(q, k, w, 0.5), dense_visible(b, s_len, t_len, True, mask), topk)
+        assert torch.equal(got.cpu(), want)
+
+
+def test_key_descriptor_only_where_tma_can_load():
+    """No descriptor for float32 keys, a non-unit last stride, a head width that is not the block's, or
+    misaligned strides: those keep the pointer loads."""
+    from kda_compile.ops.dsa.triton_indexer import key_descriptor
+
+    k = torch.zeros(2, 40, 32, dtype=torch.float16, device=DEVICE)
+    assert key_descriptor(k.float(), 16, 32) is None
+    assert key_descriptor(k[:, :, ::2], 16, 16) is None
+    assert key_descriptor(k[:, :, :24], 16, 32) is None
+    assert key_descriptor(torch.zeros(2, 40, 36, dtype=torch.float16, device=DEVICE)[..., :32], 16, 32) is None
+
+
 def _check_kernels(args, config=None):
     case = args.case
     q, k, v, idx = args["q"], args["k"], args["v"], args["indices"]

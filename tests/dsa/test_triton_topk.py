@@ -4,9 +4,9 @@ rule, ascending key order).
 
 Runs on CUDA, or on CPU under the Triton interpreter (small tiles there). Scores are drawn with many ties
 (quantised), signed zeros, infinities and the extremes of float32, over visible ranges that are empty,
-partial or wider than one tile, with top-k below, at and above the visible count. Both paths are checked:
-one program per row and the row split (forced with ``chunks``, including more chunks than a row has tiles),
-and the function that chooses between them.
+partial or wider than one tile, with top-k below, at and above the visible count. Every path is checked: the
+register-resident row (at each digit width), one program per row over tiles and the row split (forced with
+``chunks``, including more chunks than a row has tiles), and the functions that choose between them.
 """
 import pytest
 import torch
@@ -54,21 +54,47 @@ def topk_cases(draw):
     return scores, visible, lo, hi, topk
 
 
-def _check(scores, visible, lo, hi, topk, chunks=None):
+def _check(scores, visible, lo, hi, topk, chunks=None, resident=None):
     want = topk_from_keys(order_keys(scores, visible), topk)
     codes = reference_codes(scores, visible).to(DEVICE)
     out = torch.full((*scores.shape[:2], topk), 7, dtype=torch.int32, device=DEVICE)
-    triton_topk.topk_from_codes(codes, lo.to(DEVICE), hi.to(DEVICE), 0, topk, out, chunks=chunks)
+    triton_topk.topk_from_codes(codes, lo.to(DEVICE), hi.to(DEVICE), 0, topk, out, chunks=chunks,
+                                resident=resident)
     assert torch.equal(out.cpu(), want)
 
 
 @settings(max_examples=16, deadline=None)
-@given(topk_cases())
-def test_radix_topk_equals_torch_topk(case):
-    _check(*case)
+@given(topk_cases(), st.sampled_from(["resident", "tiles"]))
+def test_radix_topk_equals_torch_topk(case, path):
+    _check(*case, chunks=1 if path == "tiles" else None, resident=path == "resident")
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
+PATHS = {"resident": ("RESIDENT_BITS", dict(resident=True)), "tiles": ("TILED_BITS", dict(chunks=1)),
+         "split": ("SPLIT_BITS", dict(chunks=3))}
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_digit_widths(path, bits, monkeypatch):
+    """Every digit width each kernel can run (32 / bits rounds at most) selects the same keys: quantised
+    scores (ties at the threshold), the special values, a batch with nothing visible."""
+    constant, kwargs = PATHS[path]
+    monkeypatch.setattr(triton_topk, constant, bits)
+    g = torch.Generator().manual_seed(bits)
+    table = torch.tensor(SPECIAL)
+    special = table[torch.randint(0, len(SPECIAL), (2, 2, 120), generator=g)]
+    quantised = (torch.randn(2, 2, 120, generator=g) * 2).round()
+    lo = torch.tensor([0, 13])
+    hi = torch.tensor([120, 101])
+    keep = torch.ones(2, 1, 120, dtype=torch.bool)
+    keep[1] = False
+    for scores in (special, quantised):
+        case = _range_case(scores, lo, hi, keep)
+        for topk in (1, 7, 40, 130):
+            _check(*case, topk, **kwargs)
+
+
+@pytest.mark.parametrize("chunks", [None, 1, 3])
 def test_row_offset_and_strided_output(chunks):
     """``row0`` picks the rows' ranges from [S]-long lo / hi; ``out`` may be a strided view (the launcher
     writes blocks of query rows into the full output). Both paths."""
@@ -135,7 +161,7 @@ def test_row_split_special_and_hidden():
 
 
 @pytest.mark.parametrize("grid_rows, width, sms, chunks", [
-    (64, 32768, 132, 6),  # decode, batch 64: 3 x 132 // 64 programs per row
+    (64, 32768, 132, 12),  # decode, batch 64: 6 x 132 // 64 programs per row
     (1, 32768, 132, 16),  # decode, batch 1: capped at 2 tiles of 1024 per chunk
     (1, 131072, 132, 64),
     (4096, 4096, 132, 1),  # prefill: the rows fill the GPU
@@ -145,6 +171,63 @@ def test_row_split_special_and_hidden():
 ])
 def test_row_split_choice(grid_rows, width, sms, chunks):
     assert triton_topk.row_split_chunks(grid_rows, width, sms, 1024) == chunks
+
+
+@pytest.mark.parametrize("width_p2, grid_rows, resident", [
+    (8192, 64, True),  # decode, batch 64 x 8k
+    (4096, 200, True),
+    (8192, 4096, False),  # prefill: the tiled kernel fills the GPU
+    (16384, 64, False),  # wider rows: the row split
+    (32768, 64, False),
+    (8192, 16, False),  # too few rows for the SMs: the row split
+])
+def test_resident_auto_choice(width_p2, grid_rows, resident):
+    assert triton_topk._auto_resident(width_p2, grid_rows, 132) is resident
+
+
+def test_resident_warps():
+    assert [triton_topk.resident_warps(w) for w in (16, 2048, 8192, 16384, 32768, 65536)] == [4, 4, 16, 16, 32, 32]
+
+
+def test_resident_choice(monkeypatch):
+    """Rows up to AUTO_RESIDENT_WIDTH codes take the register-resident kernel unless ``chunks`` names a tiled
+    path or the rows are too few; wider rows take the tiled kernels, and forcing the resident kernel beyond
+    MAX_RESIDENT_WIDTH is an error."""
+    launched = []
+    monkeypatch.setattr(triton_topk, "MAX_RESIDENT_WIDTH", 64)
+    monkeypatch.setattr(triton_topk, "AUTO_RESIDENT_WIDTH", 64)
+    monkeypatch.setattr(triton_topk, "AUTO_RESIDENT_ROWS_PER_SM", 0.0)  # any row count
+    real = triton_topk.resident_topk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_topk, "resident_topk_kernel", Spy())
+    scores = torch.randn(1, 2, 60)
+    case = _range_case(scores, torch.tensor([0, 3]), torch.tensor([60, 50]))
+    _check(*case, 10)
+    assert launched == [(2, 1)]
+    _check(*case, 10, chunks=1)
+    assert launched == [(2, 1)]
+    wide = _range_case(torch.randn(1, 2, 70), torch.tensor([0, 3]), torch.tensor([70, 50]))
+    _check(*wide, 10)
+    assert launched == [(2, 1)]
+    with pytest.raises(ValueError, match="resident must be None or False for rows wider than 64 codes"):
+        _check(*wide, 10, resident=True)
+    monkeypatch.setattr(triton_topk, "AUTO_RESIDENT_ROWS_PER_SM", 1.0)  # 2 rows: fewer than one per SM
+    _check(*case, 10)
+    assert launched == [(2, 1)]
+
+
+@pytest.mark.parametrize("resident", ["yes", 1])
+def test_resident_argument_rejected(resident):
+    codes = torch.zeros(1, 1, 8, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(1, 1, 4, dtype=torch.int32, device=DEVICE)
+    bounds = torch.tensor([0, 8], device=DEVICE)
+    with pytest.raises(ValueError, match="resident must be None, True or False"):
+        triton_topk.topk_from_codes(codes, bounds[:1], bounds[1:], 0, 4, out, resident=resident)
 
 
 @pytest.mark.parametrize("chunks", [0, -2, 2.0, True])

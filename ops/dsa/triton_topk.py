@@ -74,8 +74,9 @@ from kda_compile.ops._common import arg_error, cdiv, cuda_index, next_power_of_2
 from kda_compile.ops._common import triton_interpreted as interpreted
 
 CODE_HIDDEN = -(2**31)  # the code of a key the query may not see: below every visible code
-MAX_TILE = 4096  # codes per loaded tile (16 per thread at 8 warps)
-MIN_TILE = 1024
+MAX_TILE = 4096  # codes per loaded tile of the tiled kernel's wide rows (16 per thread at 8 warps)
+SMALL_TILE = 512  # ... and of rows up to SMALL_TILE_WIDTH codes
+SMALL_TILE_WIDTH = 16384
 
 # Row split (few long rows). Chosen from the costs of the one-program kernel (one row of 32k keys: 76 us on an
 # H200, about 2 us per 4096-wide tile and round); measured with these values (H200, CUDA graph, codes of real
@@ -92,8 +93,8 @@ INTERPRETER_SPLIT_TILE = 16
 # Digit widths and the register-resident rows. H200, CUDA graph, codes of real indexer scores (64 heads x 128,
 # top-k 2048). A round's histogram costs about log2(bins) warp ballots plus bins / 32 popcounts per code, so
 # 4-bit digits are cheaper per resolved bit than 8-bit ones where a round costs no launch: the tiled kernel
-# with 4-bit digits takes 4096 causal rows of 16k keys in 1.02 ms (1.29 with 8-bit), 4096 x 4k in 148 us (175),
-# 1024 x 32k 604 us (605). The row split pays a launch per round: 8-bit digits (64 x 32k 75 us, 4-bit 82). The
+# with 4-bit digits takes 4096 causal rows of 16k keys in 1.02 ms (1.29 with 8-bit; 0.94 with the tiles of
+# ``tiled_config``), 4096 x 4k in 148 us (175; 136), 1024 x 32k 604 us (605). The row split pays a launch per round: 8-bit digits (64 x 32k 75 us, 4-bit 82). The
 # register-resident kernel wins for a few dozen rows of at most 8k keys (64 x 8k 26.9 us: row split 36.9, tiles
 # 49.7) and loses for wider rows (64 x 32k 98.6 us, one row of 32k 97.5, 1024 x 32k 797) and for prefill.
 MAX_RESIDENT_WIDTH = 65536  # widest row (codes, rounded up to a power of two) the resident kernel can hold
@@ -371,9 +372,10 @@ def split_count_kernel(
     BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """After the rounds: each program finishes the select (the last round's histogram), chunk 0 stores the rule
-    (tau, ties, exact) in ``State[0, :3]`` (slot 0 holds no state: the initial one is not stored), and Counts[0, b, local, chunk] = this chunk's codes selected for
-    sure (> tau, or >= tau when ``exact``), Counts[1, ...] = its visible codes equal to tau (int32
-    [2, B, rows, CHUNKS], contiguous; ``stride_nk`` between the two). Grid (CHUNKS, rows, B)."""
+    (tau, ties, exact) in ``State[0, :3]`` (slot 0 holds no state: the initial one is not stored), and
+    Counts[0, b, local, chunk] = this chunk's codes selected for sure (> tau, or >= tau when ``exact``),
+    Counts[1, ...] = its visible codes equal to tau (int32 [2, B, rows, CHUNKS], contiguous; ``stride_nk``
+    between the two). Grid (CHUNKS, rows, B)."""
     chunk = tl.program_id(0).to(tl.int64)
     local = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -476,6 +478,16 @@ def _eager_and_small(codes: torch.Tensor, n_codes: int) -> bool:
     return n_codes < SPLIT_EAGER_MIN_CODES and not torch.cuda.is_current_stream_capturing()
 
 
+def tiled_config(width: int) -> tuple[int, int]:
+    """(codes per tile, warps) of the one-program-per-row tiled kernel for rows of ``width`` codes. H200 sweep with
+    4-bit digits (causal rows, CUDA graph): rows up to 16k codes take 512-code tiles, 4 warps up to 8k (4096 x 4k
+    136 us; 1024 / 4 148, 2048 / 8 180) and 8 above (4096 x 16k 938 us; 1024 / 4 987, 2048 / 8 1016); wider rows
+    4096-code tiles with 8 warps (1024 x 32k 609 us; 2048 / 8 611, 1024 / 8 648, 512 / 4 680)."""
+    if width <= SMALL_TILE_WIDTH:
+        return SMALL_TILE, 4 if width <= 8192 else 8
+    return min(MAX_TILE, next_power_of_2(width // 8)), 8
+
+
 def resident_warps(width_p2: int) -> int:
     """Warps of the register-resident kernel for rows of ``width_p2`` codes (H200 sweep: 16 warps at 8k and 16k,
     i.e. 16 and 32 codes per thread; 32 warps at 32k, 32 per thread, 16% faster than 16 warps)."""
@@ -531,15 +543,12 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     if chunks > 1:
         _row_split(codes, lo, hi, row0, topk, out, chunks, split_tile)
         return
-    # About eight tiles per row: a pass's fixed cost (merging the warps' histograms) against the padding of a
-    # row's last tile (H200, 8-bit digits: 4k x 4k causal 251 us with 1024-wide tiles, 379 with 4096; one 32k
-    # row 122 us with 4096, 194 with 1024).
-    tile = min(MAX_TILE, max(MIN_TILE, next_power_of_2(width // 8)))
+    tile, warps = tiled_config(width)
     if interpreted():
-        tile = min(max(16, next_power_of_2(width)), 64)
+        tile, warps = min(max(16, next_power_of_2(width)), 64), 1
     radix_topk_kernel[(rows, b)](
         codes, lo, hi, out, *codes.stride(), *out.stride(), row0, topk, BITS=TILED_BITS,
-        BLOCK=tile, num_warps=1 if interpreted() else (8 if tile >= 2048 else 4),
+        BLOCK=tile, num_warps=warps,
     )
 
 

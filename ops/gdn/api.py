@@ -10,9 +10,11 @@ import torch
 
 from kda_compile.ops._common import gradients_needed
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
+from kda_compile.ops.gdn import backends as gdn_backends
 from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
-from kda_compile.ops.kda.api import deferred_argument_error, dispatcher_needed
+from kda_compile.ops.kda import fast_path
+from kda_compile.ops.kda.api import deferred_argument_error, dispatcher_needed, planned_call
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
                                             reject_unsupported_kwargs, state_layout_alias)
 
@@ -86,6 +88,18 @@ def chunk_gated_delta_rule(
     broadcast over K; elsewhere the reference math. The choice is logged
     (``kda_compile.ops.gdn.backends``; ``only_backends`` overrides it).
     """
+    plan_key = None
+    if cp_context is None and not kwargs and not check_inputs:  # eager inference may skip the host work below
+        options = ("chunk_gdn", scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                   use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
+                   gdn_backends.REGISTRY.allowed)  # GDN's only_backends (the signature holds KDA's)
+        plan_key = fast_path.signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                                       options)
+        if plan_key is not None:
+            out = planned_call(plan_key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                               output_final_state, state_v_first)
+            if out is not None:
+                return out
     one_process = None
     if cp_context is not None:  # each piece of this rank's slice runs as a one-process call with these options
         one_process = functools.partial(
@@ -96,7 +110,7 @@ def chunk_gated_delta_rule(
     return _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log,
                 dt_bias, chunk_size, recurrent=False, cu_seqlens_cpu=cu_seqlens_cpu, check_inputs=check_inputs,
-                unsupported=("chunk_gated_delta_rule", kwargs, {}), cp=(cp_context, one_process))
+                unsupported=("chunk_gated_delta_rule", kwargs, {}), cp=(cp_context, one_process), plan_key=plan_key)
 
 
 def fused_recurrent_gated_delta_rule(
@@ -155,9 +169,25 @@ chunk_gdn = chunk_gated_delta_rule
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule
 
 
+def _learn_plan(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, chunk_size):
+    """A launch plan for this signature if the ordinary path ran our CUDA chunk kernels (``fast_path.learn``);
+    ``flags``: the op's (scale, output_final_state, l2norm, in-kernel gate, beta sigmoid, negative eigenvalues)."""
+    scale, output_final_state, l2norm, gate_in_kernel, beta_sigmoid, neg_eig = flags
+    opts = gdn_backends.GDNOptions(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
+                                   use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig,
+                                   chunk_size=chunk_size)
+    served = lambda: gdn_backends.select_backend(  # noqa: E731
+        "chunk_gdn", q.device, q.dtype, q.shape[-1], v.shape[-1], opts).name == "chunk_kernels"
+    fast_path.learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=scale,
+                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm,
+                    use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig, safe_gate=False,
+                    lower_bound=None, chunk_size=chunk_size, scalar_gate=True, served_by_our_kernels=served)
+
+
 def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, *,
-         recurrent: bool, cu_seqlens_cpu=None, check_inputs: bool = False, unsupported=None, cp=(None, None)):
+         recurrent: bool, cu_seqlens_cpu=None, check_inputs: bool = False, unsupported=None, cp=(None, None),
+         plan_key=None):
     compiling = torch.compiler.is_compiling()
     cp_context, one_process = cp
     try:
@@ -201,6 +231,8 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     elif not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
         o, final = custom_ops.chunk_gdn_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                   int(chunk_size), cu_seqlens_cpu)
+        if plan_key is not None:  # later calls of this signature may skip the work above
+            _learn_plan(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, int(chunk_size))
     else:
         o, final, *_ = custom_ops.chunk_gdn_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                 int(chunk_size), needs_grad)

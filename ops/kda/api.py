@@ -129,8 +129,8 @@ def chunk_kda(
         plan_key = fast_path.signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
                                        options)
         if plan_key is not None:
-            out = _planned_call(plan_key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                                output_final_state, state_v_first)
+            out = planned_call(plan_key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                               output_final_state, state_v_first)
             if out is not None:
                 return out
     unsupported = {"return_intermediate_states": return_intermediate_states, **kwargs}
@@ -150,10 +150,10 @@ def chunk_kda(
                 plan_key=plan_key)
 
 
-def _planned_call(key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+def planned_call(key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
                   output_final_state, state_v_first):
     """The call through its signature's launch plan (``fast_path``), or None when it has none or needs what a plan
-    does not do (gradients, the dispatcher)."""
+    does not do (gradients, the dispatcher). Shared by ``chunk_kda`` and GDN's ``chunk_gated_delta_rule``."""
     plan = fast_path.lookup(key)
     if plan is None:
         return None

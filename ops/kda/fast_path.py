@@ -1,4 +1,4 @@
-"""Eager KDA prefill inference on our CUDA kernels with the host work done once per call signature.
+"""Eager KDA and GDN prefill inference on our CUDA kernels with the host work done once per call signature.
 
 An eager ``chunk_kda`` call through the ordinary path checks its arguments, chooses a backend and kernels, plans
 the chunks of packed sequences, allocates a dozen tensors and builds each kernel's ctypes argument list: about
@@ -25,6 +25,10 @@ or asks for ``check_inputs`` never reaches a plan. Value checks that cost no syn
 call (``cu_seqlens_cpu``'s offsets). At most ``MAX_PLANS`` signatures are kept (the oldest are dropped).
 ``KDA_COMPILE_LAUNCH_PLANS=0`` sends every call through the ordinary path.
 
+GDN (``chunk_gated_delta_rule``) runs the same two kernels with the prepare compiled for the scalar gate
+(``scalar_gate``): its calls learn plans the same way, with the gate's form in the signature's options and the
+GDN backend choice asked by its caller (``served_by_our_kernels``), so nothing here imports GDN.
+
 Ops layer: nothing here knows of torch.compile beyond declining to run while Dynamo traces.
 """
 from __future__ import annotations
@@ -34,6 +38,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -54,13 +59,16 @@ SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"  # triton_chunk.SEGMENTS_ENV (that
 PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary path (debugging, measuring)
 _ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, CHECK_INPUTS_ENV,
                 "TRITON_INTERPRET")
+_UNSET_OR_OFF = (None, "", b"", "0", b"0")  # KDA_COMPILE_CHECK_INPUTS values that ask for no value checks
 _plans: dict[tuple, "Plan | None"] = {}  # signature -> plan, or None: the ordinary path serves it
 _seen: dict[tuple, None] = {}  # signatures served once by the ordinary path (insertion-ordered, bounded)
 _plans_lock = threading.Lock()
 
 
 def _meta(t):
-    return None if t is None else (t.shape, t.dtype, t.get_device(), t.is_contiguous())
+    if not isinstance(t, torch.Tensor):  # None, or a bad argument: its call takes the ordinary path's checks
+        return None if t is None else (type(t),)
+    return (t.shape, t.dtype, t.get_device(), t.is_contiguous())
 
 
 def _environment_reader():
@@ -78,17 +86,19 @@ _environment = _environment_reader()
 
 
 def signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, options: tuple):
-    """The plan key of a ``chunk_kda`` call, or None for calls no plan can serve (not bf16 CUDA q with K = 128, or
-    while Dynamo traces). ``options``: every other argument of the call, as given. The key holds only what is needed
+    """The plan key of a ``chunk_kda`` or ``chunk_gated_delta_rule`` call, or None for calls no plan can serve (not
+    bf16 CUDA q [B, T, H, 128], or while Dynamo traces). ``options``: every other argument of the call, as given
+    (GDN's start with the op's name). The key holds only what is needed
     (a signature costs host time on every call): per tensor its shape, dtype, device index and contiguity, and the
     initial state's strides (the scan reads any)."""
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or not q.is_cuda or q.dtype != torch.bfloat16
-            or q.shape[-1] != HEAD_DIM):
+            or q.dim() != 4 or q.shape[-1] != HEAD_DIM):
         return None
     environment = _environment()
-    if environment[0] in ("0", b"0"):
-        return None
-    h0 = None if initial_state is None else (_meta(initial_state), initial_state.stride())
+    if environment[0] in ("0", b"0") or environment[4] not in _UNSET_OR_OFF:
+        return None  # plans switched off, or KDA_COMPILE_CHECK_INPUTS set (its checks run in the ordinary path)
+    h0 = (_meta(initial_state), initial_state.stride()) if isinstance(initial_state, torch.Tensor) else _meta(
+        initial_state)
     return (q.shape, q.get_device(), q.is_contiguous(), _meta(k), _meta(v), _meta(g), _meta(beta), h0,
             _meta(cu_seqlens), _meta(cu_seqlens_cpu), _meta(A_log), _meta(dt_bias), options, environment,
             restricted_to())
@@ -180,10 +190,13 @@ class Plan:
 
 def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale: float, output_final_state: bool,
           use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
-          lower_bound: float | None, chunk_size: int) -> None:
+          lower_bound: float | None, chunk_size: int, scalar_gate: bool = False,
+          served_by_our_kernels: Callable[[], bool] | None = None) -> None:
     """After the ordinary path served an eager inference call of signature ``key``: keep a plan when that call ran
     our CUDA prepare and scan kernels (asked of the same choice functions), else remember that none applies.
-    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view; the gate is the in-kernel one (``signature``)."""
+    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view. KDA: the in-kernel lower-bound gate. GDN
+    (``scalar_gate``): the scalar gate, in-kernel (``A_log`` given) or finished; ``served_by_our_kernels`` says
+    whether GDN's backend choice takes our chunk kernels for this call."""
     if key is None or key in _plans:
         return
     with _plans_lock:  # a plan from the second call of a signature on: a shape seen once (a new prompt length)
@@ -196,7 +209,7 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
     try:
         plan = _build(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                      chunk_size)
+                      chunk_size, scalar_gate, served_by_our_kernels)
     except NvrtcUnavailable as exc:  # the ordinary path has recorded this as a fallback already
         logger.debug("no launch plan: %s", exc)
         plan = None
@@ -207,7 +220,7 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
 
 
 def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final_state, l2norm, beta_sigmoid,
-           neg_eig, safe_gate, lower_bound, chunk_size) -> Plan | None:
+           neg_eig, safe_gate, lower_bound, chunk_size, scalar_gate=False, served_by_our_kernels=None) -> Plan | None:
     # here, not at import: these need triton, which CPU-only installs may lack
     from kda_compile.ops.kda import cuda_prepare, cuda_scan
     from kda_compile.ops.kda.triton_chunk import _device_sms, cuda_scan_is_faster
@@ -215,23 +228,29 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else B
-    if B * T == 0 or N <= 0 or K != HEAD_DIM or V != HEAD_DIM or lower_bound is None:
-        return None
+    if B * T == 0 or N <= 0 or K != HEAD_DIM or V != HEAD_DIM or (lower_bound is None) is not scalar_gate:
+        return None  # KDA: the lower-bound gate only; GDN: no lower bound
     if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
         return None
-    for name, t, numel in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV * K)):
+    for name, t, numel in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV if scalar_gate else HV * K)):
         if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != numel):
             return None  # the ordinary path converts them on every call
     if varlen and (not cu_seqlens.is_contiguous() or cu_seqlens.device != q.device):
         return None
     if h0 is not None and h0.device != q.device:
         return None
-    opts = KDAOptions(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True,
-                      use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig, lower_bound=lower_bound,
-                      safe_gate=safe_gate, chunk_size=chunk_size)
-    if select_backend("chunk_kda", q.device, q.dtype, K, V, opts).name != "triton_chunk":
-        return None
-    if cuda_prepare.choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, True, lower_bound) != "cuda":
+    if scalar_gate:
+        if served_by_our_kernels is None or not served_by_our_kernels():
+            return None
+    else:
+        opts = KDAOptions(scale=scale, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True,
+                          use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig, lower_bound=lower_bound,
+                          safe_gate=safe_gate, chunk_size=chunk_size)
+        if select_backend("chunk_kda", q.device, q.dtype, K, V, opts).name != "triton_chunk":
+            return None
+    op = "chunk_gdn" if scalar_gate else "chunk_kda"
+    if cuda_prepare.choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, not scalar_gate, lower_bound,
+                                          scalar_gate=scalar_gate, op=op) != "cuda":
         return None
     no_offsets = torch.empty(0, dtype=torch.int32)
     scan_choice = cuda_scan.choose_scan_kernel(
@@ -247,7 +266,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     flags = (varlen, l2norm, A_log is not None, dt_bias is not None, beta_sigmoid, False)
     with on_device(index):
         ensure_thread_context(index)
-        prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags)
+        prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags, scalar_gate=scalar_gate)
         scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v)
         planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
     row_words = HV * V // 2
@@ -256,7 +275,8 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
                 planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
-                beta_scale=2.0 if neg_eig else 1.0, lower_bound=lower_bound, T=T, N=N, H=H, HV=HV,
+                beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if scalar_gate else lower_bound, T=T, N=N, H=H,
+                HV=HV,
                 h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words)
 
 

@@ -185,6 +185,11 @@ def test_resident_auto_choice(width_p2, grid_rows, resident):
     assert triton_topk._auto_resident(width_p2, grid_rows, 132) is resident
 
 
+def test_tiled_config():
+    assert [triton_topk.tiled_config(w) for w in (100, 4096, 8192, 16384, 32768, 131072)] == [
+        (512, 4), (512, 4), (512, 4), (512, 8), (4096, 8), (4096, 8)]
+
+
 def test_resident_warps():
     assert [triton_topk.resident_warps(w) for w in (16, 2048, 8192, 16384, 32768, 65536)] == [4, 4, 16, 16, 32, 32]
 

@@ -1,8 +1,6 @@
 """Launch plans of eager KDA prefill inference (ops/kda/fast_path.py): a planned call returns exactly what the
 ordinary path returns (bitwise: the same kernels on the same inputs), plans are used only where the ordinary path
 would run our CUDA kernels, the value checks still run, and a planned call can be captured in a CUDA graph."""
-import os
-
 import pytest
 import torch
 
@@ -65,8 +63,8 @@ def _inputs(B, T, H, HV, *, offsets=None, cu_dtype=torch.int32, h0=True, v_first
     g = torch.randn(B, T, HV, K, device="cuda")
     beta = torch.randn(B, T, HV, device="cuda")
     state = torch.randn(N, HV, V, K, device="cuda") if v_first else torch.randn(N, HV, K, V, device="cuda")
-    return dict(q=torch.randn(B, T, H, K, **bf16), k=torch.randn(B, T, H, K, **bf16), v=torch.randn(B, T, HV, V, **bf16),
-                g=g if fp32_gate else g.bfloat16(), beta=beta if fp32_gate else beta.bfloat16(),
+    return dict(q=torch.randn(B, T, H, K, **bf16), k=torch.randn(B, T, H, K, **bf16),
+                v=torch.randn(B, T, HV, V, **bf16), g=g if fp32_gate else g.bfloat16(), beta=beta if fp32_gate else beta.bfloat16(),
                 A_log=torch.rand(HV, device="cuda"), dt_bias=torch.randn(HV * K, device="cuda") * 0.1,
                 initial_state=state if h0 else None, output_final_state=h0, state_v_first=v_first,
                 cu_seqlens=None if offsets is None else torch.tensor(offsets, device="cuda", dtype=cu_dtype),
@@ -140,6 +138,29 @@ def test_no_plan_where_the_ordinary_path_runs_other_kernels(monkeypatch):
         chunk_kda(**{**x, "lower_bound": -6.0})  # beyond the CUDA prepare's design
         chunk_kda(**{**x, "lower_bound": -6.0})
     assert fast_path.plan_count() == 1 and calls.n == 0
+
+
+@cuda
+def test_no_plan_while_value_checks_are_asked_for(monkeypatch):
+    """``KDA_COMPILE_CHECK_INPUTS=1``: every call runs the ordinary path, whose op checks the values."""
+    calls = _Calls(monkeypatch)
+    monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "1")
+    x = _inputs(1, 200, 2, 2)
+    with torch.inference_mode():
+        for _ in range(3):
+            chunk_kda(**x)
+    assert fast_path.plan_count() == 0 and calls.n == 0
+
+
+@cuda
+def test_a_bad_argument_reaches_the_argument_checks():
+    x = _inputs(1, 64, 2, 2)
+    with torch.inference_mode():
+        for _ in range(2):
+            chunk_kda(**x)
+        for bad in ([1, 2], None):
+            with pytest.raises(TypeError, match="k must be a (torch.T|t)ensor"):
+                chunk_kda(**{**x, "k": bad})
 
 
 @cuda

@@ -17,7 +17,8 @@
     columns). No double backward.
 
 The default kernels (any device; what runs on CPU) are the blockwise torch references; CUDA runs the
-Triton kernels (``kernels.py`` chooses, and logs any fallback).
+Triton kernels (``kernels.py`` chooses, and logs any fallback). ``*_impl`` are those per-device choices as plain
+functions: the ops run them, and so do eager calls that need no dispatcher (``api.py``).
 """
 from __future__ import annotations
 
@@ -47,15 +48,17 @@ def _fresh(t: Tensor, inputs) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # Indexer + top-k
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("kda_compile::dsa_indexer_topk", mutates_args=())
-def dsa_indexer_topk_op(q: Tensor, k: Tensor, weights: Tensor, key_mask: Optional[Tensor],
-                        cu_seqlens: Optional[Tensor], topk: int, scale: float, is_causal: bool) -> Tensor:
+def indexer_topk_impl(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
+    """What the op runs on the inputs' device; eager calls that need no dispatcher call it directly (``api``)."""
+    if q.device.type == "cuda":
+        return kernels.indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
     return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
 
 
-@dsa_indexer_topk_op.register_kernel("cuda")
-def _dsa_indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
-    return kernels.indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
+@torch.library.custom_op("kda_compile::dsa_indexer_topk", mutates_args=())
+def dsa_indexer_topk_op(q: Tensor, k: Tensor, weights: Tensor, key_mask: Optional[Tensor],
+                        cu_seqlens: Optional[Tensor], topk: int, scale: float, is_causal: bool) -> Tensor:
+    return indexer_topk_impl(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
 
 
 @dsa_indexer_topk_op.register_fake
@@ -67,19 +70,18 @@ def _dsa_indexer_topk_fake(q, k, weights, key_mask, cu_seqlens, topk, scale, is_
 # ----------------------------------------------------------------------------------------------
 # Pooled indexer + top-k (glm5_next)
 # ----------------------------------------------------------------------------------------------
+def pooled_indexer_topk_impl(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail):
+    """What the op runs on the inputs' device; eager calls that need no dispatcher call it directly (``api``)."""
+    run = kernels.pooled_indexer_topk_cuda if q.device.type == "cuda" else pooled_indexer_topk_reference
+    return run(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail)
+
+
 @torch.library.custom_op("kda_compile::dsa_pooled_indexer_topk", mutates_args=())
 def dsa_pooled_indexer_topk_op(q: Tensor, k: Tensor, gate: Tensor, weights: Tensor, key_valid: Optional[Tensor],
                                ape: Tensor, query_mask: Optional[Tensor], topk: int, scale: float, q_offset: int,
                                select_tail: bool) -> Tensor:
-    return pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
-                                         select_tail)
-
-
-@dsa_pooled_indexer_topk_op.register_kernel("cuda")
-def _dsa_pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
-                                  select_tail):
-    return kernels.pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
-                                            select_tail)
+    return pooled_indexer_topk_impl(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset,
+                                    select_tail)
 
 
 @dsa_pooled_indexer_topk_op.register_fake
@@ -91,16 +93,19 @@ def _dsa_pooled_indexer_topk_fake(q, k, gate, weights, key_valid, ape, query_mas
 # ----------------------------------------------------------------------------------------------
 # Sparse attention
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("kda_compile::dsa_sparse_attention_fwd", mutates_args=())
-def dsa_sparse_attention_fwd(q: Tensor, k: Tensor, v: Optional[Tensor], indices: Tensor, scale: float,
-                             d_v: int) -> tuple[Tensor, Tensor]:
+def sparse_attention_fwd_impl(q, k, v, indices, scale, d_v):
+    """What the forward op runs on the inputs' device; eager calls that need neither autograd nor the dispatcher
+    call it directly (``api``)."""
+    if q.device.type == "cuda":
+        return kernels.sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v)
     o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
     return o.to(q.dtype).contiguous(), lse.contiguous()
 
 
-@dsa_sparse_attention_fwd.register_kernel("cuda")
-def _dsa_sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
-    return kernels.sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v)
+@torch.library.custom_op("kda_compile::dsa_sparse_attention_fwd", mutates_args=())
+def dsa_sparse_attention_fwd(q: Tensor, k: Tensor, v: Optional[Tensor], indices: Tensor, scale: float,
+                             d_v: int) -> tuple[Tensor, Tensor]:
+    return sparse_attention_fwd_impl(q, k, v, indices, scale, d_v)
 
 
 @dsa_sparse_attention_fwd.register_fake

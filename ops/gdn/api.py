@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from kda_compile.ops._common import gradients_needed
+from kda_compile.ops._common import dispatcher_needed, gradients_needed
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.gdn import backends as gdn_backends
 from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
 from kda_compile.ops.kda import fast_path
-from kda_compile.ops.kda.api import deferred_argument_error, dispatcher_needed, planned_call
+from kda_compile.ops.kda.api import deferred_argument_error, planned_call
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
                                             reject_unsupported_kwargs, state_layout_alias)
 

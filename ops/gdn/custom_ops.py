@@ -156,7 +156,7 @@ def fused_recurrent_gdn_impl(
     use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool,
 ) -> tuple[Tensor, Tensor]:
     """The kernel of ``fused_recurrent_gdn_fwd``; eager decode calls it directly (see
-    ``kda_compile.ops.kda.api.dispatcher_needed``: the dispatcher's Python path costs more than a step)."""
+    ``kda_compile.ops._common.dispatcher_needed``: the dispatcher's Python path costs more than a step)."""
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval)
     run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kda_compile.ops._common import gradients_needed, record_fallback
+from kda_compile.ops._common import dispatcher_needed, gradients_needed, record_fallback  # noqa: F401  (re-exported)
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.kda import custom_ops, fast_path
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
@@ -203,22 +203,6 @@ def fused_recurrent_kda(
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
                 state_v_first, cu_seqlens, A_log, dt_bias, 64, recurrent=True, check_inputs=check_inputs,
                 unsupported=("fused_recurrent_kda", kwargs, {}))
-
-
-def dispatcher_needed(*tensors) -> bool:
-    """Whether a call must go through the custom op rather than straight to its kernel: while
-    Dynamo traces (the op must appear in the graph), under a dispatch mode (fake tensors, tracing,
-    profilers that count ops) or a functorch transform, or when an input is a tensor subclass (a
-    DTensor: the op's sharding rule runs it on the local shards). Otherwise eager inference (decode, and
-    prefill without gradients) skips the dispatcher's Python path: tens of microseconds, more than a decode
-    kernel, and with the prefill op's empty residual outputs about 0.3 ms, more than a 2k-token prefill's
-    kernels (H100)."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._are_functorch_transforms_active()
-            or any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors))
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,

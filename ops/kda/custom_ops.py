@@ -128,7 +128,7 @@ def chunk_kda_inference(
     chunk_size: int, cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``chunk_kda_fwd`` without saving for the backward, called directly by eager inference (see
-    ``dispatcher_needed`` in api.py): the same backend and kernels, without the custom-op dispatcher's Python
+    ``ops._common.dispatcher_needed``): the same backend and kernels, without the custom-op dispatcher's Python
     path and the thirteen empty residual outputs the op's schema needs (on an H100 those cost about 0.3 ms of
     host time per call, more than the kernels of a 2k-token prefill). ``cu_seqlens_cpu`` (the caller's host copy
     of ``cu_seqlens``, same values) lets the backend plan packed sequences on the host: no device-side planning
@@ -268,7 +268,7 @@ def fused_recurrent_kda_impl(
     use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, lower_bound: Optional[float],
 ) -> tuple[Tensor, Tensor]:
     """The kernel of ``fused_recurrent_kda_fwd``. Eager decode may call it directly (see
-    ``dispatcher_needed`` in api.py): one decode step is a few microseconds of GPU work, and the
+    ``ops._common.dispatcher_needed``): one decode step is a few microseconds of GPU work, and the
     custom-op dispatcher's Python path costs more than that."""
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                     allow_neg_eigval, lower_bound, False, 64)

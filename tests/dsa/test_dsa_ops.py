@@ -108,3 +108,49 @@ def test_sparse_attention_matches_dense(absorbed, dtype, tol, device):
     grads_ref = torch.autograd.grad(loss_ref, ref_leaves)
     for name, g, r in zip("qkv", grads, grads_ref):
         assert_rel_close(g, r, max(tol, 1e-6) * 10, name=f"d{name}")
+
+
+class _Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that changes nothing: calls under it must go through the custom ops."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _spy(monkeypatch, name):
+    """Record which function called ``custom_ops.<name>``: the public API (eager, no dispatcher) or the op."""
+    import sys
+
+    from kda_compile.ops.dsa import custom_ops
+
+    callers, real = [], getattr(custom_ops, name)
+
+    def spy(*args):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return real(*args)
+    monkeypatch.setattr(custom_ops, name, spy)
+    return callers
+
+
+def test_eager_calls_skip_the_dispatcher(monkeypatch, device):
+    """Eager calls without autograd run the ops' implementations directly (no dispatcher: its host time was more
+    than a decode step's kernels) and return what the ops return; a dispatch mode, or gradients for the attention,
+    take the ops."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = quantised((1, 3, 2, 8), gen).to(device), quantised((1, 9, 8), gen).to(device)
+    w = quantised((1, 3, 2), gen, -1, 2).to(device)
+    callers = _spy(monkeypatch, "indexer_topk_impl")
+    direct = dsa_indexer_topk(q, k, w, 4)
+    with _Passthrough():
+        through_op = dsa_indexer_topk(q, k, w, 4)
+    assert callers == ["dsa_indexer_topk", "dsa_indexer_topk_op"]
+    assert torch.equal(direct, through_op)
+
+    qa = torch.randn(1, 3, 4, 16, generator=gen).to(device)
+    kv = torch.randn(1, 9, 1, 16, generator=gen).to(device)
+    callers = _spy(monkeypatch, "sparse_attention_fwd_impl")
+    o, lse = dsa_sparse_attention(qa, kv, None, direct, d_v=8)
+    o_grad, lse_grad = dsa_sparse_attention(qa.requires_grad_(), kv, None, direct, d_v=8)
+    assert callers == ["dsa_sparse_attention", "dsa_sparse_attention_fwd"]
+    assert o.grad_fn is None and o_grad.grad_fn is not None
+    assert torch.equal(o, o_grad.detach()) and torch.equal(lse, lse_grad.detach())

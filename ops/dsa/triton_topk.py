@@ -30,12 +30,14 @@ ballots plus ``2**BITS / 32`` popcounts per code: a 16-bin round costs a few tim
 row split pays a launch per round and keeps 8-bit digits (``TILED_BITS``, ``SPLIT_BITS``, ``RESIDENT_BITS``,
 H200 numbers beside them).
 
-Three kernels run this select (``topk_from_codes`` picks one: ``_auto_resident``, then ``row_split_chunks``):
+Three kernels run this select (``topk_from_codes`` picks one with ``choose_path``):
 
 - **Register-resident row** (``resident_topk_kernel``, one launch, one program per row): the program loads its
   row once into registers (up to ``MAX_RESIDENT_WIDTH`` codes, 4 to 32 warps), runs the rounds from there and
   compacts with two scans of the row. Taken automatically for batched decode: rows of at most
-  ``AUTO_RESIDENT_WIDTH`` codes, more than a few but too few to fill the GPU with the tiled kernel.
+  ``AUTO_RESIDENT_WIDTH`` codes, more than a few but too few to fill the GPU with the tiled kernel; outside a
+  CUDA-graph capture also for many codes in rows of up to ``EAGER_RESIDENT_WIDTH`` (one launch instead of the
+  row split's seven).
 - **One program per row over tiles** (``radix_topk_kernel``, one launch): the program streams its row once per
   round and once to compact, keeping the histograms in registers. Used whenever the grid of rows
   (``B * rows``) fills the GPU (prefill) or rows are short.
@@ -465,17 +467,37 @@ def row_split_chunks(grid_rows: int, width: int, sm_count: int, tile: int = SPLI
 
 
 SPLIT_EAGER_MIN_CODES = 1 << 20  # outside a CUDA-graph capture, the row split runs from this many codes up
+EAGER_RESIDENT_WIDTH = 32768  # ... and rows up to this many codes take the resident kernel instead
 
 
-def _eager_and_small(codes: torch.Tensor, n_codes: int) -> bool:
-    """True when the row split's seven launches would cost more host time than its GPU time saves: a CUDA call
-    that is not being captured into a graph, over fewer than ``SPLIT_EAGER_MIN_CODES`` codes. H200, eager
-    indexer call (do_bench): one row of 8k keys 0.17 ms with one program per row, 0.76 ms split (host-bound);
-    64 rows of 32k 0.39 ms against 0.33 ms split; in a CUDA graph the split wins at every decode shape (one row
-    of 32k: 76 -> 28 us; 64 rows of 32k: 99 -> 72 us)."""
+def _uncaptured(codes: torch.Tensor) -> bool:
+    """True for a CUDA call that is not being captured into a CUDA graph: each launch then costs host time (eager
+    calls, and compiled graphs run without CUDA graphs)."""
     if codes.device.type != "cuda" or interpreted():
         return False
-    return n_codes < SPLIT_EAGER_MIN_CODES and not torch.cuda.is_current_stream_capturing()
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def choose_path(width: int, grid_rows: int, sms: int, uncaptured: bool) -> tuple[str, int]:
+    """("resident" | "tiles" | "split", chunks) for an automatic choice (neither ``chunks`` nor ``resident`` given).
+
+    Batched decode over short rows takes the resident kernel (``_auto_resident``); a grid of rows that fills the
+    GPU, or short rows, the tiled kernel; few long rows the row split. Outside a CUDA-graph capture the split's
+    seven launches cost host time: under ``SPLIT_EAGER_MIN_CODES`` codes in all the tiled kernel runs instead (one
+    launch; H200, eager indexer call: one row of 8k keys 0.17 ms with one program per row, 0.76 ms split), and rows
+    of at most ``EAGER_RESIDENT_WIDTH`` codes take the resident kernel (one launch; 64 rows of 32k: 98 us of GPU
+    time against the split's 75 us and six launches fewer). In a CUDA graph the split wins at every decode shape
+    (one row of 32k: 30 us against 85 tiled; 64 rows of 32k: 75 us against 98 resident)."""
+    width_p2 = max(16, next_power_of_2(width))
+    if _auto_resident(width_p2, grid_rows, sms):
+        return "resident", 1
+    chunks = row_split_chunks(grid_rows, width, sms, INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE)
+    if chunks > 1 and uncaptured:
+        if grid_rows * width < SPLIT_EAGER_MIN_CODES:
+            return "tiles", 1
+        if width_p2 <= EAGER_RESIDENT_WIDTH:
+            return "resident", 1
+    return ("split", chunks) if chunks > 1 else ("tiles", 1)
 
 
 def tiled_config(width: int) -> tuple[int, int]:
@@ -510,12 +532,10 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     from ``score_codes``) in ascending key order; row ``r`` sees columns ``lo[row0 + r] <= s < hi[row0 + r]``
     (int64 [S]; ``hi`` at most ``width``).
 
-    ``resident``: None picks the register-resident kernel (``resident_topk_kernel``) unless ``chunks`` is given,
-    for rows of at most ``AUTO_RESIDENT_WIDTH`` codes when there are enough of them (``_auto_resident``); True
-    forces it (``width`` at most ``MAX_RESIDENT_WIDTH``), False keeps the tiled kernels. ``chunks``, on the
-    tiled kernels: None picks the path (``row_split_chunks``, and one program per row for an eager call over few
-    codes: ``_eager_and_small``); 1 forces one program per row, more forces the row split into that many chunks
-    per row."""
+    With neither ``chunks`` nor ``resident`` given, ``choose_path`` picks the kernel. ``resident``: True forces
+    the register-resident kernel (``width`` at most ``MAX_RESIDENT_WIDTH``), False the tiled kernels (then
+    ``row_split_chunks`` chooses, one program per row for an uncaptured call over few codes). ``chunks`` forces a
+    tiled kernel: 1 one program per row, more the row split into that many chunks per row."""
     b, rows, width = codes.shape
     if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise arg_error("chunks", chunks, "None or an int >= 1")
@@ -527,19 +547,20 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     if b * rows == 0:
         return
     sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else sm_count(cuda_index(codes.device))
-    if resident is None:
-        resident = chunks is None and _auto_resident(width_p2, b * rows, sms)
+    split_tile = INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE
+    if resident is None and chunks is None:
+        path, chunks = choose_path(width, b * rows, sms, _uncaptured(codes))
+        resident = path == "resident"
+    elif chunks is None:  # resident=False: the tiled kernels, their own choice
+        chunks = row_split_chunks(b * rows, width, sms, split_tile)
+        if chunks > 1 and _uncaptured(codes) and b * rows * width < SPLIT_EAGER_MIN_CODES:
+            chunks = 1
     if resident:
         resident_topk_kernel[(rows, b)](
             codes, lo, hi, out, *codes.stride(), *out.stride(), row0, topk, WIDTH=width_p2, BITS=RESIDENT_BITS,
             num_warps=1 if interpreted() else resident_warps(width_p2),
         )
         return
-    split_tile = INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE
-    if chunks is None:
-        chunks = row_split_chunks(b * rows, width, sms, split_tile)
-        if chunks > 1 and _eager_and_small(codes, b * rows * width):
-            chunks = 1
     if chunks > 1:
         _row_split(codes, lo, hi, row0, topk, out, chunks, split_tile)
         return

@@ -185,6 +185,22 @@ def test_resident_auto_choice(width_p2, grid_rows, resident):
     assert triton_topk._auto_resident(width_p2, grid_rows, 132) is resident
 
 
+@pytest.mark.parametrize("width, grid_rows, uncaptured, path", [
+    (8192, 64, False, ("resident", 1)),  # batched decode over 8k keys
+    (8192, 64, True, ("resident", 1)),
+    (32768, 64, False, ("split", 12)),  # in a CUDA graph: the row split
+    (32768, 64, True, ("resident", 1)),  # uncaptured, 2M codes: one launch instead of seven
+    (32768, 1, False, ("split", 16)),
+    (32768, 1, True, ("tiles", 1)),  # uncaptured, few codes: one program per row
+    (65536, 64, True, ("split", 12)),  # wider than the resident kernel's uncaptured limit
+    (16384, 4096, False, ("tiles", 1)),  # prefill
+    (100, 4, False, ("tiles", 1)),
+])
+def test_choose_path(width, grid_rows, uncaptured, path, monkeypatch):
+    monkeypatch.setattr(triton_topk, "interpreted", lambda: False)  # the GPU's tile sizes
+    assert triton_topk.choose_path(width, grid_rows, 132, uncaptured) == path
+
+
 def test_tiled_config():
     assert [triton_topk.tiled_config(w) for w in (100, 4096, 8192, 16384, 32768, 131072)] == [
         (512, 4), (512, 4), (512, 4), (512, 8), (4096, 8), (4096, 8)]

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count, triton_interpreted as interpreted
+from kda_compile.ops._common import (cdiv, cuda_index, device_capability, next_power_of_2, sm_count,
+                                     triton_interpreted as interpreted)
 from kda_compile.ops.dsa.reference import visible_ranges
 from kda_compile.ops.dsa.triton_topk import score_codes, topk_from_codes
 
@@ -171,7 +172,7 @@ def key_descriptor(k: torch.Tensor, block_n: int, block_d: int):
     TB/s; batch 64 x 8k 54 against 58 us). The Triton interpreter runs the descriptor path too."""
     if not DECODE_KEY_DESCRIPTOR or k.dtype not in (torch.float16, torch.bfloat16) or k.shape[2] != block_d:
         return None
-    if not interpreted() and (k.device.type != "cuda" or torch.cuda.get_device_capability(k.device)[0] < 9):
+    if not interpreted() and (k.device.type != "cuda" or device_capability(cuda_index(k.device))[0] < 9):
         return None
     size = k.element_size()
     if k.stride(2) != 1 or k.data_ptr() % 16 or any((st * size) % 16 for st in k.stride()[:2]):

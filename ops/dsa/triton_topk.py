@@ -11,7 +11,7 @@ The select, for one query row:
 1. Radix select: rounds over the row's visible range ``[lo, hi)``, one ``BITS``-wide digit of the code each,
    most significant first (``32 / BITS`` rounds: four of 8 bits, or eight of 4). A round builds the
    histogram of that digit among the keys that still match the prefix chosen so far and keeps the bin holding
-   the ``remaining``-th best key (``_radix_step``). After the last round the prefix is the exact code ``tau``
+   the ``remaining``-th best key (``radix_step``). After the last round the prefix is the exact code ``tau``
    of the top-k's smallest member, and ``remaining`` says how many keys of code ``tau`` belong to the top-k.
    A round whose chosen bin belongs to the top-k whole ends the select early (``exact``): every key at or
    above that bin is in (with distinct scores this is the usual case after about half the rounds).
@@ -49,7 +49,7 @@ Three kernels run this select (``topk_from_codes`` picks one with ``choose_path`
 
   1. zero an int32 ``[R, B, rows, 2**SPLIT_BITS]`` histogram buffer (one per round);
   2. ``R`` launches of ``split_hist_kernel``, one per round ``r``: each program takes the row's select state
-     (prefix, prefix mask, remaining, total, exact) one ``_radix_step`` further with round ``r - 1``'s
+     (prefix, prefix mask, remaining, total, exact) one ``radix_step`` further with round ``r - 1``'s
      histogram, now complete (chunk 0 stores the new state in an int32 ``[R, 5, B, rows]`` buffer for the
      next launch), histograms its chunk's matching codes and adds them into round ``r``'s histogram with one
      atomic add per bin. Programs of a row whose select ended early skip their codes;
@@ -61,7 +61,7 @@ Three kernels run this select (``topk_from_codes`` picks one with ``choose_path`
      chunk there; chunk 0 writes the -1 padding.
 
   The histograms summed over chunks are those the one-program kernel builds, and both paths step through
-  them with the same ``_radix_step`` / ``_select_rule`` / ``_compact``, so they write the same indices. A
+  them with the same steps (``triton_radix_select.py``), so they write the same indices. A
   row's codes are read once per round and once more to count and to compact, plus a few histogram loads and
   atomic adds per program.
 """
@@ -74,6 +74,8 @@ import triton.language as tl
 
 from kda_compile.ops._common import arg_error, cdiv, cuda_index, next_power_of_2, sm_count
 from kda_compile.ops._common import triton_interpreted as interpreted
+from kda_compile.ops.dsa.triton_radix_select import (compact, compact_codes, digit_histogram, pad_to_topk, radix_init,
+                                                      radix_step, round_hist, select_rule)
 
 CODE_HIDDEN = -(2**31)  # the code of a key the query may not see: below every visible code
 MAX_TILE = 4096  # codes per loaded tile of the tiled kernel's wide rows (16 per thread at 8 warps)
@@ -96,9 +98,10 @@ INTERPRETER_SPLIT_TILE = 16
 # top-k 2048). A round's histogram costs about log2(bins) warp ballots plus bins / 32 popcounts per code, so
 # 4-bit digits are cheaper per resolved bit than 8-bit ones where a round costs no launch: the tiled kernel
 # with 4-bit digits takes 4096 causal rows of 16k keys in 1.02 ms (1.29 with 8-bit; 0.94 with the tiles of
-# ``tiled_config``), 4096 x 4k in 148 us (175; 136), 1024 x 32k 604 us (605). The row split pays a launch per round: 8-bit digits (64 x 32k 75 us, 4-bit 82). The
-# register-resident kernel wins for a few dozen rows of at most 8k keys (64 x 8k 26.9 us: row split 36.9, tiles
-# 49.7) and loses for wider rows (64 x 32k 98.6 us, one row of 32k 97.5, 1024 x 32k 797) and for prefill.
+# ``tiled_config``), 4096 x 4k in 148 us (175; 136), 1024 x 32k 604 us (605). The row split pays a launch per
+# round: 8-bit digits (64 x 32k 75 us, 4-bit 82). The register-resident kernel wins for a few dozen rows of at
+# most 8k keys (64 x 8k 26.9 us: row split 36.9, tiles 49.7) and loses for wider rows (64 x 32k 98.6 us, one row
+# of 32k 97.5, 1024 x 32k 797) and for prefill.
 MAX_RESIDENT_WIDTH = 65536  # widest row (codes, rounded up to a power of two) the resident kernel can hold
 AUTO_RESIDENT_WIDTH = 8192  # widest row it takes when the path is chosen automatically
 AUTO_RESIDENT_ROWS_PER_SM = 0.25  # ... for B * rows from this many per SM up to SPLIT_BELOW_PROGRAMS_PER_SM
@@ -115,101 +118,6 @@ def score_codes(score, visible):
     hidden = -2147483647 - 1
     code = tl.maximum(code, hidden + 1)  # only the all-ones NaN pattern maps onto the hidden code
     return tl.where(visible, code, hidden)
-
-
-# ----------------------------------------------------------------------------------------------
-# The select's steps, shared by both paths.
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _radix_init(TOPK):
-    """The select's state before round 0: (prefix, prefix_mask, remaining, total, exact)."""
-    prefix = tl.zeros([], dtype=tl.int32)
-    prefix_mask = tl.zeros([], dtype=tl.int32)
-    remaining = tl.zeros([], dtype=tl.int32) + TOPK
-    total = tl.zeros([], dtype=tl.int32)
-    exact = tl.zeros([], dtype=tl.int1)
-    return prefix, prefix_mask, remaining, total, exact
-
-
-@triton.jit
-def _round_hist(row, stride_ct, lo, hi, start, stop, prefix, prefix_mask, RND: tl.constexpr, BITS: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """Round ``RND``'s ``2**BITS``-bin histogram of the code's digit ``RND`` (``BITS`` wide, most significant
-    first) over the tiles ``[start, stop)`` of a row, among its codes in ``[lo, hi)`` that are visible and match
-    ``prefix`` under ``prefix_mask``. ``u`` is the code with its sign bit flipped: the same order, unsigned, so
-    its digits can be binned."""
-    hidden = -2147483647 - 1
-    shift = 32 - BITS * (RND + 1)
-    hist = tl.zeros([1 << BITS], dtype=tl.int32)
-    for tile in range(start, stop, BLOCK):
-        offs = tile + tl.arange(0, BLOCK)
-        code = tl.load(row + offs * stride_ct, mask=(offs >= lo) & (offs < hi), other=hidden)
-        u = code ^ hidden
-        match = (code != hidden) & ((u & prefix_mask) == prefix)
-        hist += tl.histogram((u >> shift) & ((1 << BITS) - 1), 1 << BITS, mask=match)
-    return hist
-
-
-@triton.jit
-def _radix_step(hist, prefix, prefix_mask, remaining, total, exact, RND: tl.constexpr, BITS: tl.constexpr):
-    """The state after round ``RND`` (digit width ``BITS``: the code bits ``[32 - BITS (RND + 1), 32 - BITS
-    RND)``) given its histogram ``hist`` (``2**BITS`` bins; all zero once ``exact``): keep the bin holding the
-    ``remaining``-th best matching key. ``exact``: the chosen bin is wholly in the top-k (every key with
-    ``u >= prefix`` is), so later rounds change nothing."""
-    shift = 32 - BITS * (RND + 1)
-    bins = tl.arange(0, 1 << BITS)
-    matching = tl.sum(hist, 0)
-    if RND == 0:
-        total = matching
-    want = tl.minimum(remaining, matching)
-    at_or_above = matching - (tl.cumsum(hist, 0) - hist)  # keys in bins >= d, non-increasing in d
-    digit = tl.sum((at_or_above >= want).to(tl.int32), 0) - 1
-    in_bin = tl.sum(tl.where(bins == digit, hist, 0), 0)
-    left = want - tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
-    remaining = tl.where(exact, remaining, left)
-    prefix = tl.where(exact, prefix, prefix | (digit << shift))
-    prefix_mask = prefix_mask | ((tl.zeros([], dtype=tl.int32) + ((1 << BITS) - 1)) << shift)
-    exact = exact | (left == in_bin)
-    return prefix, prefix_mask, remaining, total, exact
-
-
-@triton.jit
-def _select_rule(prefix, remaining, total, exact, TOPK):
-    """(tau, ties, exact) after the four rounds: select codes > tau, the first ``ties`` codes == tau and, if
-    ``exact``, every visible code >= tau. Fewer visible keys than TOPK: take them all."""
-    hidden = -2147483647 - 1
-    all_fit = total <= TOPK
-    tau = tl.where(all_fit, hidden, prefix ^ hidden)
-    ties = tl.where(all_fit | exact, 0, remaining)
-    return tau, ties, exact & ~all_fit
-
-
-@triton.jit
-def _compact(row, stride_ct, out, stride_ok, lo, hi, start, stop, tau, ties, exact, taken, tied,
-             BLOCK: tl.constexpr):
-    """Write, in index order from ``out[taken]``, the selected keys of the tiles ``[start, stop)``; ``tied``
-    codes equal to ``tau`` come before these tiles. Returns the new (taken, tied)."""
-    hidden = -2147483647 - 1
-    for tile in range(start, stop, BLOCK):
-        offs = tile + tl.arange(0, BLOCK)
-        code = tl.load(row + offs * stride_ct, mask=(offs >= lo) & (offs < hi), other=hidden)
-        eq = ((code == tau) & (code != hidden)).to(tl.int32)
-        tie_rank = tied + tl.cumsum(eq, 0) - eq
-        sel = (code > tau) | ((eq != 0) & (tie_rank < ties)) | (exact & (code >= tau) & (code != hidden))
-        sel = sel.to(tl.int32)
-        pos = taken + tl.cumsum(sel, 0) - sel
-        tl.store(out + pos * stride_ok, offs.to(tl.int32), mask=sel != 0)
-        taken += tl.sum(sel, 0)
-        tied += tl.sum(eq, 0)
-    return taken, tied
-
-
-@triton.jit
-def _pad(out, stride_ok, taken, TOPK, BLOCK: tl.constexpr):
-    """-1 into ``out[taken:TOPK]``."""
-    for start in range(taken, TOPK, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(out + offs * stride_ok, tl.full([BLOCK], -1, tl.int32), mask=offs < TOPK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,18 +141,18 @@ def radix_topk_kernel(
     first = (lo // BLOCK) * BLOCK
     row = Codes + b * stride_cb + local * stride_cs
 
-    prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
+    prefix, prefix_mask, remaining, total, exact = radix_init(TOPK)
     for rnd in tl.static_range(32 // BITS):
-        hist = _round_hist(row, stride_ct, lo, hi, first, tl.where(exact, first, hi), prefix, prefix_mask,
+        hist = round_hist(row, stride_ct, lo, hi, first, tl.where(exact, first, hi), prefix, prefix_mask,
                            rnd, BITS, BLOCK)
-        prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
+        prefix, prefix_mask, remaining, total, exact = radix_step(hist, prefix, prefix_mask, remaining, total,
                                                                    exact, rnd, BITS)
-    tau, ties, exact = _select_rule(prefix, remaining, total, exact, TOPK)
+    tau, ties, exact = select_rule(prefix, remaining, total, exact, TOPK)
 
     out = Out + b * stride_ob + local * stride_os
-    taken, _ = _compact(row, stride_ct, out, stride_ok, lo, hi, first, hi, tau, ties, exact,
+    taken, _ = compact(row, stride_ct, out, stride_ok, lo, hi, first, hi, tau, ties, exact,
                         tl.zeros([], dtype=tl.int32), tl.zeros([], dtype=tl.int32), BLOCK)
-    _pad(out, stride_ok, taken, TOPK, BLOCK)
+    pad_to_topk(out, stride_ok, taken, TOPK, BLOCK)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,26 +180,18 @@ def resident_topk_kernel(
     row = Codes + b * stride_cb + local * stride_cs
     u = tl.load(row + offs * stride_ct, mask=(offs >= lo) & (offs < hi), other=hidden) ^ hidden
 
-    prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
+    prefix, prefix_mask, remaining, total, exact = radix_init(TOPK)
     for rnd in tl.static_range(32 // BITS):
         if exact == 0:
-            match = (u != 0) & ((u & prefix_mask) == prefix)
-            shift: tl.constexpr = 32 - BITS * (rnd + 1)
-            hist = tl.histogram((u >> shift) & ((1 << BITS) - 1), 1 << BITS, mask=match)
-            prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
+            hist = digit_histogram(u, prefix, prefix_mask, rnd, BITS)
+            prefix, prefix_mask, remaining, total, exact = radix_step(hist, prefix, prefix_mask, remaining, total,
                                                                        exact, rnd, BITS)
-    tau, ties, exact = _select_rule(prefix, remaining, total, exact, TOPK)
+    tau, ties, exact = select_rule(prefix, remaining, total, exact, TOPK)
 
-    code = u ^ hidden
-    visible = u != 0
-    eq = ((code == tau) & visible).to(tl.int32)
-    tie_rank = tl.cumsum(eq, 0) - eq
-    sel = (code > tau) | ((eq != 0) & (tie_rank < ties)) | (exact & (code >= tau) & visible)
-    sel = sel.to(tl.int32)
-    pos = tl.cumsum(sel, 0) - sel
     out = Out + b * stride_ob + local * stride_os
-    tl.store(out + pos * stride_ok, offs.to(tl.int32), mask=sel != 0)
-    _pad(out, stride_ok, tl.sum(sel, 0), TOPK, 1024)
+    zero = tl.zeros([], dtype=tl.int32)
+    taken, _ = compact_codes(u ^ hidden, offs, out, stride_ok, tau, ties, exact, zero, zero)
+    pad_to_topk(out, stride_ok, taken, TOPK, 1024)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,7 +216,7 @@ def _load_state(State, stride_sk, stride_sf, row_id, SLOT: tl.constexpr, TOPK):
     """The row's select state after rounds ``< SLOT`` (``State[SLOT, field, row_id]``; the initial state for
     ``SLOT`` 0, which is not stored)."""
     if SLOT == 0:
-        prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
+        prefix, prefix_mask, remaining, total, exact = radix_init(TOPK)
     else:
         base = State + SLOT * stride_sk + row_id
         prefix = tl.load(base)
@@ -335,7 +235,7 @@ def split_hist_kernel(
     RND: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Round ``RND`` of the row-split select. Each program takes the row's state after round ``RND - 2``
-    (``State[RND - 1]``) one ``_radix_step`` further with round ``RND - 1``'s complete histogram, chunk 0
+    (``State[RND - 1]``) one ``radix_step`` further with round ``RND - 1``'s complete histogram, chunk 0
     stores it (``State[RND]``), and adds this chunk's round ``RND`` histogram into ``Hist[RND, b, local]``.
     Hist int32 [R, B, rows, 2**BITS] zeroed, State int32 [R + 1, 5, B, rows] (R = 32 / BITS rounds), both
     contiguous. Grid (CHUNKS, rows, B)."""
@@ -346,12 +246,12 @@ def split_hist_kernel(
     row_id = b * tl.num_programs(1) + local
     hists = Hist + row_id * (1 << BITS)
     if RND == 0:
-        prefix, prefix_mask, remaining, total, exact = _radix_init(TOPK)
+        prefix, prefix_mask, remaining, total, exact = radix_init(TOPK)
     else:
         prefix, prefix_mask, remaining, total, exact = _load_state(State, stride_sk, stride_sf, row_id, RND - 1,
                                                                    TOPK)
         hist = tl.load(hists + (RND - 1) * stride_hr + tl.arange(0, 1 << BITS))
-        prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
+        prefix, prefix_mask, remaining, total, exact = radix_step(hist, prefix, prefix_mask, remaining, total,
                                                                    exact, RND - 1, BITS)
         first = chunk == 0
         state = State + RND * stride_sk + row_id
@@ -361,7 +261,7 @@ def split_hist_kernel(
         tl.store(state + 3 * stride_sf, total, mask=first)
         tl.store(state + 4 * stride_sf, exact.to(tl.int32), mask=first)
     row = Codes + b * stride_cb + local * stride_cs
-    hist = _round_hist(row, stride_ct, lo, hi, start, tl.where(exact, start, stop), prefix, prefix_mask,
+    hist = round_hist(row, stride_ct, lo, hi, start, tl.where(exact, start, stop), prefix, prefix_mask,
                        RND, BITS, BLOCK)
     tl.atomic_add(hists + RND * stride_hr + tl.arange(0, 1 << BITS), hist, mask=hist != 0, sem="relaxed")
 
@@ -386,9 +286,9 @@ def split_count_kernel(
     last: tl.constexpr = 32 // BITS - 1
     prefix, prefix_mask, remaining, total, exact = _load_state(State, stride_sk, stride_sf, row_id, last, TOPK)
     hist = tl.load(Hist + row_id * (1 << BITS) + last * stride_hr + tl.arange(0, 1 << BITS))
-    prefix, prefix_mask, remaining, total, exact = _radix_step(hist, prefix, prefix_mask, remaining, total,
+    prefix, prefix_mask, remaining, total, exact = radix_step(hist, prefix, prefix_mask, remaining, total,
                                                                exact, last, BITS)
-    tau, ties, exact = _select_rule(prefix, remaining, total, exact, TOPK)
+    tau, ties, exact = select_rule(prefix, remaining, total, exact, TOPK)
     first = chunk == 0
     state = State + row_id
     tl.store(state, tau, mask=first)
@@ -444,9 +344,9 @@ def split_write_kernel(
 
     out = Out + b * stride_ob + local * stride_os
     row = Codes + b * stride_cb + local * stride_cs
-    _compact(row, stride_ct, out, stride_ok, lo, hi, start, stop, tau, ties, exact, offset, tied, BLOCK)
+    compact(row, stride_ct, out, stride_ok, lo, hi, start, stop, tau, ties, exact, offset, tied, BLOCK)
     if chunk == 0:
-        _pad(out, stride_ok, tl.sum(taken, 0), TOPK, BLOCK)
+        pad_to_topk(out, stride_ok, tl.sum(taken, 0), TOPK, BLOCK)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -93,13 +93,10 @@ def chunk_gated_delta_rule(
         options = ("chunk_gdn", scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
                    gdn_backends.REGISTRY.allowed)  # GDN's only_backends (the signature holds KDA's)
-        plan_key = fast_path.signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                                       options)
-        if plan_key is not None:
-            out = planned_call(plan_key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                               output_final_state, state_v_first)
-            if out is not None:
-                return out
+        plan_key, out = planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log,
+                                     dt_bias, output_final_state, state_v_first)
+        if out is not None:
+            return out
     one_process = None
     if cp_context is not None:  # each piece of this rank's slice runs as a one-process call with these options
         one_process = functools.partial(

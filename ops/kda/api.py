@@ -126,13 +126,10 @@ def chunk_kda(
     if cp_context is None and not kwargs and not return_intermediate_states and not check_inputs:
         options = (scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                    allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size)
-        plan_key = fast_path.signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                                       options)
-        if plan_key is not None:
-            out = planned_call(plan_key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                               output_final_state, state_v_first)
-            if out is not None:
-                return out
+        plan_key, out = planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log,
+                                     dt_bias, output_final_state, state_v_first)
+        if out is not None:
+            return out
     unsupported = {"return_intermediate_states": return_intermediate_states, **kwargs}
     one_process = None
     if cp_context is not None:  # each piece of this rank's slice runs as a one-process call with these options
@@ -150,24 +147,26 @@ def chunk_kda(
                 plan_key=plan_key)
 
 
-def planned_call(key, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                  output_final_state, state_v_first):
-    """The call through its signature's launch plan (``fast_path``), or None when it has none or needs what a plan
-    does not do (gradients, the dispatcher). Shared by ``chunk_kda`` and GDN's ``chunk_gated_delta_rule``."""
-    plan = fast_path.lookup(key)
+def planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
+                 output_final_state, state_v_first):
+    """``(key, outputs)``: the call's launch-plan signature (``fast_path.signature`` with ``options``; None where no
+    plan can serve it) and its outputs through that plan, or None when it has none or needs what a plan does not
+    do (gradients, the dispatcher). Shared by ``chunk_kda`` and GDN's ``chunk_gated_delta_rule``."""
+    key = fast_path.signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, options)
+    plan = None if key is None else fast_path.lookup(key)
     if plan is None:
-        return None
+        return key, None
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
     if gradients_needed(*tensors) or dispatcher_needed(*tensors):
-        return None
+        return key, None
     if cu_seqlens_cpu is not None:
         check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
     o, final = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
     if final is None:
-        return o, None
-    return o, (final.transpose(-1, -2) if state_v_first else final)
+        return key, (o, None)
+    return key, (o, final.transpose(-1, -2) if state_v_first else final)
 
 
 def fused_recurrent_kda(

@@ -9,7 +9,8 @@ import torch
 from kda_compile.ops import chunk_gated_delta_rule
 from kda_compile.ops.gdn.backends import only_backends
 from kda_compile.ops.kda import fast_path
-from tests.kda.test_fast_path import _Calls, _poison_free_memory
+from tests.kda.test_fast_path import (_Calls, check_captured_in_a_cuda_graph, check_gradients_take_the_op,
+                                      check_planned_equals_ordinary)
 
 K = V = 128
 cuda = pytest.mark.cuda
@@ -66,20 +67,7 @@ CASES = {
 @cuda
 @pytest.mark.parametrize("case", list(CASES))
 def test_planned_call_equals_the_ordinary_path(case, monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(**CASES[case])
-    with torch.inference_mode():
-        o_ref, s_ref = chunk_gated_delta_rule(**x)  # the ordinary path: a signature seen once gets no plan
-        assert fast_path.plan_count() == 0
-        chunk_gated_delta_rule(**x)  # seen twice: the plan is learned
-        assert fast_path.plan_count() == 1 and calls.n == 0
-        for _ in range(2):
-            _poison_free_memory(o_ref.numel() * 2 * 8)
-            o, s = chunk_gated_delta_rule(**x)
-            assert torch.equal(o, o_ref)
-            assert (s is None and s_ref is None) or torch.equal(s, s_ref)
-    assert calls.n == 2
-    assert o.shape == o_ref.shape and not o.isnan().any()
+    check_planned_equals_ordinary(chunk_gated_delta_rule, _inputs(**CASES[case]), _Calls(monkeypatch))
 
 
 @cuda
@@ -122,39 +110,12 @@ def test_kda_and_gdn_calls_do_not_share_plans(monkeypatch):
 
 @cuda
 def test_gradients_take_the_op(monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(1, 200, 2, 2)
-    with torch.no_grad():
-        chunk_gated_delta_rule(**x)
-        chunk_gated_delta_rule(**x)
-    q = x["q"].clone().requires_grad_()
-    o, _ = chunk_gated_delta_rule(**{**x, "q": q})
-    assert o.grad_fn is not None and calls.n == 0
+    check_gradients_take_the_op(chunk_gated_delta_rule, _inputs(1, 200, 2, 2), _Calls(monkeypatch))
 
 
 @cuda
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_captured_in_a_cuda_graph(packed, monkeypatch):
-    calls = _Calls(monkeypatch)
     offsets = [0, 0, 100, 101, 320] if packed else None
-    x = _inputs(1, 333, 2, 4, offsets=offsets)
-    static = {name: (t.clone() if isinstance(t, torch.Tensor) else t) for name, t in x.items()}
-    with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chunk_gated_delta_rule(**static)  # learns the plan
-            chunk_gated_delta_rule(**static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_graph, s_graph = chunk_gated_delta_rule(**static)
-        fresh = _inputs(1, 333, 2, 4, offsets=offsets, seed=1)
-        for name, t in fresh.items():
-            if isinstance(t, torch.Tensor) and name != "cu_seqlens":
-                static[name].copy_(t)
-        graph.replay()
-        torch.cuda.synchronize()
-        o_eager, s_eager = chunk_gated_delta_rule(**{**fresh, "cu_seqlens": static["cu_seqlens"]})
-    assert torch.equal(o_graph, o_eager) and torch.equal(s_graph, s_eager)
-    assert calls.n >= 2
+    check_captured_in_a_cuda_graph(chunk_gated_delta_rule,
+                                   lambda seed: _inputs(1, 333, 2, 4, offsets=offsets, seed=seed), _Calls(monkeypatch))

@@ -64,7 +64,8 @@ def _inputs(B, T, H, HV, *, offsets=None, cu_dtype=torch.int32, h0=True, v_first
     beta = torch.randn(B, T, HV, device="cuda")
     state = torch.randn(N, HV, V, K, device="cuda") if v_first else torch.randn(N, HV, K, V, device="cuda")
     return dict(q=torch.randn(B, T, H, K, **bf16), k=torch.randn(B, T, H, K, **bf16),
-                v=torch.randn(B, T, HV, V, **bf16), g=g if fp32_gate else g.bfloat16(), beta=beta if fp32_gate else beta.bfloat16(),
+                v=torch.randn(B, T, HV, V, **bf16), g=g if fp32_gate else g.bfloat16(),
+                beta=beta if fp32_gate else beta.bfloat16(),
                 A_log=torch.rand(HV, device="cuda"), dt_bias=torch.randn(HV * K, device="cuda") * 0.1,
                 initial_state=state if h0 else None, output_final_state=h0, state_v_first=v_first,
                 cu_seqlens=None if offsets is None else torch.tensor(offsets, device="cuda", dtype=cu_dtype),
@@ -102,23 +103,61 @@ CASES = {
 }
 
 
-@cuda
-@pytest.mark.parametrize("case", list(CASES))
-def test_planned_call_equals_the_ordinary_path(case, monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(**CASES[case])
+def check_planned_equals_ordinary(op, x, calls):
+    """The first two calls of a signature take the ordinary path (the second learns the plan); the next two take
+    the plan and return bitwise the same, over freed memory left full of NaN. Shared with GDN's tests."""
     with torch.inference_mode():
-        o_ref, s_ref = chunk_kda(**x)  # the ordinary path: a signature seen once gets no plan
+        o_ref, s_ref = op(**x)  # the ordinary path: a signature seen once gets no plan
         assert fast_path.plan_count() == 0
-        chunk_kda(**x)  # seen twice: the plan is learned
+        op(**x)  # seen twice: the plan is learned
         assert fast_path.plan_count() == 1 and calls.n == 0
         for _ in range(2):
             _poison_free_memory(o_ref.numel() * 2 * 8)
-            o, s = chunk_kda(**x)
+            o, s = op(**x)
             assert torch.equal(o, o_ref)
             assert (s is None and s_ref is None) or torch.equal(s, s_ref)
     assert calls.n == 2
     assert o.shape == o_ref.shape and not o.isnan().any()
+
+
+def check_gradients_take_the_op(op, x, calls):
+    with torch.no_grad():
+        op(**x)
+        op(**x)
+    q = x["q"].clone().requires_grad_()
+    o, _ = op(**{**x, "q": q})
+    assert o.grad_fn is not None and calls.n == 0
+
+
+def check_captured_in_a_cuda_graph(op, make_inputs, calls):
+    """A planned call captured in a CUDA graph and replayed on fresh inputs equals an eager call on them.
+    ``make_inputs(seed)``: the call's keyword arguments. Shared with GDN's tests."""
+    static = {name: (t.clone() if isinstance(t, torch.Tensor) else t) for name, t in make_inputs(0).items()}
+    with torch.inference_mode():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            op(**static)  # learns the plan
+            op(**static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o_graph, s_graph = op(**static)
+        fresh = make_inputs(1)
+        for name, t in fresh.items():
+            if isinstance(t, torch.Tensor) and name != "cu_seqlens":
+                static[name].copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        o_eager, s_eager = op(**{**fresh, "cu_seqlens": static["cu_seqlens"]})
+    assert torch.equal(o_graph, o_eager) and torch.equal(s_graph, s_eager)
+    assert calls.n >= 2
+
+
+@cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_planned_call_equals_the_ordinary_path(case, monkeypatch):
+    check_planned_equals_ordinary(chunk_kda, _inputs(**CASES[case]), _Calls(monkeypatch))
 
 
 @cuda
@@ -176,14 +215,7 @@ def test_plans_switched_off(monkeypatch):
 
 @cuda
 def test_gradients_take_the_op(monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(1, 200, 2, 2)
-    with torch.no_grad():
-        chunk_kda(**x)
-        chunk_kda(**x)
-    q = x["q"].clone().requires_grad_()
-    o, _ = chunk_kda(**{**x, "q": q})
-    assert o.grad_fn is not None and calls.n == 0
+    check_gradients_take_the_op(chunk_kda, _inputs(1, 200, 2, 2), _Calls(monkeypatch))
 
 
 @cuda
@@ -220,25 +252,6 @@ def test_side_stream_and_another_current_device(monkeypatch):
 @cuda
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
 def test_captured_in_a_cuda_graph(packed, monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(1, 333, 2, 2, offsets=[0, 0, 100, 101, 320] if packed else None)
-    static = {name: (t.clone() if isinstance(t, torch.Tensor) else t) for name, t in x.items()}
-    with torch.inference_mode():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chunk_kda(**static)  # learns the plan
-            chunk_kda(**static)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o_graph, s_graph = chunk_kda(**static)
-        fresh = _inputs(1, 333, 2, 2, offsets=[0, 0, 100, 101, 320] if packed else None, seed=1)
-        for name, t in fresh.items():
-            if isinstance(t, torch.Tensor) and name != "cu_seqlens":
-                static[name].copy_(t)
-        graph.replay()
-        torch.cuda.synchronize()
-        o_eager, s_eager = chunk_kda(**{**fresh, "cu_seqlens": static["cu_seqlens"]})
-    assert torch.equal(o_graph, o_eager) and torch.equal(s_graph, s_eager)
-    assert calls.n >= 2
+    offsets = [0, 0, 100, 101, 320] if packed else None
+    check_captured_in_a_cuda_graph(chunk_kda, lambda seed: _inputs(1, 333, 2, 2, offsets=offsets, seed=seed),
+                                   _Calls(monkeypatch))

@@ -67,11 +67,93 @@ __device__ __forceinline__ void prod16(float (&acc)[2][4], const float* X, int l
         }
     }
 }
+// acc = the 16 x 16 fp32 block Z (row stride ldz), in the mma C layout: what store16 wrote
+__device__ __forceinline__ void load16(float (&acc)[2][4], const float* Z, int ldz, int gid, int tig) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        const float2 a = *reinterpret_cast<const float2*>(Z + gid * ldz + 8 * nt + 2 * tig);
+        const float2 b = *reinterpret_cast<const float2*>(Z + (gid + 8) * ldz + 8 * nt + 2 * tig);
+        acc[nt][0] = a.x; acc[nt][1] = a.y; acc[nt][2] = b.x; acc[nt][3] = b.y;
+    }
+}
+__device__ __forceinline__ void zero16(float (&acc)[2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+}
 __device__ __forceinline__ void store16(float* Z, int ldz, const float (&acc)[2][4], float sign, int gid, int tig) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
         *reinterpret_cast<float2*>(Z + gid * ldz + 8 * nt + 2 * tig) = make_float2(sign * acc[nt][0], sign * acc[nt][1]);
         *reinterpret_cast<float2*>(Z + (gid + 8) * ldz + 8 * nt + 2 * tig) = make_float2(sign * acc[nt][2], sign * acc[nt][3]);
+    }
+}
+
+// The off-diagonal blocks by doubling: each 32 x 32 half inverts as [[T00, 0], [T10, T11]] with
+// T10 = -T11 L10 T00, and the lower-left 32 x 32 block is T_BA = -T_B (L_BA T_A) (T_A, T_B the halves'
+// inverses). Three rounds of at most two 16 x 16 products per warp, all warps busy; a block-row substitution
+// (T_ps = -T_pp sum_t L_pt T_ts, one warp per block row) chains 16 products through one warp at a time.
+// Intermediates live in L's upper blocks (zeros, never read as L): X(r, c) for r < c.
+// Every warp of the CTA calls it (it holds two barriers); a function of its own (not inlined) keeps the
+// kernel's register allocation from spilling around it.
+__device__ __noinline__ void solve_offdiag(float* Ts, float* Ls, float* Zs, int wp, int gid, int tig) {
+    auto Tb = [&](int r, int c) { return Ts + 16 * r * LD + 16 * c; };
+    auto Lb = [&](int r, int c) { return Ls + 16 * r * LD + 16 * c; };
+    float* M20 = Lb(0, 1);  // L20 T00 (+ L21 T10)
+    float* M30 = Lb(0, 2);  // L30 T00 (+ L31 T10)
+    float* M21 = Lb(0, 3);  // L21 T11
+    float* M31 = Lb(1, 2);  // L31 T11
+    float* Y31 = Lb(1, 3);  // T33 M31
+    float acc[2][4];
+    if (wp & 1) {  // T10 = -T11 (L10 T00), T32 = -T33 (L32 T22)
+        const int p = wp, s = wp - 1;
+        zero16(acc);
+        prod16(acc, Lb(p, s), LD, Tb(s, s), LD, gid, tig);
+        store16(Zs, 20, acc, 1.f, gid, tig);
+        __syncwarp();
+        zero16(acc);
+        prod16(acc, Tb(p, p), LD, Zs, 20, gid, tig);
+        store16(Tb(p, s), LD, acc, -1.f, gid, tig);
+    } else {  // warp 0: row block 2, warp 2: row block 3 of L_BA T_A, the parts without T10
+        const int r = wp == 0 ? 2 : 3;
+        zero16(acc);
+        prod16(acc, Lb(r, 0), LD, Tb(0, 0), LD, gid, tig);
+        store16(r == 2 ? M20 : M30, LD, acc, 1.f, gid, tig);
+        zero16(acc);
+        prod16(acc, Lb(r, 1), LD, Tb(1, 1), LD, gid, tig);
+        store16(r == 2 ? M21 : M31, LD, acc, 1.f, gid, tig);
+    }
+    __syncthreads();
+    if (wp == 0 || wp == 2) {  // M20 += L21 T10, M30 += L31 T10
+        const int r = wp == 0 ? 2 : 3;
+        float* m = r == 2 ? M20 : M30;
+        load16(acc, m, LD, gid, tig);
+        prod16(acc, Lb(r, 1), LD, Tb(1, 0), LD, gid, tig);
+        store16(m, LD, acc, 1.f, gid, tig);
+    } else if (wp == 1) {  // T21 = -T22 M21
+        zero16(acc);
+        prod16(acc, Tb(2, 2), LD, M21, LD, gid, tig);
+        store16(Tb(2, 1), LD, acc, -1.f, gid, tig);
+    } else {  // Y31 = T33 M31
+        zero16(acc);
+        prod16(acc, Tb(3, 3), LD, M31, LD, gid, tig);
+        store16(Y31, LD, acc, 1.f, gid, tig);
+    }
+    __syncthreads();
+    if (wp == 0) {  // T20 = -T22 M20
+        zero16(acc);
+        prod16(acc, Tb(2, 2), LD, M20, LD, gid, tig);
+        store16(Tb(2, 0), LD, acc, -1.f, gid, tig);
+    } else if (wp == 1) {  // T30 = -(T32 M20 + T33 M30)
+        zero16(acc);
+        prod16(acc, Tb(3, 2), LD, M20, LD, gid, tig);
+        prod16(acc, Tb(3, 3), LD, M30, LD, gid, tig);
+        store16(Tb(3, 0), LD, acc, -1.f, gid, tig);
+    } else if (wp == 2) {  // T31 = -(T32 M21 + T33 M31)
+        load16(acc, Y31, LD, gid, tig);
+        prod16(acc, Tb(3, 2), LD, M21, LD, gid, tig);
+        store16(Tb(3, 1), LD, acc, -1.f, gid, tig);
     }
 }
 

@@ -1,6 +1,7 @@
 """The part of the CUDA prepare kernel (``cuda_prepare_source.py``) after pass 1, the same for every gate form:
 ``A_qk`` (lower triangle) to global memory, ``L = beta A_kk`` (strictly lower), the triangular inverse
-``T = (I + L)^-1`` as a blocked forward substitution on 3xTF32 products, then pass 2: ``w = T x`` and
+``T = (I + L)^-1`` (16 x 16 diagonal blocks by substitution, one per warp, then the off-diagonal blocks by
+doubling on 3xTF32 products), then pass 2: ``w = T x`` and
 ``u = T (beta v)`` on bf16 tensor cores (the same bf16 ``T`` in both: docs/kda-kernels.md section 4).
 """
 from __future__ import annotations
@@ -56,23 +57,8 @@ SOLVE_AND_PASS2 = r"""    __syncthreads();  // the union region becomes the solv
             }
         }
     }
-#pragma unroll 1
-    for (int p = 1; p < 4; ++p) {
-        __syncthreads();
-        if (wp == p) {
-            for (int s = 0; s < p; ++s) {
-                float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-                for (int t = s; t < p; ++t)
-                    prod16(acc, Ls + 16 * p * LD + 16 * t, LD, Ts + 16 * t * LD + 16 * s, LD, gid, tig);
-                store16(Zs, 20, acc, 1.f, gid, tig);
-                __syncwarp();
-                float out[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-                prod16(out, Ts + 16 * p * LD + 16 * p, LD, Zs, 20, gid, tig);
-                __syncwarp();
-                store16(Ts + 16 * p * LD + 16 * s, LD, out, -1.f, gid, tig);
-            }
-        }
-    }
+    __syncthreads();  // the diagonal blocks
+    solve_offdiag(Ts, Ls, Zs, wp, gid, tig);
     asm volatile("cp.async.wait_all;");
     __syncthreads();
     // beta v, rounded to bf16, in place of the v tile (each row's 16-byte chunks stay in that row's 256 bytes

@@ -56,22 +56,31 @@ def test_kda_prepare_kernel_compiles(g_dtype, varlen, save_akk, caplog):
 GDN_PREPARE_FLAGS = [("bf16", False, True), ("bf16", True, True), ("bf16", True, False), ("f32", False, True)]
 
 
+@pytest.mark.parametrize("row_factors", [False, True])
 @pytest.mark.parametrize("g_dtype, varlen, in_kernel_gate", GDN_PREPARE_FLAGS)
-def test_gdn_prepare_kernel_compiles(g_dtype, varlen, in_kernel_gate, caplog):
-    """The scalar-gate form (GDN) of the prepare kernel: no spills on either GPU (168 registers, NVRTC 12.9)."""
+def test_gdn_prepare_kernel_compiles(g_dtype, varlen, in_kernel_gate, row_factors, caplog):
+    """The scalar-gate form (GDN) of the prepare kernel, writing ``qg`` / ``kd`` tiles or the rows' factors: no
+    spills on either GPU (at most 168 registers, NVRTC 12.9)."""
     source = prepare.kernel_source(g_dtype=g_dtype, beta_dtype=g_dtype, cu_dtype="long long" if varlen else "int",
                                    varlen=varlen, l2norm=True, has_a_log=in_kernel_gate, has_dt_bias=in_kernel_gate,
-                                   beta_sigmoid=True, save_akk=False, scalar_gate=True)
+                                   beta_sigmoid=True, save_akk=False, scalar_gate=True, row_factors=row_factors)
     for arch in ("80", "90a"):
         spills = _compile(source, prepare.KERNEL_NAME, arch, caplog)
         assert spills == {"stores": 0, "loads": 0}, (arch, spills)
 
 
+def test_row_factors_need_the_scalar_gate():
+    with pytest.raises(ValueError, match="row_factors needs scalar_gate"):
+        prepare.kernel_source(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=False, l2norm=True,
+                              has_a_log=True, has_dt_bias=True, beta_sigmoid=True, save_akk=False, row_factors=True)
+
+
+@pytest.mark.parametrize("row_factors", [False, True])
 @pytest.mark.parametrize("block_v", [32, 64])
 @pytest.mark.parametrize("varlen, has_h0, store_ht", [(False, True, True), (True, True, True), (True, False, False)])
-def test_kda_scan_kernel_compiles(block_v, varlen, has_h0, store_ht, caplog):
+def test_kda_scan_kernel_compiles(block_v, varlen, has_h0, store_ht, row_factors, caplog):
     source = scan.kernel_source(cu_dtype="int", varlen=varlen, has_h0=has_h0, store_ht=store_ht, stages=2,
-                                block_v=block_v)
+                                block_v=block_v, row_factors=row_factors)
     spills = _compile(source, scan.KERNEL_NAME, "90a", caplog)
     if block_v == 64:  # 32 columns a CTA take 255 registers and spill 4 bytes in some specialisations (NVRTC 12.9)
         assert spills == {"stores": 0, "loads": 0}, spills

@@ -74,22 +74,24 @@ def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_
 
 
 @functools.lru_cache(maxsize=None)
-def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...], scalar_gate: bool) -> str:
+def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...], scalar_gate: bool,
+            row_factors: bool = False) -> str:
     varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk = flags
     return src.kernel_source(g_dtype=g_dtype, beta_dtype=beta_dtype, cu_dtype=cu_dtype, varlen=varlen, l2norm=l2norm,
                              has_a_log=has_a_log, has_dt_bias=has_dt_bias, beta_sigmoid=beta_sigmoid,
-                             save_akk=save_akk, scalar_gate=scalar_gate)
+                             save_akk=save_akk, scalar_gate=scalar_gate, row_factors=row_factors)
 
 
 def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dtype, cu_dtype: torch.dtype | None,
-                   flags: tuple[bool, ...], *, scalar_gate: bool = False):
+                   flags: tuple[bool, ...], *, scalar_gate: bool = False, row_factors: bool = False):
     """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``):
     ``flags`` = (IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK); ``cu_dtype`` the offsets'
-    dtype with packed sequences; ``scalar_gate``: the gate is one value per (token, value head) (GDN). The caller
-    has made the device current. Raises NvrtcUnavailable."""
+    dtype with packed sequences; ``scalar_gate``: the gate is one value per (token, value head) (GDN);
+    ``row_factors``: the scalar-gate kernel writes the rows' q / k factors instead of ``qg`` / ``kd`` (for the CUDA
+    scan's ``row_factors`` form). The caller has made the device current. Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
     cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
-    return load_kernel(_source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate), src.KERNEL_NAME,
+    return load_kernel(_source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors), src.KERNEL_NAME,
                        device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
 
 
@@ -99,7 +101,8 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     chunk_offsets``; ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and
     constexpr keywords (``T, N, H, HV, scale, beta_scale, lower_bound, IS_VARLEN, L2NORM, HAS_A_LOG,
     HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``,
-    ``dt_bias`` ``[HV]``). The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel
+    ``dt_bias`` ``[HV]``; with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of
+    the rows' factors and ``kd`` is not written). The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel
     cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = cuda_index(q.device)
@@ -110,7 +113,8 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
                                                  "SAVE_AKK"))
     with on_device(device_index):
         kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags,
-                                scalar_gate=bool(args.get("SCALAR_GATE", False)))
+                                scalar_gate=bool(args.get("SCALAR_GATE", False)),
+                                row_factors=bool(args.get("ROW_FACTORS", False)))
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
                                    cu_seqlens if varlen else q, chunk_offsets if varlen else q)]

@@ -10,6 +10,8 @@ and each row's gate through it from its 16-row block's start (``pre``) and after
 are direct sums; a cross-block span is ``pre_i + the blocks strictly between + suf_j``, a span inside a block a
 running sum over its own rows (``dspan``). Exact for any gate (``-inf``: a reset), at a cost that does not depend
 on the data. ``qg, kd, x`` take per-row factors, ``decay`` is ``2^G_last`` on every channel (the scan's layout).
+With ``ROW_FACTORS`` the kernel writes those factors (``[slots, HV, 2, 64]`` fp32 through the ``QG`` pointer) in
+place of the ``qg`` / ``kd`` tiles, and the CUDA scan applies them to the raw q / k (``cuda_scan_source.py``).
 
 Leaves ``accq`` / ``acck`` as the per-channel pass does. Uses the key-tile region of pass 1 for its per-row
 scratch (log2 gates, ``pre``, ``suf``, the key rows' L2-norm factors): 1 KiB.
@@ -118,6 +120,15 @@ PASS1 = r"""    // ---- pass 1 (scalar gate): per-row gates and spans, then plai
     const float kdf[2] = {ksc[0] * ex2(to_end[0]), ksc[1] * ex2(to_end[1])};
     const float xf[2] = {ksc[0] * beta_r[0] * ex2(Gi[0]), ksc[1] * beta_r[1] * ex2(Gi[1])};
     const float decay_last = ex2(total);
+#if ROW_FACTORS  // no qg / kd tiles: the rows' factors [slot][hv][q | k][64] (0 past the sequence), for the scan
+    if (tig == 0) {
+        float* fa = reinterpret_cast<float*>(QG) + ((long long)slot * HV + hv) * 128;
+        fa[row0] = ok0 ? qf[0] : 0.f;
+        fa[row0 + 8] = ok1 ? qf[1] : 0.f;
+        fa[64 + row0] = ok0 ? kdf[0] : 0.f;
+        fa[64 + row0 + 8] = ok1 ? kdf[1] : 0.f;
+    }
+#endif
     const int lrow = 16 * wp + ((lane >> 3) & 1) * 8 + (lane & 7), lchunk = lane >> 4;  // ldmatrix row address
     const u32 lm_off = lrow * 32 + ((lchunk ^ ((lrow >> 2) & 1)) << 4);
     const u32 lm_key0 = lm_off - wp * 16 * 32;  // the same lane's address in key block 0
@@ -147,7 +158,7 @@ PASS1 = r"""    // ---- pass 1 (scalar gate): per-row gates and spans, then plai
         for (int hh = 0; hh < 2; ++hh) {
             const int row = row0 + 8 * hh;
             const u32 qa = aq[hh], qb = aq[2 + hh], ka = ak[hh], kbb = ak[2 + hh];
-            if (hh ? ok1 : ok0) {
+            if (!ROW_FACTORS && (hh ? ok1 : ok0)) {
                 const long long o = o_off + row * vs_row + c0 + 2 * tig;
                 *reinterpret_cast<u32*>(QG + o) = pack(lo_bf(qa) * qf[hh], hi_bf(qa) * qf[hh]);
                 *reinterpret_cast<u32*>(QG + o + 8) = pack(lo_bf(qb) * qf[hh], hi_bf(qb) * qf[hh]);

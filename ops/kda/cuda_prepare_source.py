@@ -178,12 +178,17 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
 """
 
 def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool, l2norm: bool, has_a_log: bool,
-                  has_dt_bias: bool, beta_sigmoid: bool, save_akk: bool, scalar_gate: bool = False) -> str:
+                  has_dt_bias: bool, beta_sigmoid: bool, save_akk: bool, scalar_gate: bool = False,
+                  row_factors: bool = False) -> str:
     """The kernel's CUDA text for one specialisation (``g_dtype`` / ``beta_dtype``: "bf16" or "f32";
     ``cu_dtype``: "int" or "long long", the cu_seqlens element type). ``scalar_gate``: one gate per (token, value
     head), ``g`` ``[TT, HV]`` and ``dt_bias`` ``[HV]`` (GDN); ``has_a_log`` then selects the in-kernel softplus
     gate (GDN's requires ``A_log``), else ``g`` is the finished log decay. Without it (KDA) the gate is
-    ``[TT, HV, K]`` and always the in-kernel lower-bound form."""
+    ``[TT, HV, K]`` and always the in-kernel lower-bound form. ``row_factors`` (scalar gate only): write the rows'
+    q / k factors ``[slots, HV, 2, 64]`` fp32 through the ``QG`` pointer instead of the ``qg`` / ``kd`` tiles, for
+    the CUDA scan's ``row_factors`` form."""
+    if row_factors and not scalar_gate:
+        raise ValueError("row_factors needs scalar_gate (one gate per token and value head)")
     for name, value in (("g_dtype", g_dtype), ("beta_dtype", beta_dtype)):
         if value not in _DTYPES:
             raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}")
@@ -193,6 +198,7 @@ def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool,
         "G_T": _DTYPES[g_dtype], "BETA_T": _DTYPES[beta_dtype], "CU_T": cu_dtype,
         "IS_VARLEN": int(varlen), "L2NORM": int(l2norm), "HAS_A_LOG": int(has_a_log),
         "HAS_DT_BIAS": int(has_dt_bias), "BETA_SIGMOID": int(beta_sigmoid), "SAVE_AKK": int(save_akk),
+        "ROW_FACTORS": int(row_factors),
         "LD": LD, "KEYS_BYTES": KEYS_BYTES, "XS_OFF": XS_OFF, "VS_OFF": VS_OFF, "BETA_OFF": BETA_OFF,
         "UNION_OFF": UNION_OFF, "STAGE_OFF": STAGE_OFF, "NSTAGE": NSTAGE, "G_BYTES": 2 if g_dtype == "bf16" else 4,
         "STAGE_BYTES": stage_bytes(2 if g_dtype == "bf16" else 4),

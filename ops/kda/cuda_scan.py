@@ -83,39 +83,46 @@ def choose_scan_kernel(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_c
 
 
 @functools.lru_cache(maxsize=None)
-def _source(cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, block_v: int) -> str:
+def _source(cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, block_v: int,
+            row_factors: bool = False) -> str:
     return src.kernel_source(cu_dtype=cu_dtype, varlen=varlen, has_h0=has_h0, store_ht=store_ht, stages=stages,
-                             block_v=block_v)
+                             block_v=block_v, row_factors=row_factors)
 
 
-def scan_kernel(device_index: int, cu_dtype: torch.dtype | None, has_h0: bool, store_ht: bool, block_v: int):
+def scan_kernel(device_index: int, cu_dtype: torch.dtype | None, has_h0: bool, store_ht: bool, block_v: int,
+                row_factors: bool = False):
     """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``);
-    ``cu_dtype``: the offsets' dtype with packed sequences, else None. The caller has made the device current.
-    Raises NvrtcUnavailable."""
+    ``cu_dtype``: the offsets' dtype with packed sequences, else None; ``row_factors``: the scalar-gate form that
+    reads the raw q / k and the rows' factors (``cuda_scan_source.kernel_source``). The caller has made the device
+    current. Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
     varlen = cu_dtype is not None
-    source = _source(_CU.get(cu_dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v)
+    source = _source(_CU.get(cu_dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v,
+                     row_factors)
     return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
-                       shared_bytes=src.shared_bytes(STAGES, block_v))
+                       shared_bytes=src.shared_bytes(STAGES, block_v, row_factors))
 
 
 def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, *, T: int,
-                     N: int, block_v: int) -> None:
+                     N: int, block_v: int, factors=None) -> None:
     """Run the CUDA scan: ``o`` (and ``final`` when given) from our prepare kernel's intermediates (the
-    caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). Raises
-    NvrtcUnavailable when the kernel cannot be built."""
+    caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). With
+    ``factors`` (the scalar-gate prepare's ``row_factors`` output, ``[slots, HV, 2, 64]`` fp32) ``qg`` / ``kd`` are
+    the raw, contiguous q / k ``[..., H, 128]``. Raises NvrtcUnavailable when the kernel cannot be built."""
     device_index = cuda_index(w.device)
     HV = w.shape[-2]
+    H = qg.shape[-2] if factors is not None else HV
     varlen = cu_seqlens.numel() > 0
     has_h0, store_ht = initial_state is not None, final is not None
     h0_strides = initial_state.stride() if has_h0 else (0, 0, 0, 0)
     with on_device(device_index):
-        kernel = scan_kernel(device_index, cu_seqlens.dtype if varlen else None, has_h0, store_ht, block_v)
+        kernel = scan_kernel(device_index, cu_seqlens.dtype if varlen else None, has_h0, store_ht, block_v,
+                             row_factors=factors is not None)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (w, u, qg, kd, a_qk, decay, o, initial_state if has_h0 else w,
                                    final if store_ht else w, cu_seqlens if varlen else w,
-                                   chunk_offsets if varlen else w)]
-        params += [ctypes.c_int(T), ctypes.c_int(HV)] + [ctypes.c_longlong(s) for s in h0_strides]
+                                   chunk_offsets if varlen else w, factors if factors is not None else w)]
+        params += [ctypes.c_int(T), ctypes.c_int(HV), ctypes.c_int(H)] + [ctypes.c_longlong(s) for s in h0_strides]
         if N * HV:
             kernel.launch((src.HEAD_DIM // block_v, HV, N), 2 * block_v, params)
 

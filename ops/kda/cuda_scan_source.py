@@ -23,6 +23,15 @@ kept in registers are always A fragments (one register order, no moves between p
   a per-warp staging tile (``stmatrix.trans``) as 16-byte rows of ``o``;
 - ``S^T = S^T diag(decay) + v_new^T kd`` (``kd`` B fragments by ``ldmatrix.trans``).
 
+With a scalar gate (GDN) the kernel has a ``row_factors`` form: ``qg = diag(qf) q`` and ``kd = diag(kf) k`` are not
+read as tiles; the raw q / k rows of the value head's q/k head arrive instead, with each chunk's factors, and the
+products take them where they cost least: ``S^T q^T`` has its token columns scaled by ``qf`` (fp32, after the
+product), and ``v_new^T`` its token columns by ``kf`` before the state update (rounded to bf16 again, as ``kd`` was).
+The prepare kernel then writes two ``[T, HV, 128]`` tiles fewer, and the value heads of one q/k head share q / k
+rows in L2. Measured on an H200 (GDN, 16 q/k and 32 value heads; docs/gdn.md section 4): at 8 x 2048 the prepare
+and scan take 717 us instead of 826; one long sequence pays about 13% more scan time (the factors sit on the chunk
+step's dependency chain: 1 x 16384 scan about 444 -> 503 us) and still gains overall (1004 -> 930 us).
+
 The chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u`` ``[64, BV]``, ``A_qk`` ``[64, 64]``, ``decay``) arrive by
 ``cp.async`` while the previous chunk computes (``stages`` chunks in shared memory); each thread copies fixed
 16-byte columns of fixed rows, whole chunks without row checks. One barrier per chunk, for reusing a stage. One
@@ -49,15 +58,23 @@ DECAY_OFF = A_OFF + CHUNK * CHUNK * 2
 U_OFF = DECAY_OFF + HEAD_DIM * 4
 
 
-def stage_bytes(block_v: int) -> int:
+def fact_off(block_v: int) -> int:
+    """Where a stage keeps the chunk's per-token factors (``row_factors``): past its ``u`` tile."""
     return U_OFF + CHUNK * block_v * 2
+
+
+FACT_BYTES = 2 * CHUNK * 4  # the q and k row factors of one chunk, fp32
+
+
+def stage_bytes(block_v: int, row_factors: bool = False) -> int:
+    return fact_off(block_v) + (FACT_BYTES if row_factors else 0)
 
 
 O_STAGE_BYTES = CHUNK * 16 * 2  # one warp's o tile [64 tokens][16 columns], bf16
 
 
-def shared_bytes(stages: int, block_v: int) -> int:
-    return stages * stage_bytes(block_v) + block_v // 16 * O_STAGE_BYTES
+def shared_bytes(stages: int, block_v: int, row_factors: bool = False) -> int:
+    return stages * stage_bytes(block_v, row_factors) + block_v // 16 * O_STAGE_BYTES
 
 _BODY = r"""
 typedef unsigned int u32;
@@ -125,7 +142,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
     const bf16* __restrict__ W, const bf16* __restrict__ U, const bf16* __restrict__ QG, const bf16* __restrict__ KDt,
     const bf16* __restrict__ AQK, const float* __restrict__ DECAY, bf16* __restrict__ O, const float* __restrict__ H0,
     float* __restrict__ HT, const CU_T* __restrict__ cu_seqlens, const int* __restrict__ chunk_offsets,
-    int T, int HV, long long h0_sn, long long h0_sh, long long h0_sk, long long h0_sv)
+    const float* __restrict__ FACT, int T, int HV, int H, long long h0_sn, long long h0_sh, long long h0_sk,
+    long long h0_sv)
 {
     constexpr int NTHREADS = 32 * WARPS;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -168,15 +186,22 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
     const long long u_off = (bos + urow) * v_row + hv * VD + v0 + uch * 8;
     auto copy_rows = [&](u32 st, int c, int nvalid, bool full) {  // full: a whole chunk, no row checks (inlined)
         const long long kc = k_off + 64LL * c * k_row, ac = a_off + 64LL * c * a_row, uc = u_off + 64LL * c * v_row;
+#if ROW_FACTORS  // QG / KDt are the raw q / k [TT, H, 128] of this value head's q/k head (formed per chunk: held
+        // across the loop, these offsets spilled registers with 32 value columns a CTA)
+        const long long q_row = (long long)H * KD;
+        const long long qc = ((bos + krow + 64LL * c) * H + hv / (HV / H)) * KD + kch * 8;
+#else
+        const long long q_row = k_row, qc = kc;
+#endif
 #pragma unroll
-        for (int i = 0; i < 64 / KR; ++i) {  // w, qg, kd: [64][128]
+        for (int i = 0; i < 64 / KR; ++i) {  // w, qg, kd (or q, k): [64][128]
             const int row = krow + KR * i;
             const bool ok = full || row < nvalid;
-            const long long off = ok ? kc + KR * i * k_row : 0;
+            const long long off = ok ? kc + KR * i * k_row : 0, qoff = ok ? qc + KR * i * q_row : 0;
             const u32 dst = st + swz128(row, kch);
             cp16(dst + W_OFF, W + off, ok);
-            cp16(dst + QG_OFF, QG + off, ok);
-            cp16(dst + KD_OFF, KDt + off, ok);
+            cp16(dst + QG_OFF, QG + qoff, ok);
+            cp16(dst + KD_OFF, KDt + qoff, ok);
         }
 #pragma unroll
         for (int i = 0; i < 64 / AR; ++i) {  // A_qk: [64][64]
@@ -201,6 +226,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
                 copy_rows(st, c, nvalid, false);
             if (tid < 32)
                 cp16(st + DECAY_OFF + 16 * tid, DECAY + ((long long)(first_chunk + c) * HV + hv) * KD + 4 * tid, true);
+#if ROW_FACTORS  // the chunk's q and k row factors [2][64] (0 past the sequence)
+            else if (tid < 64)
+                cp16(st + FACT_OFF + 16 * (tid - 32), FACT + ((long long)(first_chunk + c) * HV + hv) * 128 + 4 * (tid - 32),
+                     true);
+#endif
         }
         asm volatile("cp.async.commit_group;");
     };
@@ -256,6 +286,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
         {
             float acc[8][4];
             state_times_tile(acc, sa, st + QG_OFF, b_row_l, b_chunk_l);
+#if ROW_FACTORS  // S^T q^T, then each token's column times its q factor: S^T qg^T with qg = diag(qf) q
+            {
+                const float* fq = reinterpret_cast<const float*>(smem + (c % NSTAGE) * STAGE_BYTES + FACT_OFF);
+#pragma unroll
+                for (int t = 0; t < 8; ++t) {
+                    const float2 f = *reinterpret_cast<const float2*>(fq + 8 * t + 2 * tig);
+                    acc[t][0] *= f.x; acc[t][1] *= f.y; acc[t][2] *= f.x; acc[t][3] *= f.y;
+                }
+            }
+#endif
 #pragma unroll
             for (int tp = 0; tp < 4; ++tp)
 #pragma unroll
@@ -291,6 +331,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
                 const float2 d = *reinterpret_cast<const float2*>(dec + 8 * j + 2 * tig);
                 ST[j][0] *= d.x; ST[j][1] *= d.y; ST[j][2] *= d.x; ST[j][3] *= d.y;
             }
+#if ROW_FACTORS  // v_new^T kd = (v_new^T diag(kf)) k: each token's column of v_new^T times its k factor
+            {
+                const float* fk = reinterpret_cast<const float*>(smem + (c % NSTAGE) * STAGE_BYTES + FACT_OFF) + 64;
+#pragma unroll
+                for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const float2 f = *reinterpret_cast<const float2*>(fk + 16 * kk + 8 * (q >> 1) + 2 * tig);
+                        va[kk][q] = pack(lo_bf(va[kk][q]) * f.x, hi_bf(va[kk][q]) * f.y);
+                    }
+            }
+#endif
 #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -315,10 +367,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
 """
 
 
-def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, block_v: int) -> str:
+def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, block_v: int,
+                  row_factors: bool = False) -> str:
     """The kernel's CUDA text for one specialisation (``cu_dtype``: "int" or "long long", the cu_seqlens
     element type; ``stages``: chunks of tiles in shared memory, 2 or 3; ``block_v``: value columns per CTA,
-    32 or 64, 16 per warp)."""
+    32 or 64, 16 per warp). ``row_factors`` (a scalar gate, GDN): ``QG`` / ``KDt`` are the raw ``q`` / ``k``
+    ``[TT, H, 128]`` and ``FACT`` ``[slots, HV, 2, 64]`` fp32 holds each token's factors, ``qg = diag(qf) q`` and
+    ``kd = diag(kf) k`` (the prepare kernel's ``ROW_FACTORS`` output): the prepare writes no ``qg`` / ``kd``, and
+    the value heads of one q/k head read the same q / k rows."""
     if cu_dtype not in ("int", "long long"):
         raise ValueError(f"cu_dtype must be 'int' or 'long long', got {cu_dtype!r}")
     if stages not in (2, 3):
@@ -327,8 +383,9 @@ def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, 
         raise ValueError(f"block_v must be one of {BLOCK_VS}, got {block_v!r}")
     defines = {"NSTAGE": stages, "BV": block_v, "WARPS": block_v // 16,
         "CU_T": cu_dtype, "IS_VARLEN": int(varlen), "HAS_H0": int(has_h0), "STORE_HT": int(store_ht),
+        "ROW_FACTORS": int(row_factors), "FACT_OFF": fact_off(block_v),
         "W_OFF": W_OFF, "QG_OFF": QG_OFF, "KD_OFF": KD_OFF, "A_OFF": A_OFF, "DECAY_OFF": DECAY_OFF,
-        "U_OFF": U_OFF, "STAGE_BYTES": stage_bytes(block_v),
+        "U_OFF": U_OFF, "STAGE_BYTES": stage_bytes(block_v, row_factors),
     }
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
     return head + _BODY

@@ -26,7 +26,8 @@ call (``cu_seqlens_cpu``'s offsets). At most ``MAX_PLANS`` signatures are kept (
 ``KDA_COMPILE_LAUNCH_PLANS=0`` sends every call through the ordinary path.
 
 GDN (``chunk_gated_delta_rule``) runs the same two kernels with the prepare compiled for the scalar gate
-(``scalar_gate``): its calls learn plans the same way, with the gate's form in the signature's options and the
+(``scalar_gate``) in their ``row_factors`` form (the prepare writes the rows' q / k factors, the scan reads the raw
+q / k: ``triton_chunk.row_factors_served``, which the ordinary path takes for every call a plan can serve): its calls learn plans the same way, with the gate's form in the signature's options and the
 GDN backend choice asked by its caller (``served_by_our_kernels``), so nothing here imports GDN.
 
 Ops layer: nothing here knows of torch.compile beyond declining to run while Dynamo traces.
@@ -122,9 +123,12 @@ class _Layout:
     size: int
 
 
-def _layout(tokens: int, HV: int, slots: int, num_seqs: int) -> _Layout:
-    sizes = {"w": tokens * HV * HEAD_DIM * 2, "u": tokens * HV * HEAD_DIM * 2, "qg": tokens * HV * HEAD_DIM * 2,
-             "kd": tokens * HV * HEAD_DIM * 2, "a_qk": tokens * HV * CHUNK * 2, "decay": slots * HV * HEAD_DIM * 4,
+def _layout(tokens: int, HV: int, slots: int, num_seqs: int, row_factors: bool = False) -> _Layout:
+    """``row_factors``: the ``qg`` region holds the rows' q / k factors ``[slots, HV, 2, 64]`` fp32 and there is no
+    ``kd`` (the scalar-gate kernel pair, ``triton_chunk.row_factors_served``)."""
+    tile = tokens * HV * HEAD_DIM * 2
+    sizes = {"w": tile, "u": tile, "qg": slots * HV * 2 * CHUNK * 4 if row_factors else tile,
+             "kd": 0 if row_factors else tile, "a_qk": tokens * HV * CHUNK * 2, "decay": slots * HV * HEAD_DIM * 4,
              "chunk_offsets": (num_seqs + 1) * 4}
     offsets, at = {}, 0
     for name, size in sizes.items():
@@ -138,16 +142,18 @@ class Plan:
 
     def __init__(self, *, device_index, o_shape, final_shape, layout, prepare, prepare_grid, scan, scan_grid,
                  scan_threads, planner, planner_grid, has_a_log, has_dt_bias, has_h0, varlen, scale, beta_scale,
-                 lower_bound, T, N, H, HV, h0_strides, row_words):
+                 lower_bound, T, N, H, HV, h0_strides, row_words, row_factors=False):
         self.device_index, self.o_shape, self.final_shape, self.layout = device_index, o_shape, final_shape, layout
         self.prepare, self.prepare_grid, self.scan, self.scan_grid = prepare, prepare_grid, scan, scan_grid
         self.scan_threads, self.planner, self.planner_grid = scan_threads, planner, planner_grid
         self.has_a_log, self.has_dt_bias, self.has_h0, self.varlen = has_a_log, has_dt_bias, has_h0, varlen
+        self.row_factors = row_factors
         pointers = lambda n: [ctypes.c_void_p() for _ in range(n)]  # noqa: E731
         self.prepare_args = ArgumentBlock(pointers(16) + [ctypes.c_int(T), ctypes.c_int(N), ctypes.c_int(H),
                                                           ctypes.c_int(HV), ctypes.c_float(scale),
                                                           ctypes.c_float(beta_scale), ctypes.c_float(lower_bound)])
-        self.scan_args = ArgumentBlock(pointers(11) + [ctypes.c_int(T), ctypes.c_int(HV)]
+        self.scan_args = ArgumentBlock(pointers(12) + [ctypes.c_int(T), ctypes.c_int(HV),
+                                                       ctypes.c_int(H if row_factors else HV)]
                                        + [ctypes.c_longlong(s) for s in h0_strides])
         self.planner_args = ArgumentBlock(pointers(3) + [ctypes.c_int(N), ctypes.c_longlong(T),
                                                          ctypes.c_longlong(row_words)]) if varlen else None
@@ -161,17 +167,21 @@ class Plan:
         workspace = torch.empty(self.layout.size, dtype=torch.uint8, device=device)
         at, lay = workspace.data_ptr(), self.layout
         w, u, qg, kd, a_qk, decay = (at + lay.w, at + lay.u, at + lay.qg, at + lay.kd, at + lay.a_qk, at + lay.decay)
-        qp, op = q.data_ptr(), o.data_ptr()
+        qp, kp, op = q.data_ptr(), k.data_ptr(), o.data_ptr()
         cu = cu_seqlens.data_ptr() if self.varlen else qp
         offsets = at + lay.chunk_offsets if self.varlen else qp
+        # row factors: the prepare writes the factors where qg would be, the scan reads them with the raw q / k
+        factors = qg if self.row_factors else w
+        scan_q, scan_k = (qp, kp) if self.row_factors else (qg, kd)
         with self._lock:
             self.prepare_args.set_pointers((
-                qp, k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(),
+                qp, kp, v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                 A_log.data_ptr() if self.has_a_log else w, dt_bias.data_ptr() if self.has_dt_bias else w,
-                w, u, qg, kd, a_qk, decay, w, cu, offsets))
+                w, u, qg, w if self.row_factors else kd, a_qk, decay, w, cu, offsets))
             self.scan_args.set_pointers((
-                w, u, qg, kd, a_qk, decay, op, initial_state.data_ptr() if self.has_h0 else w,
-                final.data_ptr() if final is not None else w, cu if self.varlen else w, offsets if self.varlen else w))
+                w, u, scan_q, scan_k, a_qk, decay, op, initial_state.data_ptr() if self.has_h0 else w,
+                final.data_ptr() if final is not None else w, cu if self.varlen else w, offsets if self.varlen else w,
+                factors))
             if self.varlen:
                 self.planner_args.set_pointers((cu, offsets, op))
             with on_device(self.device_index):
@@ -266,18 +276,21 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     flags = (varlen, l2norm, A_log is not None, dt_bias is not None, beta_sigmoid, False)
     with on_device(index):
         ensure_thread_context(index)
-        prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags, scalar_gate=scalar_gate)
-        scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v)
+        prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags, scalar_gate=scalar_gate,
+                                              row_factors=scalar_gate)
+        scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v,
+                                     row_factors=scalar_gate)
         planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
     row_words = HV * V // 2
     return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
-                layout=_layout(B * T, HV, slots, N), prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
+                layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate), prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
                 planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
                 beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if scalar_gate else lower_bound, T=T, N=N, H=H,
                 HV=HV,
-                h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words)
+                h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words,
+                row_factors=scalar_gate)
 
 
 def plan_count() -> int:

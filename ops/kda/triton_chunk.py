@@ -6,7 +6,8 @@ GDN's (``ops/gdn/prefill.py``: the gate's form selects the prepare kernel's pass
 launches (three when the scan is split into segments):
 
 1. prepare, grid (chunks, HV): q/k L2 norm, gate, beta sigmoid, chunk cumsum, the intra-chunk
-   ``A`` blocks and their triangular inverse on chip; writes ``w, u, qg, kd, A_qk, decay``;
+   ``A`` blocks and their triangular inverse on chip; writes ``w, u, qg, kd, A_qk, decay`` (with the scalar gate
+   and both CUDA kernels, the rows' q / k factors instead of ``qg, kd``: ``row_factors_served``);
 2. (segments only) summaries ``[M | C]`` of every segment but the last, grid (columns, HV, N, P - 1);
 3. scan, grid (V blocks, HV, N, P): the fp32 state walks the chunks and writes ``o`` and the final state.
 
@@ -33,10 +34,11 @@ import torch
 import triton
 
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
-from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, run_or_fall_back
+from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, launch_prepare, prepare_kernel, run_or_fall_back
 from kda_compile.ops.kda import cuda_scan_source
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
-from kda_compile.ops.kda.cuda_scan import choose_scan_kernel
+from kda_compile.ops.kda.cuda_scan import choose_scan_kernel, launch_scan_cuda, scan_kernel
 from kda_compile.ops.kda.cuda_scan import run_or_fall_back as run_scan_cuda
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
@@ -276,6 +278,34 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
         STORE_STATES=h is not None, **common, **fixed)
 
 
+def row_factors_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: int, segments: int | None,
+                       output_final_state: bool, prepare_flags: tuple[bool, ...]) -> bool:
+    """Whether a scalar-gate (GDN) call whose prepare runs on the CUDA kernel can take the ``row_factors`` pair:
+    the CUDA scan is the scan it would run (``choose_scan_kernel``, same cost model) and both kernels of the pair
+    load. The prepare then writes each row's q / k factors instead of the ``qg`` / ``kd`` tiles (two of its five
+    ``[T, HV, 128]`` outputs) and the scan reads the raw q / k, which the value heads of one q/k head share.
+    ``prepare_flags``: ``cuda_prepare.prepare_kernel``'s flags. A kernel that cannot be built answers False (the
+    ordinary pair then runs, or records its own fallback)."""
+    HV, K, V = v.shape[-2], q.shape[-1], v.shape[-1]
+    varlen = cu_seqlens.numel() > 0
+    segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))
+    choice = choose_scan_kernel(
+        q, v, initial_state, cu_seqlens, num_seqs=N, gate_cumsum=False, writes_chunk_states=False, writes_o=True,
+        segments_asked=segments_asked,
+        cuda_faster=lambda: cuda_scan_is_faster(q.device, N, HV, K, V, T, varlen, initial_state is not None))
+    if choice != "cuda":
+        return False
+    index = cuda_index(q.device)
+    cu_dtype = cu_seqlens.dtype if varlen else None
+    try:
+        prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, prepare_flags, scalar_gate=True, row_factors=True)
+        scan_kernel(index, cu_dtype, initial_state is not None, output_final_state,
+                    cuda_block_v(N * HV, _device_sms(q.device)), row_factors=True)
+    except NvrtcUnavailable:
+        return False
+    return True
+
+
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -361,8 +391,6 @@ def chunk_kda_prefill(
     dot_bf16, dot_precision, solve_precision, _ = _precisions(dtype)
 
     w = q.new_empty(TT, HV, K)
-    qg = q.new_empty(TT, HV, K)
-    kd = q.new_empty(TT, HV, K)
     u = q.new_empty(TT, HV, V)
     a_qk = q.new_empty(B, T, HV, CHUNK)
     decay = q.new_empty(max(slots, 1), HV, K, dtype=torch.float32)
@@ -386,10 +414,26 @@ def chunk_kda_prefill(
         SAVE_AKK=save_residuals, SAVE_G=save_g, DOT_BF16=dot_bf16, A_PRECISION=dot_precision,
         SOLVE_PRECISION=solve_precision, SCALAR_GATE=scalar_gate,
     )
-    prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
-                       cu_seqlens, chunk_offsets)
     use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate == int(GATE_LOWER_BOUND),
                                      lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
+    flags = tuple(bool(prepare_args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS",
+                                                         "BETA_SIGMOID", "SAVE_AKK"))
+    if use_cuda and scalar_gate and row_factors_served(q, v, g, beta, initial_state, cu_seqlens, T=T, N=N,
+                                                       segments=segments, output_final_state=output_final_state,
+                                                       prepare_flags=flags):
+        # the rows' q / k factors instead of the qg / kd tiles (row_factors_served); both kernels are loaded
+        factors = q.new_empty(max(slots, 1), HV, 2, CHUNK, dtype=torch.float32)
+        launch_prepare((q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, factors, w, a_qk, decay, a_kk, g_cumsum,
+                        cu_seqlens, chunk_offsets), slots, {**prepare_args, "ROW_FACTORS": True})
+        o = q.new_zeros(B, T, HV, V) if tokens_past_last else q.new_empty(B, T, HV, V)
+        final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
+        launch_scan_cuda(w, u, q, k, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, T=T, N=N,
+                         block_v=cuda_block_v(N * HV, _device_sms(q.device)), factors=factors)
+        return o, final, None
+    qg = q.new_empty(TT, HV, K)
+    kd = q.new_empty(TT, HV, K)
+    prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
+                       cu_seqlens, chunk_offsets)
     if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args, op=op):
         pass  # the CUDA prepare kernel ran (cuda_prepare.py)
     elif _interpreted():

@@ -16,7 +16,7 @@ from kda_compile.ops import chunk_gated_delta_rule
 from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.ops.gdn.backends import only_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
-from kda_compile.ops.kda import cuda_prepare
+from kda_compile.ops.kda import cuda_prepare, cuda_scan, fast_path
 
 from kda_compile.testing import KDAShape, make_gdn_args, rel_error
 from tests.gdn.helpers import expected_fp64, op_flags, op_tensors
@@ -52,7 +52,8 @@ def _errors(args, o, final):
 
 
 def _intermediates(args, kernel):
-    """The prepare kernel's outputs (as the scan receives them) and the forward's, with one prepare kernel."""
+    """The prepare kernel's outputs (as the scan receives them) and the forward's, with one prepare kernel and the
+    Triton scan (with the CUDA scan, the CUDA prepare writes row factors instead of ``qg`` / ``kd``)."""
     from kda_compile.ops.kda import triton_chunk as tc
 
     captured, original = {}, tc.launch_scan
@@ -63,7 +64,7 @@ def _intermediates(args, kernel):
 
     tc.launch_scan = capture
     try:
-        captured["o"], captured["final"] = _call(args, **{cuda_prepare.KERNEL_ENV: kernel})
+        captured["o"], captured["final"] = _call(args, **{cuda_prepare.KERNEL_ENV: kernel, cuda_scan.KERNEL_ENV: "triton"})
     finally:
         tc.launch_scan = original
     return captured
@@ -94,6 +95,36 @@ def test_cuda_prepare_matches_triton_prepare_and_the_recurrence(case):
     for which in (got, want):
         o_err, final_err = _errors(args, which["o"], which["final"])
         assert o_err < TOL and final_err < TOL, (o_err, final_err)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_row_factor_pair_matches_the_tile_pair_and_the_recurrence(case):
+    """With the CUDA prepare and scan, the prepare writes each row's q / k factors and the scan scales the raw q / k
+    (``triton_chunk.row_factors_served``): the same forward as the prepare's ``qg`` / ``kd`` tiles through the Triton
+    scan, within the intermediates' tolerance, and as close to the fp64 recurrence."""
+    from kda_compile.ops.kda import triton_chunk as tc
+
+    args = _args(**CASES[case])
+    seen, original = [], tc.launch_scan_cuda
+
+    def spy(*a, factors=None, **kw):
+        seen.append(factors is not None)
+        return original(*a, factors=factors, **kw)
+
+    tc.launch_scan_cuda = spy
+    fast_path.clear_plans()  # the ordinary path, not a launch plan kept by an earlier call
+    try:
+        clear_fallback_events()
+        o, final = _call(args, **{cuda_prepare.KERNEL_ENV: "cuda", cuda_scan.KERNEL_ENV: "cuda"})
+        assert not fallback_events(), [e.reason for e in fallback_events()]
+    finally:
+        tc.launch_scan_cuda = original
+    assert seen == [True]
+    tiles = _intermediates(args, "cuda")
+    assert rel_error(o.double(), tiles["o"].double()) < 8e-3
+    assert rel_error(final.double(), tiles["final"].double()) < 8e-3
+    o_err, final_err = _errors(args, o, final)
+    assert o_err < TOL and final_err < TOL, (o_err, final_err)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

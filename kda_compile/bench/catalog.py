@@ -67,13 +67,15 @@ CATALOG: dict[str, Benchmark] = {
         "over K: what runs without FLA), `ours (decode kernel)` (decode on our Triton step with the scalar gate) "
         "and `FLA` (flash-linear-attention's public functions). `wall_time`: one call as its caller waits for it; "
         "`kernel_time`: the summed GPU time of its kernels; `gpu_time_cuda_graph`: one decode step replayed from a "
-        "CUDA graph; `fraction_of_copy_bandwidth`: the fp32 state read and written per second over the measured "
-        "copy bandwidth; `first_call_time` (`cold_start`): the first call in a fresh process with empty kernel "
+        "CUDA graph; `gpu_time_per_step`: one of 8 decode steps captured back to back in one graph, each on its own "
+        "inputs and state (a layer's cost inside a model's decode graph); `fraction_of_copy_bandwidth`: the fp32 "
+        "state read and written per second at the per-step time over the measured copy bandwidth; `first_call_time` (`cold_start`): the first call in a fresh process with empty kernel "
         "caches. Design: [docs/gdn.md](../docs/gdn.md).",
         command="python -m kda_compile.bench gdn",
         views=(View("wall_time", ours=_GDN_OURS, baselines=("FLA",)),
                View("kernel_time", ours=_GDN_OURS, baselines=("FLA",)),
                View("gpu_time_cuda_graph", ours=_GDN_OURS, baselines=("FLA",)),
+               View("gpu_time_per_step", ours=_GDN_OURS, baselines=("FLA",)),
                View("fraction_of_copy_bandwidth"),
                View("first_call_time", ours=_GDN_OURS, baselines=("FLA",))),
     ),

@@ -21,8 +21,9 @@ Triton does not give: each warp owns one 16-token block of the chunk in the regi
 - warp r multiplies only the key blocks s <= r (the products above the block diagonal are zero);
 - ``x = beta 2^G k`` stays in shared memory for the second pass (no global round trip), v arrives
   by ``cp.async`` during the first pass;
-- the triangular inverse is a blocked forward substitution on 3xTF32 tensor-core products (about fp32
-  accuracy, as the Triton kernel's ``tf32x3`` solve), 16 x 16 diagonal blocks by substitution in fp32.
+- the triangular inverse: 16 x 16 diagonal blocks by substitution in fp32 (one per warp), the off-diagonal blocks by
+  doubling on 3xTF32 tensor-core products (about fp32 accuracy, as the Triton kernel's ``tf32x3`` solve; three
+  rounds of at most two 16 x 16 products per warp: ``solve_offdiag`` in ``cuda_prepare_device.py``).
 
 One CTA of 4 warps owns one 64-token chunk of one value head (grid ``(chunk slots, HV)``), 73 KiB: 3 CTAs per SM.
 

@@ -217,7 +217,8 @@ def _decode_graph_rows(op, name, shape_name, fn, args, copy_tbs, rows) -> None:
         graph = cuda_graph_time(lambda: _call(fn, args, "decode"))
         per_step = tuple(t / len(steps) for t in cuda_graph_time(all_steps))
     except Exception as exc:  # a provider that cannot be captured: say so and go on
-        logger.warning("%s, decode %s: not captured in a CUDA graph (%s: %s)", name, shape_name, type(exc).__name__, exc)
+        logger.warning("%s, decode %s: not captured in a CUDA graph (%s: %s)", name, shape_name, type(exc).__name__,
+                       exc)
         return
     rows.append(row(op, name, "decode", shape_name, "gpu_time_cuda_graph", "ms", graph))
     rows.append(row(op, name, "decode", shape_name, "gpu_time_per_step", "ms", per_step))

@@ -97,13 +97,13 @@ def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dt
 
 def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
-    (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens,
-    chunk_offsets``; ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and
-    constexpr keywords (``T, N, H, HV, scale, beta_scale, lower_bound, IS_VARLEN, L2NORM, HAS_A_LOG,
-    HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``,
-    ``dt_bias`` ``[HV]``; with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of
-    the rows' factors and ``kd`` is not written). The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel
-    cannot be built."""
+    (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens, chunk_offsets``;
+    ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and constexpr keywords
+    (``T, N, H, HV, scale, beta_scale, lower_bound, IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
+    SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``, ``dt_bias`` ``[HV]``;
+    with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of the rows'
+    factors and ``kd`` is not written). The caller checked ``outside_design`` is None. Raises NvrtcUnavailable
+    when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = cuda_index(q.device)
     varlen, HV = args["IS_VARLEN"], args["HV"]

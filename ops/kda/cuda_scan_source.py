@@ -228,8 +228,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
                 cp16(st + DECAY_OFF + 16 * tid, DECAY + ((long long)(first_chunk + c) * HV + hv) * KD + 4 * tid, true);
 #if ROW_FACTORS  // the chunk's q and k row factors [2][64] (0 past the sequence)
             else if (tid < 64)
-                cp16(st + FACT_OFF + 16 * (tid - 32), FACT + ((long long)(first_chunk + c) * HV + hv) * 128 + 4 * (tid - 32),
-                     true);
+                cp16(st + FACT_OFF + 16 * (tid - 32),
+                     FACT + ((long long)(first_chunk + c) * HV + hv) * 128 + 4 * (tid - 32), true);
 #endif
         }
         asm volatile("cp.async.commit_group;");

@@ -283,7 +283,8 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
         planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
     row_words = HV * V // 2
     return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
-                layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate), prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
+                layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate), prepare=prepare,
+                prepare_grid=(slots, HV, 1), scan=scan,
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
                 planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,

@@ -64,7 +64,8 @@ def _intermediates(args, kernel):
 
     tc.launch_scan = capture
     try:
-        captured["o"], captured["final"] = _call(args, **{cuda_prepare.KERNEL_ENV: kernel, cuda_scan.KERNEL_ENV: "triton"})
+        env = {cuda_prepare.KERNEL_ENV: kernel, cuda_scan.KERNEL_ENV: "triton"}
+        captured["o"], captured["final"] = _call(args, **env)
     finally:
         tc.launch_scan = original
     return captured

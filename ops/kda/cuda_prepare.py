@@ -95,6 +95,12 @@ def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dt
                        device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
 
 
+def prepare_flags(args: dict) -> tuple[bool, ...]:
+    """``prepare_kernel``'s ``flags`` from the prepare's launch keywords (``launch_prepare``'s ``args``)."""
+    return tuple(bool(args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS", "BETA_SIGMOID",
+                                               "SAVE_AKK"))
+
+
 def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens, chunk_offsets``;
@@ -109,8 +115,7 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     varlen, HV = args["IS_VARLEN"], args["HV"]
     a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
-    flags = tuple(bool(args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS", "BETA_SIGMOID",
-                                                 "SAVE_AKK"))
+    flags = prepare_flags(args)
     with on_device(device_index):
         kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags,
                                 scalar_gate=bool(args.get("SCALAR_GATE", False)),

@@ -35,7 +35,8 @@ import triton
 
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, launch_prepare, prepare_kernel, run_or_fall_back
+from kda_compile.ops.kda.cuda_prepare import (choose_prepare_kernel, launch_prepare, prepare_flags, prepare_kernel,
+                                              run_or_fall_back)
 from kda_compile.ops.kda import cuda_scan_source
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
 from kda_compile.ops.kda.cuda_scan import choose_scan_kernel, launch_scan_cuda, scan_kernel
@@ -279,13 +280,13 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
 
 
 def row_factors_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: int, segments: int | None,
-                       output_final_state: bool, prepare_flags: tuple[bool, ...]) -> bool:
+                       output_final_state: bool, prepare_args: dict) -> bool:
     """Whether a scalar-gate (GDN) call whose prepare runs on the CUDA kernel can take the ``row_factors`` pair:
     the CUDA scan is the scan it would run (``choose_scan_kernel``, same cost model) and both kernels of the pair
     load. The prepare then writes each row's q / k factors instead of the ``qg`` / ``kd`` tiles (two of its five
     ``[T, HV, 128]`` outputs) and the scan reads the raw q / k, which the value heads of one q/k head share.
-    ``prepare_flags``: ``cuda_prepare.prepare_kernel``'s flags. A kernel that cannot be built answers False (the
-    ordinary pair then runs, or records its own fallback)."""
+    ``prepare_args``: the prepare's launch keywords. A kernel that cannot be built answers False (the ordinary pair
+    then runs, or records its own fallback)."""
     HV, K, V = v.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens.numel() > 0
     segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))
@@ -298,7 +299,8 @@ def row_factors_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: i
     index = cuda_index(q.device)
     cu_dtype = cu_seqlens.dtype if varlen else None
     try:
-        prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, prepare_flags, scalar_gate=True, row_factors=True)
+        prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, prepare_flags(prepare_args), scalar_gate=True,
+                       row_factors=True)
         scan_kernel(index, cu_dtype, initial_state is not None, output_final_state,
                     cuda_block_v(N * HV, _device_sms(q.device)), row_factors=True)
     except NvrtcUnavailable:
@@ -416,39 +418,38 @@ def chunk_kda_prefill(
     )
     use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate == int(GATE_LOWER_BOUND),
                                      lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
-    flags = tuple(bool(prepare_args[name]) for name in ("IS_VARLEN", "L2NORM", "HAS_A_LOG", "HAS_DT_BIAS",
-                                                         "BETA_SIGMOID", "SAVE_AKK"))
+    factors = None
     if use_cuda and scalar_gate and row_factors_served(q, v, g, beta, initial_state, cu_seqlens, T=T, N=N,
                                                        segments=segments, output_final_state=output_final_state,
-                                                       prepare_flags=flags):
+                                                       prepare_args=prepare_args):
         # the rows' q / k factors instead of the qg / kd tiles (row_factors_served); both kernels are loaded
         factors = q.new_empty(max(slots, 1), HV, 2, CHUNK, dtype=torch.float32)
         launch_prepare((q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, factors, w, a_qk, decay, a_kk, g_cumsum,
                         cu_seqlens, chunk_offsets), slots, {**prepare_args, "ROW_FACTORS": True})
-        o = q.new_zeros(B, T, HV, V) if tokens_past_last else q.new_empty(B, T, HV, V)
-        final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
-        launch_scan_cuda(w, u, q, k, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, T=T, N=N,
-                         block_v=cuda_block_v(N * HV, _device_sms(q.device)), factors=factors)
-        return o, final, None
-    qg = q.new_empty(TT, HV, K)
-    kd = q.new_empty(TT, HV, K)
-    prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
-                       cu_seqlens, chunk_offsets)
-    if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args, op=op):
-        pass  # the CUDA prepare kernel ran (cuda_prepare.py)
-    elif _interpreted():
-        kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),
-                                        BWC=min(64, _pow2(max(K, V))), num_warps=1)
     else:
-        _tuned("prepare")[(slots, HV)](*prepare_tensors, **prepare_args)
+        qg = q.new_empty(TT, HV, K)
+        kd = q.new_empty(TT, HV, K)
+        prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
+                           cu_seqlens, chunk_offsets)
+        if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args, op=op):
+            pass  # the CUDA prepare kernel ran (cuda_prepare.py)
+        elif _interpreted():
+            kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),
+                                            BWC=min(64, _pow2(max(K, V))), num_warps=1)
+        else:
+            _tuned("prepare")[(slots, HV)](*prepare_tensors, **prepare_args)
 
     # ---- the recurrence ---------------------------------------------------------------------------
     # Tokens past cu_seqlens[-1] belong to no sequence and read 0 (as in the reference); which tokens
     # those are is on the device, so varlen output starts zeroed.
     o = q.new_zeros(B, T, HV, V) if tokens_past_last else q.new_empty(B, T, HV, V)
     final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
-    launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, T=T, N=N, segments=segments,
-                o=o, final=final)
+    if factors is not None:  # the CUDA scan's row-factor form, on the raw q / k
+        launch_scan_cuda(w, u, q, k, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, T=T, N=N,
+                         block_v=cuda_block_v(N * HV, _device_sms(q.device)), factors=factors)
+    else:
+        launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, T=T, N=N, segments=segments,
+                    o=o, final=final)
     residuals = None
     if save_residuals:
         a_qk_res = a_qk if a_qk.dtype == k.dtype else a_qk.to(k.dtype)

@@ -242,19 +242,14 @@ def test_resident_choice(monkeypatch):
     assert launched == [(2, 1)]
 
 
-@pytest.mark.parametrize("resident", ["yes", 1])
-def test_resident_argument_rejected(resident):
+@pytest.mark.parametrize("option, value, message", [
+    ("resident", "yes", "resident must be None, True or False"),
+    ("resident", 1, "resident must be None, True or False"),
+    *[("chunks", value, "chunks must be None or an int >= 1") for value in (0, -2, 2.0, True)],
+])
+def test_bad_option_rejected(option, value, message):
     codes = torch.zeros(1, 1, 8, dtype=torch.int32, device=DEVICE)
     out = torch.empty(1, 1, 4, dtype=torch.int32, device=DEVICE)
     bounds = torch.tensor([0, 8], device=DEVICE)
-    with pytest.raises(ValueError, match="resident must be None, True or False"):
-        triton_topk.topk_from_codes(codes, bounds[:1], bounds[1:], 0, 4, out, resident=resident)
-
-
-@pytest.mark.parametrize("chunks", [0, -2, 2.0, True])
-def test_chunks_argument_rejected(chunks):
-    codes = torch.zeros(1, 1, 8, dtype=torch.int32, device=DEVICE)
-    out = torch.empty(1, 1, 4, dtype=torch.int32, device=DEVICE)
-    bounds = torch.tensor([0, 8], device=DEVICE)
-    with pytest.raises(ValueError, match="chunks must be None or an int >= 1"):
-        triton_topk.topk_from_codes(codes, bounds[:1], bounds[1:], 0, 4, out, chunks=chunks)
+    with pytest.raises(ValueError, match=message):
+        triton_topk.topk_from_codes(codes, bounds[:1], bounds[1:], 0, 4, out, **{option: value})

@@ -10,7 +10,7 @@ from kda_compile.ops import chunk_gated_delta_rule
 from kda_compile.ops.gdn.backends import only_backends
 from kda_compile.ops.kda import fast_path
 from tests.kda.test_fast_path import (_Calls, check_captured_in_a_cuda_graph, check_gradients_take_the_op,
-                                      check_planned_equals_ordinary)
+                                      check_no_plan_elsewhere, check_planned_equals_ordinary, env)
 
 K = V = 128
 cuda = pytest.mark.cuda
@@ -72,23 +72,11 @@ def test_planned_call_equals_the_ordinary_path(case, monkeypatch):
 
 @cuda
 def test_no_plan_where_the_ordinary_path_runs_other_kernels(monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(1, 200, 2, 2)
-    with torch.inference_mode():
-        chunk_gated_delta_rule(**x)
-        chunk_gated_delta_rule(**x)
-        monkeypatch.setenv("KDA_COMPILE_PREPARE_KERNEL", "triton")  # a new signature: the Triton prepare runs
-        chunk_gated_delta_rule(**x)
-        chunk_gated_delta_rule(**x)
-        monkeypatch.delenv("KDA_COMPILE_PREPARE_KERNEL")
-        monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "1")  # value checks asked for: every call checks
-        chunk_gated_delta_rule(**x)
-        chunk_gated_delta_rule(**x)
-        monkeypatch.delenv("KDA_COMPILE_CHECK_INPUTS")
-        with only_backends("reference"):
-            chunk_gated_delta_rule(**x)
-            chunk_gated_delta_rule(**x)
-    assert fast_path.plan_count() == 1 and calls.n == 0
+    check_no_plan_elsewhere(chunk_gated_delta_rule, _inputs(1, 200, 2, 2), _Calls(monkeypatch), [
+        (env(monkeypatch, "KDA_COMPILE_PREPARE_KERNEL", "triton"), {}),  # the Triton prepare runs
+        (env(monkeypatch, "KDA_COMPILE_CHECK_INPUTS", "1"), {}),  # value checks asked for: every call checks
+        (only_backends("reference"), {}),
+    ])
 
 
 @cuda

@@ -1,6 +1,8 @@
 """Launch plans of eager KDA prefill inference (ops/kda/fast_path.py): a planned call returns exactly what the
 ordinary path returns (bitwise: the same kernels on the same inputs), plans are used only where the ordinary path
 would run our CUDA kernels, the value checks still run, and a planned call can be captured in a CUDA graph."""
+import contextlib
+
 import pytest
 import torch
 
@@ -160,23 +162,37 @@ def test_planned_call_equals_the_ordinary_path(case, monkeypatch):
     check_planned_equals_ordinary(chunk_kda, _inputs(**CASES[case]), _Calls(monkeypatch))
 
 
+@contextlib.contextmanager
+def env(monkeypatch, name: str, value: str):
+    """``name=value`` in the environment inside the block only."""
+    monkeypatch.setenv(name, value)
+    try:
+        yield
+    finally:
+        monkeypatch.delenv(name)
+
+
+def check_no_plan_elsewhere(op, x, calls, elsewhere) -> None:
+    """``op(**x)`` twice keeps one plan; each of ``elsewhere``, a ``(context manager, keyword overrides)`` pair, is
+    a new signature whose ordinary path runs other kernels (or checks values): called twice, it keeps no plan. No
+    call is planned."""
+    with torch.inference_mode():
+        op(**x)
+        op(**x)
+        for context, overrides in elsewhere:
+            with context:
+                op(**{**x, **overrides})
+                op(**{**x, **overrides})
+    assert fast_path.plan_count() == 1 and calls.n == 0
+
+
 @cuda
 def test_no_plan_where_the_ordinary_path_runs_other_kernels(monkeypatch):
-    calls = _Calls(monkeypatch)
-    x = _inputs(1, 200, 2, 2)
-    with torch.inference_mode():
-        chunk_kda(**x)
-        chunk_kda(**x)
-        monkeypatch.setenv("KDA_COMPILE_PREPARE_KERNEL", "triton")  # a new signature: the Triton prepare runs
-        chunk_kda(**x)
-        chunk_kda(**x)
-        monkeypatch.delenv("KDA_COMPILE_PREPARE_KERNEL")
-        with only_backends("fla"):
-            chunk_kda(**x)
-            chunk_kda(**x)
-        chunk_kda(**{**x, "lower_bound": -6.0})  # beyond the CUDA prepare's design
-        chunk_kda(**{**x, "lower_bound": -6.0})
-    assert fast_path.plan_count() == 1 and calls.n == 0
+    check_no_plan_elsewhere(chunk_kda, _inputs(1, 200, 2, 2), _Calls(monkeypatch), [
+        (env(monkeypatch, "KDA_COMPILE_PREPARE_KERNEL", "triton"), {}),  # the Triton prepare runs
+        (only_backends("fla"), {}),
+        (contextlib.nullcontext(), {"lower_bound": -6.0}),  # beyond the CUDA prepare's design
+    ])
 
 
 @cuda

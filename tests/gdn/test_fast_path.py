@@ -9,18 +9,13 @@ import torch
 from kda_compile.ops import chunk_gated_delta_rule
 from kda_compile.ops.gdn.backends import only_backends
 from kda_compile.ops.kda import fast_path
-from tests.kda.test_fast_path import (_Calls, check_captured_in_a_cuda_graph, check_gradients_take_the_op,
-                                      check_no_plan_elsewhere, check_planned_equals_ordinary, env)
+from tests.kda.test_fast_path import (_Calls, _fresh_plans, check_captured_in_a_cuda_graph,  # noqa: F401
+                                      check_gradients_take_the_op, check_no_plan_elsewhere,
+                                      check_planned_equals_ordinary, env)
 
 K = V = 128
 cuda = pytest.mark.cuda
-
-
-@pytest.fixture(autouse=True)
-def _fresh_plans():
-    fast_path.clear_plans()
-    yield
-    fast_path.clear_plans()
+# _fresh_plans: KDA's autouse fixture, active here too (every test starts and ends with no plans)
 
 
 def test_no_plan_on_the_cpu():

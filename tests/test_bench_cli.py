@@ -76,7 +76,7 @@ def test_comparison_options_and_their_defaults(monkeypatch, tmp_path):
 
     args = _parsed_args(monkeypatch, tmp_path)
     assert args.modes == ["prefill"] and args.gates is None and args.rounds == 3 and args.shapes is None
-    assert resolve_gates(args) == ["lower_bound", "softplus"]
+    assert resolve_gates(args) == ["lower_bound", "softplus", "softplus_strong"]
     args = _parsed_args(monkeypatch, tmp_path, "--gates", "softplus", "--rounds", "2", "--modes", "prefill,decode",
                         "--shapes", "varlen:2x8x4")
     assert (args.gates, args.rounds, args.modes) == (["softplus"], 2, ["prefill", "decode"])
@@ -516,7 +516,7 @@ def test_cold_start_reports_timeouts_and_failures(monkeypatch):
     assert math.isnan(seconds) and status == "failed: RuntimeError: no CUDA"
 
 
-def test_cold_start_mode_defaults_to_both_gates():
+def test_cold_start_mode_defaults_to_every_gate():
     import argparse
 
     from kda_compile.bench import kda
@@ -524,4 +524,4 @@ def test_cold_start_mode_defaults_to_both_gates():
     parser = argparse.ArgumentParser()
     kda.add_arguments(parser)
     args = parser.parse_args(["--modes", "cold_start"])
-    assert args.modes == ["cold_start"] and kda.resolve_gates(args) == ["lower_bound", "softplus"]
+    assert args.modes == ["cold_start"] and kda.resolve_gates(args) == ["lower_bound", "softplus", "softplus_strong"]

@@ -53,6 +53,29 @@ def test_kda_prepare_kernel_compiles(g_dtype, varlen, save_akk, caplog):
             assert spills == {"stores": 0, "loads": 0}, spills
 
 
+@pytest.mark.parametrize("gate", ["softplus", "wide-lower-bound"])
+@pytest.mark.parametrize("g_dtype, varlen, save_akk",
+                         [("bf16", True, False), ("bf16", False, True), ("f32", True, False)])
+def test_kda_prepare_kernel_compiles_for_wide_blocks(gate, g_dtype, varlen, save_akk, caplog):
+    """The per-channel forms for gates of any strength (``wide_blocks``): no spills on the H100 with a bf16 gate."""
+    source = prepare.kernel_source(g_dtype=g_dtype, beta_dtype=g_dtype, cu_dtype="long long" if varlen else "int",
+                                   varlen=varlen, l2norm=True, has_a_log=True, has_dt_bias=True, beta_sigmoid=True,
+                                   save_akk=save_akk, softplus_gate=gate == "softplus", wide_blocks=True)
+    for arch in ("80", "90a"):
+        spills = _compile(source, prepare.KERNEL_NAME, arch, caplog)
+        if arch == "90a" and g_dtype == "bf16":
+            assert spills == {"stores": 0, "loads": 0}, spills
+
+
+def test_gate_form_options_are_checked():
+    base = dict(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=False, l2norm=True, has_a_log=True,
+                has_dt_bias=True, beta_sigmoid=True, save_akk=False)
+    with pytest.raises(ValueError, match="softplus_gate needs wide_blocks"):
+        prepare.kernel_source(**base, softplus_gate=True)
+    with pytest.raises(ValueError, match="forms of the per-channel gate"):
+        prepare.kernel_source(**base, scalar_gate=True, wide_blocks=True)
+
+
 GDN_PREPARE_FLAGS = [("bf16", False, True), ("bf16", True, True), ("bf16", True, False), ("f32", False, True)]
 
 

@@ -1,7 +1,8 @@
 """KDA: kda_compile's ops against flash-linear-attention's and FlashKDA's public functions, side by side.
 
 ``--modes prefill`` (the default): the forward of ``chunk_kda`` in inference mode for the
-lower-bound and the softplus gate (``--gates``), providers ``ours`` (the op as it chooses), ``FLA`` and
+lower-bound and the softplus gate, the latter also with strong decays (``--gates``; ``kda_providers.GATES``),
+providers ``ours`` (the op as it chooses), ``FLA`` and
 ``FlashKDA`` (lower-bound gate only; skipped with the reason logged when ``import flash_kda`` fails), the same
 math for all (``kda_providers.py``), on 7 batched and 8 packed-varlen shapes (``kda_providers.issue_shapes``).
 Per provider, shape and gate: ``wall_time`` (one call as its caller waits for it, host time included:
@@ -15,7 +16,8 @@ Prefill (``chunk_kda``): forward in inference mode and forward+backward, bf16, K
 in-kernel q/k L2 norm, gate and beta sigmoid, an fp32 initial state, on the shapes of the project's
 anchors (B x T x H) plus one 64k-token sequence with 16 heads. Three providers: "ours (own kernels)"
 (our Triton prefill, ``only_backends("triton_chunk")``: the op's default for the lower-bound gate with
-``lower_bound >= -5``, else opt-in), "ours (FLA path)" (the op's default on CUDA for other gates,
+``lower_bound >= -5`` and, with bf16 and K = V = 128, for every in-kernel gate; else opt-in), "ours (FLA
+path)" (the op's default on CUDA for other gates,
 ``only_backends("fla")``: FLA's gate and intra-chunk kernels, then our scan kernel; FLA's backward) and
 "FLA" (its public ``chunk_kda``). Besides the CSV, a PNG plots the speedup over FLA per shape (needs
 matplotlib; otherwise the log says why there is none). The providers of a shape are timed in
@@ -146,6 +148,8 @@ def _providers():
 
 def _gate_kwargs(gate: str, H: int, device) -> dict:
     kwargs = {"A_log": torch.rand(H, device=device), "dt_bias": torch.randn(H * K, device=device) * 0.1}
+    if gate == "softplus_strong":  # kda_providers.GATES: exp(A_log) ~ U(1, 16)
+        kwargs["A_log"] = torch.log1p(15 * kwargs["A_log"])
     if gate == "lower_bound":
         kwargs.update(lower_bound=-5.0, safe_gate=True)
     return kwargs

@@ -14,7 +14,11 @@ state in the value-first layout ``[N, H, V, K]`` (FlashKDA's) and the final stat
   Skipped, with the reason logged, when ``import flash_kda`` fails.
 
 Gates: ``lower_bound``: ``g = -5 * sigmoid(exp(A_log) * (g + dt_bias))`` with ``safe_gate`` (FlashKDA's
-only gate); ``softplus``: ``g = -exp(A_log) * softplus(g + dt_bias)`` (the released Kimi-Linear's).
+only gate); ``softplus``: ``g = -exp(A_log) * softplus(g + dt_bias)`` (the released Kimi-Linear's);
+``softplus_strong``: the softplus gate with Mamba-style ``exp(A_log) ~ U(1, 16)`` (``Inputs.A_log_strong``), whose
+decays are strong enough that most 16-token blocks span more than 2^120 in some channel (the data that made the
+Triton prepare's exact-diagonal pass cost 1.9x): the same data for every provider, to show the speed does not
+depend on it.
 
 Shapes (``Shape``): ``BxTxH`` is B sequences of T tokens as a ``[B, T, H, K]`` batch; ``varlen:NxTxH`` is N
 sequences of T tokens packed in one ``B = 1`` call with ``cu_seqlens``; ``varlen:L1+L2+...xH`` packs
@@ -34,7 +38,7 @@ from kda_compile.bench.common import QUANTILES, kernel_times, rel_error, row, wa
 logger = logging.getLogger("kda_compile.bench.kda")
 
 K = V = 128
-GATES = ("lower_bound", "softplus")
+GATES = ("lower_bound", "softplus", "softplus_strong")
 LOWER_BOUND = -5.0
 PROVIDERS = ("ours", "FLA", "FlashKDA")
 # --rounds default: every provider's wall time and kernel profile 3 times per shape and gate; the whole
@@ -137,6 +141,7 @@ class Inputs:
     g: torch.Tensor
     beta: torch.Tensor
     A_log: torch.Tensor
+    A_log_strong: torch.Tensor  # log(1 + 15 A_log): exp(A_log_strong) ~ U(1, 16)
     dt_bias: torch.Tensor
     h0: torch.Tensor
     cu_seqlens: torch.Tensor | None
@@ -153,8 +158,9 @@ def make_inputs(shape: Shape, device, *, seed: int = 0) -> Inputs:
         return torch.randn(*size, generator=gen, device=device, dtype=dtype) * std
 
     offsets = shape.offsets()
+    A_log = torch.rand(H, generator=gen, device=device)
     return Inputs(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, H, V), g=randn(B, T, H, K),
-                  beta=randn(B, T, H), A_log=torch.rand(H, generator=gen, device=device),
+                  beta=randn(B, T, H), A_log=A_log, A_log_strong=torch.log1p(15 * A_log),
                   dt_bias=randn(H * K, dtype=torch.float32, std=0.1),
                   h0=randn(shape.num_sequences, H, V, K, dtype=torch.float32, std=0.1),
                   cu_seqlens=None if offsets is None else torch.tensor(offsets, dtype=torch.int64, device=device),
@@ -168,6 +174,8 @@ def chunk_kda_kwargs(x: Inputs, gate: str) -> dict:
                   cu_seqlens=x.cu_seqlens, cu_seqlens_cpu=x.cu_seqlens_cpu, A_log=x.A_log, dt_bias=x.dt_bias)
     if gate == "lower_bound":
         kwargs.update(lower_bound=LOWER_BOUND, safe_gate=True)
+    elif gate == "softplus_strong":
+        kwargs.update(A_log=x.A_log_strong)
     elif gate != "softplus":
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
     return kwargs

@@ -1,9 +1,11 @@
 """Which kernel runs the KDA / GDN prefill's prepare step on CUDA, and the launcher of the CUDA one.
 
 - ``cuda`` (``cuda_prepare_source.py``, compiled by NVRTC): sm_80 or newer, bf16 q / k / v, K = V = 128,
-  gate and beta in bf16 or fp32; for KDA's per-channel gate the lower-bound gate with
-  ``lower_bound >= -MAX_BOUNDED_DECAY`` (no exact-diagonal pass: the configuration FlashKDA's anchor measures,
-  and the one the backend prefers), for GDN's scalar gate (``scalar_gate``) every gate form.
+  gate and beta in bf16 or fp32; for KDA's per-channel gate the in-kernel gates: the lower-bound gate (with
+  ``lower_bound >= -MAX_BOUNDED_DECAY`` the configuration FlashKDA's anchor measures) and, through the kernel's
+  ``wide_blocks`` form, any lower bound and the softplus gate, at a cost that does not depend on the data; for
+  GDN's scalar gate (``scalar_gate``) every gate form. KDA's finished gates (``use_gate_in_kernel=False``) take
+  the Triton kernel: they may hold exact resets (``-inf``), which its exponents keep exact.
 - ``triton`` (``triton_chunk_prepare.py``): every call (any dtype, K / V <= 256, every gate form).
 
 Both write the same intermediates in the same layouts, so the scan kernel does not know which ran.
@@ -19,13 +21,14 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
+from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback, triton_interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 from kda_compile.ops.kda.cuda_choice import device_unsupported
 from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_prepare_source as src
-from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY
+from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_SOFTPLUS
+from kda_compile.ops.kda.triton_prepare_channel import exact_diagonal_needed
 
 KERNEL_ENV = "KDA_COMPILE_PREPARE_KERNEL"
 _OP = "chunk_kda"
@@ -36,11 +39,12 @@ def requested_kernel() -> str:
     return _requested(KERNEL_ENV)
 
 
-def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None, *,
+def outside_design(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lower_bound: float | None, *,
                    scalar_gate: bool = False) -> str | None:
-    """Why the call is not one the CUDA kernel is written for, or None. ``lower_gate``: the in-kernel
-    lower-bound gate is asked for; ``scalar_gate``: one gate per (token, value head) (GDN), which the kernel
-    takes in every form (finished, or the in-kernel softplus gate): its speed and exactness do not depend on it."""
+    """Why the call is not one the CUDA kernel is written for, or None. ``gate_in_kernel``: the kernel computes the
+    gate from the raw projection (the lower-bound form with ``lower_bound``, else softplus); ``scalar_gate``: one
+    gate per (token, value head) (GDN), which the kernel takes in every form (finished, or the in-kernel softplus
+    gate). Its speed and exactness do not depend on the gate's values in any form it takes."""
     why = device_unsupported(q)
     if why is not None:
         return why
@@ -48,9 +52,9 @@ def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: 
         return f"q / k / v are {q.dtype} / {k.dtype} / {v.dtype} (the kernel takes bfloat16)"
     if q.shape[-1] != src.HEAD_DIM or v.shape[-1] != src.HEAD_DIM:
         return f"K = {q.shape[-1]}, V = {v.shape[-1]} (the kernel takes 128 / 128)"
-    if not scalar_gate and (not lower_gate or lower_bound is None or lower_bound < -MAX_BOUNDED_DECAY):
-        return (f"gate: the kernel takes the in-kernel lower-bound gate with lower_bound >= -{MAX_BOUNDED_DECAY:.3f}"
-                f" (got lower_bound={lower_bound}, in-kernel lower-bound gate: {lower_gate})")
+    if not scalar_gate and not gate_in_kernel:
+        return ("gate: a finished gate (use_gate_in_kernel=False); the kernel takes KDA's in-kernel gates (lower-bound "
+                "or softplus), the Triton kernel finished ones, whose exact resets (-inf) it keeps exact")
     if g.dtype not in _ELEM or beta.dtype not in _ELEM:
         return f"g / beta are {g.dtype} / {beta.dtype} (the kernel takes bfloat16 or float32)"
     if cu_seqlens is not None and cu_seqlens.numel() and cu_seqlens.dtype not in _CU:
@@ -58,14 +62,32 @@ def outside_design(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: 
     return None
 
 
-def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_bound: float | None, *,
+def serves_in_kernel_gates(device: torch.device, dtype: torch.dtype, K: int, V: int) -> str | None:
+    """Why calls of this device, dtype and sizes with an in-kernel per-channel gate (lower-bound or softplus, any
+    strength) would not run the CUDA kernel, or None (read without tensors: the backend choice's question; the
+    gate's and beta's dtypes are checked at the call)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"needs CUDA, got {device.type} (CUDA available: {torch.cuda.is_available()})"
+    if requested_kernel() == "triton":
+        return f"{KERNEL_ENV}=triton"
+    if triton_interpreted():
+        return "TRITON_INTERPRET=1"
+    capability = device_capability(cuda_index(device))
+    if capability < (8, 0):
+        return f"needs sm_80 or newer, got sm_{''.join(map(str, capability))}"
+    if dtype != torch.bfloat16 or K != src.HEAD_DIM or V != src.HEAD_DIM:
+        return f"the kernel takes bfloat16 with K = V = {src.HEAD_DIM}, got {dtype}, K = {K}, V = {V}"
+    return None
+
+
+def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lower_bound: float | None, *,
                           scalar_gate: bool = False, op: str = _OP) -> str:
     """"cuda" or "triton" for this call (see the module docstring); a forced ``cuda`` outside the design
     is logged as a fallback (under ``op``)."""
     requested = requested_kernel()
     if requested == "triton":
         return "triton"
-    why = outside_design(q, k, v, g, beta, cu_seqlens, lower_gate, lower_bound, scalar_gate=scalar_gate)
+    why = outside_design(q, k, v, g, beta, cu_seqlens, gate_in_kernel, lower_bound, scalar_gate=scalar_gate)
     if why is None:
         return "cuda"
     if requested == "cuda":
@@ -75,24 +97,34 @@ def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, lower_gate: bool, lower_
 
 @functools.lru_cache(maxsize=None)
 def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...], scalar_gate: bool,
-            row_factors: bool = False) -> str:
+            row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False) -> str:
     varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk = flags
     return src.kernel_source(g_dtype=g_dtype, beta_dtype=beta_dtype, cu_dtype=cu_dtype, varlen=varlen, l2norm=l2norm,
                              has_a_log=has_a_log, has_dt_bias=has_dt_bias, beta_sigmoid=beta_sigmoid,
-                             save_akk=save_akk, scalar_gate=scalar_gate, row_factors=row_factors)
+                             save_akk=save_akk, scalar_gate=scalar_gate, row_factors=row_factors,
+                             softplus_gate=softplus_gate, wide_blocks=wide_blocks)
+
+
+def channel_gate_form(lower_bound: float | None) -> tuple[bool, bool]:
+    """``(softplus_gate, wide_blocks)`` of the per-channel kernel for an in-kernel gate: softplus without
+    ``lower_bound``; wide blocks unless the lower bound keeps every block within ``DIAG_RANGE_LIMIT``."""
+    softplus = lower_bound is None
+    return softplus, exact_diagonal_needed(int(GATE_SOFTPLUS if softplus else GATE_LOWER_BOUND), lower_bound)
 
 
 def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dtype, cu_dtype: torch.dtype | None,
-                   flags: tuple[bool, ...], *, scalar_gate: bool = False, row_factors: bool = False):
+                   flags: tuple[bool, ...], *, scalar_gate: bool = False, row_factors: bool = False,
+                   softplus_gate: bool = False, wide_blocks: bool = False):
     """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``):
     ``flags`` = (IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK); ``cu_dtype`` the offsets'
     dtype with packed sequences; ``scalar_gate``: the gate is one value per (token, value head) (GDN);
     ``row_factors``: the scalar-gate kernel writes the rows' q / k factors instead of ``qg`` / ``kd`` (for the CUDA
-    scan's ``row_factors`` form). The caller has made the device current. Raises NvrtcUnavailable."""
+    scan's ``row_factors`` form); ``softplus_gate`` / ``wide_blocks``: the per-channel gate's form
+    (``channel_gate_form``). The caller has made the device current. Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
     cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
-    return load_kernel(_source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors), src.KERNEL_NAME,
-                       device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
+    source = _source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors, softplus_gate, wide_blocks)
+    return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
 
 
 def prepare_flags(args: dict) -> tuple[bool, ...]:
@@ -105,21 +137,24 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens, chunk_offsets``;
     ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and constexpr keywords
-    (``T, N, H, HV, scale, beta_scale, lower_bound, IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
+    (``T, N, H, HV, scale, beta_scale, lower_bound, GATE, IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
     SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``, ``dt_bias`` ``[HV]``;
     with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of the rows'
-    factors and ``kd`` is not written). The caller checked ``outside_design`` is None. Raises NvrtcUnavailable
-    when the kernel cannot be built."""
+    factors and ``kd`` is not written; without it, ``GATE`` and ``lower_bound`` pick the per-channel gate's form).
+    The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = cuda_index(q.device)
     varlen, HV = args["IS_VARLEN"], args["HV"]
     a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
     flags = prepare_flags(args)
+    scalar_gate = bool(args.get("SCALAR_GATE", False))
+    softplus, wide = (False, False) if scalar_gate else channel_gate_form(
+        None if args["GATE"] == int(GATE_SOFTPLUS) else args["lower_bound"])
     with on_device(device_index):
         kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags,
-                                scalar_gate=bool(args.get("SCALAR_GATE", False)),
-                                row_factors=bool(args.get("ROW_FACTORS", False)))
+                                scalar_gate=scalar_gate, row_factors=bool(args.get("ROW_FACTORS", False)),
+                                softplus_gate=softplus, wide_blocks=wide)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
                                    cu_seqlens if varlen else q, chunk_offsets if varlen else q)]

@@ -1,8 +1,14 @@
-"""Pass 1 of the CUDA prepare kernel (``cuda_prepare_source.py``) for the per-channel gate (KDA, the lower-bound
-gate): per 16-channel slice the gate, its block-local cumsum (lane shuffles), the block sums exchanged between
-warps, ``qg``, ``kd``, ``decay``, ``x = beta 2^G k`` (into shared memory) and the ``A_qk`` / ``A_kk`` stripes on
-TF32 tensor cores with the decay folded into the operands through per-block anchors (the Triton kernel's
-``triton_prepare_channel.py``; every exponent a sum over its own span).
+"""Pass 1 of the CUDA prepare kernel (``cuda_prepare_source.py``) for the per-channel gate (KDA: the in-kernel
+lower-bound gate, or with ``GATE_SOFTPLUS`` the in-kernel softplus gate): per 16-channel slice the gate, its
+block-local cumsum (lane shuffles), the block sums exchanged between warps, ``qg``, ``kd``, ``decay``,
+``x = beta 2^G k`` (into shared memory) and the ``A_qk`` / ``A_kk`` stripes on TF32 tensor cores with the decay
+folded into the operands through per-block anchors (the Triton kernel's ``triton_prepare_channel.py``; every
+exponent a sum over its own span).
+
+A 16-token block whose decay spans at most ``DIAG_RANGE_LIMIT`` (the bounded lower-bound gate) takes its product
+with itself through one anchor, as the stripes do. ``WIDE_BLOCKS`` (gates of any strength) forms that product
+on its own: exponents from the steps clamped at ``-STEP_CLAMP`` and one anchor per 8-column tile, so every
+factor stays in range whatever the data (docs/kda-kernels.md section 4.1); no exact element-by-element pass.
 
 Leaves ``accq[s][nt][e]`` / ``acck[s][nt][e]``: ``A_qk`` and ``A_kk`` (before beta and the triangle masks) of this
 warp's 16 rows against key block s, in the ``mma`` accumulator layout.
@@ -11,6 +17,13 @@ from __future__ import annotations
 
 PASS1 = r"""    // ---- pass 1 over 16-channel slices ----------------------------------------------------------------
     // lane elements: rows row0 + 8 hh, channels c0 + {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9} (mma A layout)
+#if GATE_SOFTPLUS
+#if HAS_A_LOG
+    const float neg_a = -ex2(Alog[hv] * LOG2E);
+#else
+    const float neg_a = -1.f;
+#endif
+#endif
     float accq[4][2][4], acck[4][2][4];
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -101,9 +114,24 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const float x = L[hh][j] + db[j];
+#if GATE_SOFTPLUS
+                // -exp(A_log) softplus(x) / ln 2 (the Triton kernel's log2_gate): softplus = x above 20, else
+                // log2(1 + e) = log2(u) + (e - (u - 1)) / ln 2 with u = 1 + e rounded (e < 1: u - 1 is exact)
+                const float e = ex2(fminf(x, 20.f) * LOG2E), u = 1.f + e;
+                const float l = x > 20.f ? x * LOG2E : lg2(u) + (e < 1.f ? e - (u - 1.f) : 0.f) * LOG2E;
+                const float y = fmaxf(neg_a * l, GATE_FLOOR);
+#else
                 const float y = fmaxf(__fdividef(lb2, 1.f + ex2(x * slope)), GATE_FLOOR);
+#endif
                 L[hh][j] = (hh ? ok1 : ok0) ? y : 0.f;
             }
+#if WIDE_BLOCKS
+        float Lc[2][4];  // the steps clamped at -STEP_CLAMP: the diagonal block's own exponents (below)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) Lc[hh][j] = fmaxf(L[hh][j], -STEP_CLAMP);
+#endif
         // block-local inclusive cumsum over the 16 rows (lanes 4 apart, then the two halves)
 #pragma unroll
         for (int off = 1; off < 8; off <<= 1)
@@ -113,35 +141,93 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
                 for (int j = 0; j < 4; ++j) {
                     const float t = __shfl_up_sync(FULL, L[hh][j], 4 * off);
                     if (gid >= off) L[hh][j] += t;
+#if WIDE_BLOCKS
+                    const float tc = __shfl_up_sync(FULL, Lc[hh][j], 4 * off);
+                    if (gid >= off) Lc[hh][j] += tc;
+#endif
                 }
         float S_own[4];
+#if WIDE_BLOCKS
+        // the diagonal block's exponents: rows 0-7 (e00) and 8-15 (e1[0]) against the anchor of columns 0-7, the middle
+        // of the clamped range of rows 0-7; rows 8-15 against that of columns 8-15 (e1[1])
+        float e00[4], e1[2][4];
+#endif
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             L[1][j] += __shfl_sync(FULL, L[0][j], 28 + tig);
             S_own[j] = __shfl_sync(FULL, L[1][j], 28 + tig);
+#if WIDE_BLOCKS
+            const float h7 = __shfl_sync(FULL, Lc[0][j], 28 + tig);
+            const float c1 = Lc[1][j] + h7;
+            const float a0 = 0.5f * h7, a1 = 0.5f * (h7 + __shfl_sync(FULL, c1, 28 + tig));
+            e00[j] = Lc[0][j] - a0;
+            e1[0][j] = c1 - a0;
+            e1[1][j] = c1 - a1;
+#endif
         }
         const int cl[4] = {2 * tig, 2 * tig + 1, 2 * tig + 8, 2 * tig + 9};
         if (gid == 7) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) sums[(par * 4 + wp) * 16 + cl[j]] = L[1][j];
         }
-        // key tile of this block: k 2^(a - G), anchor a at the middle of the block's decay range
+        // key tile of this block: k 2^(a - G), anchor a at the middle of the block's decay range (with WIDE_BLOCKS
+        // at its end, a = S: k 2^(S - G) <= k for any decay; the block's own product is formed below)
+#if WIDE_BLOCKS  // k rescaled where it is used: 8 registers fewer held across the diagonal product and the barrier
+#define KF(hh, j) ((((j) & 1) ? hi_bf(rk[hh][(j) >> 1]) : lo_bf(rk[hh][(j) >> 1])) * ksc[hh])
+#else
         float kf[2][4];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             kf[hh][0] = lo_bf(rk[hh][0]) * ksc[hh]; kf[hh][1] = hi_bf(rk[hh][0]) * ksc[hh];
             kf[hh][2] = lo_bf(rk[hh][1]) * ksc[hh]; kf[hh][3] = hi_bf(rk[hh][1]) * ksc[hh];
         }
+#define KF(hh, j) kf[hh][j]
+#endif
         {
             float kt[8];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) kt[4 * hh + j] = kf[hh][j] * ex2(0.5f * S_own[j] - L[hh][j]);
+                for (int j = 0; j < 4; ++j) kt[4 * hh + j] = KF(hh, j) * ex2(KEY_ANCHOR * S_own[j] - L[hh][j]);
             float4* dst = reinterpret_cast<float4*>(keys + ((par * 4 + wp) * 32 + lane) * 8);
             dst[0] = make_float4(kt[0], kt[1], kt[2], kt[3]);
             dst[1] = make_float4(kt[4], kt[5], kt[6], kt[7]);
         }
+#if WIDE_BLOCKS
+        // The block against itself, for gates of any strength (docs/kda-kernels.md section 4.1): exponents from the
+        // clamped cumsum Lc (a pair across a step below -STEP_CLAMP decays by less than 2^-STEP_CLAMP either way),
+        // one anchor per 8-column tile: columns 0-7 at a0 for all 16 rows (rows 8-15 only lose factors that
+        // underflow: their pairs decay by less than 2^-30), columns 8-15 at a1 (rows 0-7 there are above the
+        // diagonal). Every factor stays within 2^+-(4 STEP_CLAMP) where a pair can matter.
+#pragma unroll
+        for (int ks = 0; ks < 2; ++ks) {
+            u32 dq[4], dk[4], b[2];  // A operands (rows 0-15) and B operand of one column tile
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int p = 0; p < 2; ++p) {
+                    const int j = 2 * ks + p;
+                    if (nt == 0) {
+                        const float f = ex2(e00[j]);
+                        dq[2 * p] = tf32_rna(((j & 1) ? hi_bf(rq[0][j >> 1]) : lo_bf(rq[0][j >> 1])) * qsc[0] * f);
+                        dk[2 * p] = tf32_rna(KF(0, j) * f);
+                        b[p] = tf32_rna(KF(0, j) * ex2(-e00[j]));
+                    } else {
+                        b[p] = tf32_rna(KF(1, j) * ex2(-e1[nt][j]));
+                    }
+                    const float f = ex2(e1[nt][j]);
+                    dq[2 * p + 1] = tf32_rna(((j & 1) ? hi_bf(rq[1][j >> 1]) : lo_bf(rq[1][j >> 1])) * qsc[1] * f);
+                    dk[2 * p + 1] = tf32_rna(KF(1, j) * f);
+                }
+#pragma unroll
+                for (int s = 0; s < 4; ++s)
+                    if (s == wp) {  // (warp-uniform)
+                        mma_tf32(accq[s][nt], dq, b[0], b[1]);
+                        mma_tf32(acck[s][nt], dk, b[0], b[1]);
+                    }
+            }
+        }
+#endif
         asm volatile("cp.async.wait_group %0;" :: "n"(NSTAGE - 2));  // this thread's copies of slice sl + 1
         __syncthreads();  // block sums, key tiles and slice sl + 1's tiles visible; stage sl % NSTAGE consumed
         issue_slice(sl + NSTAGE);
@@ -164,10 +250,10 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
             for (int s = 3; s >= 0; --s) {  // (wp is warp-uniform: no divergence; stripes s > wp are not taken)
                 const float Ss = S[s][j];
                 if (s < wp) {
-                    m[s][j] = ex2(fmaf(0.5f, Ss, before));
+                    m[s][j] = ex2(fmaf(1.f - KEY_ANCHOR, Ss, before));
                     before += Ss;
                 } else if (s == wp) {
-                    m[s][j] = ex2(-0.5f * Ss);
+                    m[s][j] = WIDE_BLOCKS ? 0.f : ex2(-0.5f * Ss);  // (WIDE_BLOCKS: the product above)
                 } else {
                     m[s][j] = 0.f;
                     after += Ss;
@@ -197,9 +283,9 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
                 const float qf = ((j & 1) ? hi_bf(rq[hh][j >> 1]) : lo_bf(rq[hh][j >> 1])) * qsc[hh];
                 const float eP = ex2(P[j]);
                 qe[j] = qf * e;
-                ke[j] = kf[hh][j] * e;
+                ke[j] = KF(hh, j) * e;
                 qg[j] = qe[j] * eP;
-                kd[j] = kf[hh][j] * ex2((S_own[j] - L[hh][j]) + later[j]);  // the gate after the row
+                kd[j] = KF(hh, j) * ex2((S_own[j] - L[hh][j]) + later[j]);  // the gate after the row
                 xv[j] = ke[j] * eP * beta_r[hh];
             }
 #pragma unroll
@@ -217,10 +303,10 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
             *reinterpret_cast<u32*>(xs + swz(row, 2 * sl) + 4 * tig) = pack(xv[0], xv[1]);
             *reinterpret_cast<u32*>(xs + swz(row, 2 * sl + 1) + 4 * tig) = pack(xv[2], xv[3]);
         }
-        // A stripes: rows of this block against the keys of blocks s <= wp
+        // A stripes: rows of this block against the keys of blocks s <= wp (s < wp with WIDE_BLOCKS)
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-            if (s <= wp) {
+            if (s < wp || (!WIDE_BLOCKS && s == wp)) {
                 const float4* src = reinterpret_cast<const float4*>(keys + ((par * 4 + s) * 32 + lane) * 8);
                 const float4 k0 = src[0], k1 = src[1];
                 const float kb[8] = {k0.x * m[s][0], k0.y * m[s][1], k0.z * m[s][2], k0.w * m[s][3],
@@ -236,4 +322,5 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
             }
         }
     }
+#undef KF
 """

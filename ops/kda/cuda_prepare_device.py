@@ -15,6 +15,9 @@ typedef unsigned short bf16;  // raw bits (no cuda_bf16.h: NVRTC may have no inc
 #define KD 128
 
 __device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ float lg2(float x) {
+    float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+}
 __device__ __forceinline__ float lo_bf(u32 v) { return __uint_as_float(v << 16); }
 __device__ __forceinline__ float hi_bf(u32 v) { return __uint_as_float(v & 0xffff0000u); }
 // two floats rounded to bf16 (nearest even), lo in the low half

@@ -4,11 +4,12 @@ The same contract as ``triton_chunk_prepare.py`` (read its docstring for the mat
 gate's form a parameter of the generator (``scalar_gate``): pass 1 is ``cuda_prepare_channel.py`` for KDA's
 per-channel gate, ``cuda_prepare_scalar.py`` for GDN's one gate per (token, value head); the prologue (below),
 the device helpers (``cuda_prepare_device.py``) and the inverse with pass 2 (``cuda_prepare_solve.py``) are
-shared. The KDA form serves the configuration the prefill benchmark anchors on: bf16 q / k / v, K = V = 128,
-the lower-bound gate with ``lower_bound >= -MAX_BOUNDED_DECAY`` (every 16-token block's decay range is within
-``DIAG_RANGE_LIMIT``, so no exact-diagonal pass); the GDN form takes every gate (the finished log decay, or
-the in-kernel softplus gate with ``has_a_log``), exactly. Written in CUDA because the layout it needs is one
-Triton does not give: each warp owns one 16-token block of the chunk in the register layout of a
+shared. Both take bf16 q / k / v with K = V = 128. The KDA form takes the in-kernel gates: the lower-bound gate
+(with ``lower_bound >= -MAX_BOUNDED_DECAY`` every 16-token block's decay range is within ``DIAG_RANGE_LIMIT``, the
+configuration the prefill benchmark anchors on) and, as ``wide_blocks``, any lower bound and the softplus gate,
+with no exact-diagonal pass and a cost that does not depend on the data; the GDN form takes every gate (the
+finished log decay, or the in-kernel softplus gate with ``has_a_log``), exactly. Written in CUDA because the layout
+it needs is one Triton does not give: each warp owns one 16-token block of the chunk in the register layout of a
 ``mma.m16n8k16`` operand, so
 
 - the loaded q / k / gate elements are the tensor-core A operands as they stand (no layout conversion
@@ -27,9 +28,11 @@ Triton does not give: each warp owns one 16-token block of the chunk in the regi
 
 One CTA of 4 warps owns one 64-token chunk of one value head (grid ``(chunk slots, HV)``), 73 KiB: 3 CTAs per SM.
 
-Extreme gates cannot reach the KDA form: the lower-bound gate maps any raw projection (+-inf included) into
-``[lower_bound, 0]``. Its decay exponents are still formed as the Triton kernel's are, each summed over its own
-span (block sums across blocks, never a difference of prefix sums; docstring of ``triton_chunk_prepare.py``).
+The KDA form's decay exponents are formed as the Triton kernel's are, each summed over its own span across
+blocks (block sums, never a difference of prefix sums; docstring of ``triton_chunk_prepare.py``); inside a block
+the tails ``G_end - G`` are differences of the block-local cumsum, exact to fp32 rounding of the block's range
+(with the softplus gate a block of floored steps spans up to 2400 log2 units: 2^-12 there, still far below the
+bf16 rounding of the outputs).
 
 Outputs, all in the Triton kernel's layouts: ``w, qg, kd`` ``[TT, HV, 128]``, ``u`` ``[TT, HV, 128]``,
 ``A_qk`` ``[TT, HV, 64]`` (bf16), ``decay`` ``[slots, HV, 128]`` fp32, and with ``SAVE_AKK`` the inverse
@@ -52,6 +55,10 @@ TILE_BYTES = CHUNK * HEAD_DIM * 2
 LD = 72  # fp32 row stride of the solve's [64, 64] matrices (bank spread for fragment access)
 KEYS_BYTES = 2 * 4 * 32 * 8 * 4  # [parity][warp][lane][8] fp32
 SUMS_BYTES = 2 * 4 * 16 * 4  # [parity][block][16 channels] fp32
+# With wide blocks, the diagonal block's product takes steps clamped at -STEP_CLAMP (log2 units): a pair across a
+# clamped step decays by less than 2^-24 of its product either way (fp32 rounding of an O(1) entry), and 8 clamped
+# steps span at most 192, so a factor anchored at the middle of 8 rows stays within 2^+-96.
+STEP_CLAMP = 24.0
 NSTAGE = 4  # q / k / gate slices in flight (cp.async): [64][16] tiles of q, k (bf16) and the gate (bf16 / fp32)
 
 
@@ -77,7 +84,8 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
     int T, int N, int H, int HV, float scale, float beta_scale, float lower_bound)
 {
     extern __shared__ __align__(128) unsigned char smem[];
-    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, gid = lane >> 2, tig = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, wp = (tid >> 5) & 3, gid = lane >> 2, tig = lane & 3;
+    // (& 3: the compiler learns wp < 4; measured 4-6% faster and no spills in the wide-block forms, H200)
     const int slot = blockIdx.x, hv = blockIdx.y, h = hv / (HV / H);
     long long bos;
     int seq_len, chunk;
@@ -180,16 +188,24 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
 
 def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool, l2norm: bool, has_a_log: bool,
                   has_dt_bias: bool, beta_sigmoid: bool, save_akk: bool, scalar_gate: bool = False,
-                  row_factors: bool = False) -> str:
+                  row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False) -> str:
     """The kernel's CUDA text for one specialisation (``g_dtype`` / ``beta_dtype``: "bf16" or "f32";
     ``cu_dtype``: "int" or "long long", the cu_seqlens element type). ``scalar_gate``: one gate per (token, value
     head), ``g`` ``[TT, HV]`` and ``dt_bias`` ``[HV]`` (GDN); ``has_a_log`` then selects the in-kernel softplus
     gate (GDN's requires ``A_log``), else ``g`` is the finished log decay. Without it (KDA) the gate is
-    ``[TT, HV, K]`` and always the in-kernel lower-bound form. ``row_factors`` (scalar gate only): write the rows'
-    q / k factors ``[slots, HV, 2, 64]`` fp32 through the ``QG`` pointer instead of the ``qg`` / ``kd`` tiles, for
-    the CUDA scan's ``row_factors`` form."""
+    ``[TT, HV, K]`` and in-kernel: the lower-bound form, or with ``softplus_gate`` the softplus form. ``wide_blocks``
+    (per-channel gate only): a 16-token block may decay by more than ``DIAG_RANGE_LIMIT`` (the softplus gate, a lower
+    bound below ``-MAX_BOUNDED_DECAY``), so its product with itself is formed on clamped steps with two anchors
+    (``cuda_prepare_channel.py``). ``row_factors`` (scalar gate only): write the rows' q / k factors
+    ``[slots, HV, 2, 64]`` fp32 through the ``QG`` pointer instead of the ``qg`` / ``kd`` tiles, for the CUDA scan's
+    ``row_factors`` form."""
     if row_factors and not scalar_gate:
         raise ValueError("row_factors needs scalar_gate (one gate per token and value head)")
+    if scalar_gate and (softplus_gate or wide_blocks):
+        raise ValueError("softplus_gate and wide_blocks are forms of the per-channel gate; the scalar gate takes every "
+                         f"gate as it is, got softplus_gate={softplus_gate}, wide_blocks={wide_blocks}")
+    if softplus_gate and not wide_blocks:
+        raise ValueError("softplus_gate needs wide_blocks: the softplus gate does not bound a block's decay")
     for name, value in (("g_dtype", g_dtype), ("beta_dtype", beta_dtype)):
         if value not in _DTYPES:
             raise ValueError(f"{name} must be one of {sorted(_DTYPES)}, got {value!r}")
@@ -199,7 +215,8 @@ def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool,
         "G_T": _DTYPES[g_dtype], "BETA_T": _DTYPES[beta_dtype], "CU_T": cu_dtype,
         "IS_VARLEN": int(varlen), "L2NORM": int(l2norm), "HAS_A_LOG": int(has_a_log),
         "HAS_DT_BIAS": int(has_dt_bias), "BETA_SIGMOID": int(beta_sigmoid), "SAVE_AKK": int(save_akk),
-        "ROW_FACTORS": int(row_factors),
+        "ROW_FACTORS": int(row_factors), "GATE_SOFTPLUS": int(softplus_gate), "WIDE_BLOCKS": int(wide_blocks),
+        "KEY_ANCHOR": "1.0f" if wide_blocks else "0.5f", "STEP_CLAMP": f"{STEP_CLAMP:.1f}f",
         "LD": LD, "KEYS_BYTES": KEYS_BYTES, "XS_OFF": XS_OFF, "VS_OFF": VS_OFF, "BETA_OFF": BETA_OFF,
         "UNION_OFF": UNION_OFF, "STAGE_OFF": STAGE_OFF, "NSTAGE": NSTAGE, "G_BYTES": 2 if g_dtype == "bf16" else 4,
         "STAGE_BYTES": stage_bytes(2 if g_dtype == "bf16" else 4),

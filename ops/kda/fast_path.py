@@ -204,7 +204,7 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
           served_by_our_kernels: Callable[[], bool] | None = None) -> None:
     """After the ordinary path served an eager inference call of signature ``key``: keep a plan when that call ran
     our CUDA prepare and scan kernels (asked of the same choice functions), else remember that none applies.
-    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view. KDA: the in-kernel lower-bound gate. GDN
+    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view. KDA: the in-kernel gates (lower-bound or softplus). GDN
     (``scalar_gate``): the scalar gate, in-kernel (``A_log`` given) or finished; ``served_by_our_kernels`` says
     whether GDN's backend choice takes our chunk kernels for this call."""
     if key is None or key in _plans:
@@ -238,8 +238,8 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     HV, V = v.shape[2], v.shape[3]
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else B
-    if B * T == 0 or N <= 0 or K != HEAD_DIM or V != HEAD_DIM or (lower_bound is None) is not scalar_gate:
-        return None  # KDA: the lower-bound gate only; GDN: no lower bound
+    if B * T == 0 or N <= 0 or K != HEAD_DIM or V != HEAD_DIM or (scalar_gate and lower_bound is not None):
+        return None  # (GDN takes no lower bound)
     if not all(t.is_contiguous() for t in (q, k, v, g, beta)):
         return None
     for name, t, numel in (("A_log", A_log, HV), ("dt_bias", dt_bias, HV if scalar_gate else HV * K)):
@@ -274,10 +274,11 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     slots = -(-T // CHUNK) + N if varlen else B * -(-T // CHUNK)
     cu_dtype = cu_seqlens.dtype if varlen else None
     flags = (varlen, l2norm, A_log is not None, dt_bias is not None, beta_sigmoid, False)
+    softplus, wide = (False, False) if scalar_gate else cuda_prepare.channel_gate_form(lower_bound)
     with on_device(index):
         ensure_thread_context(index)
         prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags, scalar_gate=scalar_gate,
-                                              row_factors=scalar_gate)
+                                              row_factors=scalar_gate, softplus_gate=softplus, wide_blocks=wide)
         scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v,
                                      row_factors=scalar_gate)
         planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
@@ -288,7 +289,8 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
                 planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
-                beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if scalar_gate else lower_bound, T=T, N=N, H=H,
+                beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if lower_bound is None else lower_bound,
+                T=T, N=N, H=H,
                 HV=HV,
                 h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words,
                 row_factors=scalar_gate)

@@ -1,17 +1,20 @@
 """Our fused Triton prefill (``triton_chunk.py``) as a KDA backend for ``chunk_kda``.
 
 Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fake and backward), and
-PREFERRED over it for the lower-bound gate with ``lower_bound >= -BOUNDED_GATE_LIMIT`` (``preferred_reason``).
-On an H100 (2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta; ``docs/kda-kernels.md``) our
-forward runs 1.19-1.60x FLA's over seven benchmark shapes with the softplus gate, but its cost depends on
-the data: with strong decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g.
-Mamba-style ``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the prepare kernel adds its exact-diagonal
-pass and runs 1.9x slower (5.1 vs 2.7 ms at 8 x 4096 x 32), about 0.75x FLA's whole forward, where FLA's cost
-does not depend on the data. The lower-bound gate bounds every step's decay by ``|lower_bound|`` nats, so
-with ``lower_bound >= -5`` no block can reach that limit (16 x 5 / ln 2 = 115.4 < 120, the kernel's
-``DIAG_RANGE_LIMIT``) and the speed cannot depend on the data: those calls come here first. Other calls opt
-in with ``only_backends("triton_chunk")`` (``kda_compile.ops.kda.backends``); without FLA this backend
-serves CUDA instead of the reference.
+PREFERRED over it (``preferred_reason``) for the lower-bound gate with ``lower_bound >= -BOUNDED_GATE_LIMIT`` and
+for every in-kernel gate (softplus, any lower bound) of the calls the CUDA prepare kernel serves (bf16, K = V = 128,
+sm_80 or newer: ``cuda_prepare.serves_in_kernel_gates``).
+On an H100 (2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta; ``docs/kda-kernels.md``) our forward runs
+1.19-1.60x FLA's over seven benchmark shapes with the softplus gate, but its cost depends on the data: with strong
+decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g. Mamba-style
+``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the prepare kernel adds its exact-diagonal pass and runs 1.9x
+slower (the Triton prepare, 5.1 vs 2.7 ms at 8 x 4096 x 32), about 0.75x FLA's whole forward, where FLA's cost
+does not depend on the data. The lower-bound gate bounds every step's decay by ``|lower_bound|`` nats, so with
+``lower_bound >= -5`` no block can reach that limit (16 x 5 / ln 2 = 115.4 < 120, the kernel's
+``DIAG_RANGE_LIMIT``) and the speed cannot depend on the data: those calls come here first. So do softplus and
+other in-kernel gates where the CUDA prepare kernel runs: its ``wide_blocks`` form takes any decay with no exact
+pass (docs/kda-kernels.md section 4.1). Other calls opt in with ``only_backends("triton_chunk")``
+(``kda_compile.ops.kda.backends``); without FLA this backend serves CUDA instead of the reference.
 Inference runs our two-to-three-launch forward. Training (the op saves residuals) depends on FLA's
 backward kernels, which the forward must feed in FLA's formats:
 
@@ -104,9 +107,19 @@ class TritonChunkBackend:
         return _kernel_unusable()
 
     def preferred_reason(self, device, dtype, K, V, opts: KDAOptions) -> str | None:
-        if opts.use_gate_in_kernel and opts.lower_bound is not None and opts.lower_bound >= -BOUNDED_GATE_LIMIT:
+        if not opts.use_gate_in_kernel:
+            return None
+        if opts.lower_bound is not None and opts.lower_bound >= -BOUNDED_GATE_LIMIT:
             return (f"lower-bound gate with lower_bound={opts.lower_bound} >= -{BOUNDED_GATE_LIMIT}: no block takes "
                     f"the exact-diagonal pass, so our kernels' speed does not depend on the data")
+        if _kernel_unusable() is not None:
+            return None
+        from kda_compile.ops.kda.cuda_prepare import serves_in_kernel_gates  # (needs triton)
+        if serves_in_kernel_gates(device, dtype, K, V) is None:
+            gate = ("softplus gate" if opts.lower_bound is None
+                    else f"lower-bound gate with lower_bound={opts.lower_bound}")
+            return (f"{gate}, bfloat16, K = V = 128: the CUDA prepare kernel forms every block without an exact pass, "
+                    f"so our kernels' speed does not depend on the data")
         return None
 
     def residual_meta(self, q, k, v, opts, save):

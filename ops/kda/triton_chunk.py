@@ -416,7 +416,7 @@ def chunk_kda_prefill(
         SAVE_AKK=save_residuals, SAVE_G=save_g, DOT_BF16=dot_bf16, A_PRECISION=dot_precision,
         SOLVE_PRECISION=solve_precision, SCALAR_GATE=scalar_gate,
     )
-    use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate == int(GATE_LOWER_BOUND),
+    use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate != int(GATE_PRECOMPUTED),
                                      lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
     factors = None
     if use_cuda and scalar_gate and row_factors_served(q, v, g, beta, initial_state, cu_seqlens, T=T, N=N,

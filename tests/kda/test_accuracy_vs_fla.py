@@ -167,7 +167,7 @@ def _errors(op, args, want) -> dict[str, float]:
 def _providers(args) -> dict:
     """Our kernel combinations that serve these inputs, each with the FLA function it is measured against."""
     cuda_prepare_design = (args["q"].dtype == torch.bfloat16 and args["q"].shape[-1] == 128
-                           and args["v"].shape[-1] == 128 and args["lower_bound"] is not None)
+                           and args["v"].shape[-1] == 128 and args["use_gate_in_kernel"])
     cuda_scan_design = args["q"].dtype == torch.bfloat16 and args["q"].shape[-1] == args["v"].shape[-1] == 128
     providers = {"triton prepare + triton scan": (_ours_prefill("triton", "triton"), _fla_chunk),
                  "fla intermediates + our scan": (_fla_backend, _fla_chunk),

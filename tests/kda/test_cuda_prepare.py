@@ -11,6 +11,7 @@ from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.ops.kda import cuda_prepare
 from kda_compile.ops.kda import cuda_prepare_source as src
 from kda_compile.ops.kda.reference import kda_gate, kda_reference, l2norm
+from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY
 from kda_compile.testing import rel_error
 
 from .recurrence import tolerances_for
@@ -73,24 +74,32 @@ def test_the_gate_form_picks_pass_one_only():
     assert src.kernel_source(**base, scalar_gate=False) == channel
 
 
-def test_the_scalar_gate_is_in_the_design_whatever_its_form(monkeypatch):
-    """GDN's scalar gate needs no bound (its exponents are exact for any gate): finished or in-kernel softplus
-    gates are in the CUDA kernel's design; the per-channel gate still needs the bounded lower-bound gate."""
+def test_gate_forms_in_the_design(monkeypatch):
+    """GDN's scalar gate in every form (finished or in-kernel softplus: its exponents are exact for any gate) and
+    KDA's in-kernel gates of any strength (softplus, any lower bound) are in the CUDA kernel's design; KDA's
+    finished gates are not (their exact resets take the Triton kernel)."""
     monkeypatch.setattr(cuda_prepare, "device_unsupported", lambda x: None)  # the device checks are tested above
     q = torch.zeros(1, 4, 1, K, dtype=torch.bfloat16)
     v = torch.zeros(1, 4, 1, V, dtype=torch.bfloat16)
     g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
     assert cuda_prepare.outside_design(q, q, v, g, beta, None, False, None, scalar_gate=True) is None
-    assert "lower-bound gate" in cuda_prepare.outside_design(q, q, v, g, beta, None, False, None)
+    assert "finished gate" in cuda_prepare.outside_design(q, q, v, g, beta, None, False, None)
+    for lower_bound in (None, -5.0, -100.0):
+        assert cuda_prepare.outside_design(q, q, v, g, beta, None, True, lower_bound) is None
+    assert cuda_prepare.channel_gate_form(None) == (True, True)
+    assert cuda_prepare.channel_gate_form(-5.0) == (False, False)
+    assert cuda_prepare.channel_gate_form(-5.2) == (False, True)
     assert "K = 64" in cuda_prepare.outside_design(q[..., :64], q[..., :64], v, g, beta, None, False, None,
                                                   scalar_gate=True)
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------------
 def _inputs(B, T, H, HV, *, offsets=None, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, raw=True, shift=-4.0,
-            seed=0):
+            seed=0, strong=False):
     """Fresh inputs. ``shift``: added to the raw gate (-4: about 0.2 nats a step, so 2^G stays well inside fp32
-    over a chunk; 0: the benchmark's ~2.5 nats). ``raw=False``: unit-norm q / k and beta in (0, 1)."""
+    over a chunk; 0: the benchmark's ~2.5 nats). ``raw=False``: unit-norm q / k and beta in (0, 1). ``strong``:
+    Mamba-style ``A_log = log U(1, 16)`` (softplus gate: up to ~40 nats a step, most 16-token blocks spanning more
+    than 2^120 in some channel)."""
     torch.manual_seed(seed)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q, k, v = torch.randn(B, T, H, K, **bf16), torch.randn(B, T, H, K, **bf16), torch.randn(B, T, HV, V, **bf16)
@@ -100,11 +109,13 @@ def _inputs(B, T, H, HV, *, offsets=None, g_dtype=torch.bfloat16, beta_dtype=tor
         q, k = (torch.nn.functional.normalize(x.float(), dim=-1).to(torch.bfloat16) for x in (q, k))
         beta = torch.sigmoid(beta.float()).to(beta_dtype)
     A_log, dt_bias = torch.rand(HV, device="cuda"), torch.randn(HV * K, device="cuda") * 0.1
+    if strong:
+        A_log = torch.log(1 + 15 * torch.rand(HV, device="cuda"))
     cu = torch.tensor(offsets, device="cuda", dtype=torch.int32) if offsets is not None else None
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
 
-def _run(kernel, x, *, l2norm=True, sigmoid=True, use_a_log=True, use_dt=True, save=False):
+def _run(kernel, x, *, l2norm=True, sigmoid=True, use_a_log=True, use_dt=True, save=False, lower_bound=LB):
     """chunk_kda_prefill with one prepare kernel; its outputs and the prepare kernel's intermediates."""
     from kda_compile.ops.kda import triton_chunk as tc
 
@@ -122,7 +133,7 @@ def _run(kernel, x, *, l2norm=True, sigmoid=True, use_a_log=True, use_dt=True, s
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"] if use_a_log else None,
             x["dt_bias"] if use_dt else None, None, x["cu"], scale=K ** -0.5, output_final_state=True,
             use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=sigmoid,
-            lower_bound=LB, save_residuals=save)
+            lower_bound=lower_bound, save_residuals=save)
     finally:
         tc.launch_scan = original
         if previous is None:
@@ -145,6 +156,15 @@ CASES = [
                                              beta_dtype=torch.float32), dict(save=True)),
     ("benchmark-decays", dict(B=2, T=300, H=2, HV=2, shift=0.0), {}),
     ("one-token", dict(B=1, T=1, H=2, HV=2), {}),
+    # wide blocks: gates whose 16-token blocks may decay by more than 2^120
+    ("softplus-benchmark-decays", dict(B=2, T=300, H=2, HV=2, shift=0.0), dict(lower_bound=None)),
+    ("softplus-strong-decays-packed", dict(B=1, T=333, H=4, HV=4, offsets=[0, 0, 100, 101, 333], shift=0.0,
+                                           strong=True), dict(lower_bound=None)),
+    ("softplus-strong-no-l2norm-fp32-gate-kept-inverse",
+     dict(B=1, T=200, H=2, HV=4, raw=False, strong=True, shift=1.0, g_dtype=torch.float32),
+     dict(lower_bound=None, l2norm=False, sigmoid=False, save=True)),
+    ("softplus-mild-decays-no-bias", dict(B=2, T=130, H=2, HV=2, shift=-4.0), dict(lower_bound=None, use_dt=False)),
+    ("lower-bound-minus-40", dict(B=2, T=300, H=2, HV=2, shift=0.0), dict(lower_bound=-40.0)),
 ]
 
 
@@ -177,7 +197,7 @@ def test_matches_the_triton_kernel_and_the_recurrence(case):
         A_log=x["A_log"].double() if flags.get("use_a_log", True) else None,
         dt_bias=x["dt_bias"].double() if flags.get("use_dt", True) else None,
         use_qk_l2norm_in_kernel=flags.get("l2norm", True), use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=flags.get("sigmoid", True), lower_bound=LB)
+        use_beta_sigmoid_in_kernel=flags.get("sigmoid", True), lower_bound=flags.get("lower_bound", LB))
     tol = tolerances_for(torch.bfloat16, "cuda")
     o_err, o_err_triton = rel_error(got["o"].double(), ref_o.double()), rel_error(want["o"].double(), ref_o.double())
     print(f"o vs fp64: cuda {o_err:.2e}, triton {o_err_triton:.2e}")
@@ -205,21 +225,22 @@ def test_a_qk_and_the_inverse_match_float64():
 @cuda
 def test_repeated_runs_are_bitwise_identical():
     x = _inputs(2, 300, 2, 2, shift=-2.0)
-    first, second = _run("cuda", x), _run("cuda", x)
-    for name in first:
-        assert torch.equal(first[name], second[name]), name
+    for lower_bound in (LB, None):
+        first, second = _run("cuda", x, lower_bound=lower_bound), _run("cuda", x, lower_bound=lower_bound)
+        for name in first:
+            assert torch.equal(first[name], second[name]), (lower_bound, name)
 
 
 @cuda
-def test_the_bounded_gate_chooses_the_cuda_kernel_and_others_do_not():
+def test_in_kernel_gates_choose_the_cuda_kernel_and_finished_gates_do_not():
     x = _inputs(1, 64, 1, 1)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None)
-    assert cuda_prepare.choose_prepare_kernel(*args, True, LB) == "cuda"
-    assert cuda_prepare.choose_prepare_kernel(*args, True, -6.0) == "triton"  # blocks may need the exact pass
+    for lower_bound in (LB, -6.0, None):  # bounded, wide lower bound, softplus
+        assert cuda_prepare.choose_prepare_kernel(*args, True, lower_bound) == "cuda"
     assert cuda_prepare.choose_prepare_kernel(*args, False, None) == "triton"
     half = x["q"].half()
     assert cuda_prepare.choose_prepare_kernel(half, half, x["v"].half(), x["g"], x["beta"], None, True, LB) == "triton"
-    assert math.isclose(cuda_prepare.MAX_BOUNDED_DECAY, 5.147, rel_tol=1e-3)
+    assert math.isclose(MAX_BOUNDED_DECAY, 5.147, rel_tol=1e-3)
 
 
 EXTREME_RAW = [("projection +-inf", dict(f_value=float("inf"))), ("projection -1e30", dict(f_value=-1e30)),
@@ -227,11 +248,12 @@ EXTREME_RAW = [("projection +-inf", dict(f_value=float("inf"))), ("projection -1
 
 
 @cuda
+@pytest.mark.parametrize("lower_bound", [LB, None], ids=["lower-bound", "softplus"])
 @pytest.mark.parametrize("case", EXTREME_RAW, ids=[c[0] for c in EXTREME_RAW])
-def test_extreme_raw_gates_and_biases(case):
-    """The lower-bound gate maps any raw projection into [lower_bound, 0], so the kernel's design holds for
-    extreme ones too: projections of +-inf / -1e30 and biases of +-1e4 (with exp(A_log) = 403) pin steps at no
-    decay or the bound. Both prepare kernels stay finite, agree, and the forward follows the fp64 recurrence."""
+def test_extreme_raw_gates_and_biases(case, lower_bound):
+    """Projections of +-inf / -1e30 and biases of +-1e4 (with exp(A_log) = 403) pin steps at no decay or at the
+    bound (lower-bound gate), or at no decay or a reset (softplus: the floor, 2^-150 a step). Both prepare kernels
+    stay finite, agree, and the forward follows the fp64 recurrence."""
     _, spec = case
     x = _inputs(1, 200, 2, 2)
     f = x["g"].float()
@@ -245,7 +267,7 @@ def test_extreme_raw_gates_and_biases(case):
         x["dt_bias"] = spec["bias_value"] * signs
         x["A_log"] = torch.full_like(x["A_log"], spec["a_log"])
     clear_fallback_events()
-    got, want = _run("cuda", x), _run("triton", x)
+    got, want = _run("cuda", x, lower_bound=lower_bound), _run("triton", x, lower_bound=lower_bound)
     assert not fallback_events(), "the CUDA prepare kernel did not run"
     for name in ("w", "u", "qg", "kd", "a_qk", "o", "final"):
         assert torch.isfinite(got[name]).all(), name
@@ -253,7 +275,7 @@ def test_extreme_raw_gates_and_biases(case):
     ref_o, ref_final = kda_reference(
         *(x[n].double() for n in ("q", "k", "v", "g", "beta")), scale=K ** -0.5, A_log=x["A_log"].double(),
         dt_bias=x["dt_bias"].double(), use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, lower_bound=LB)
+        use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound)
     tol = tolerances_for(torch.bfloat16, "cuda")
     assert rel_error(got["o"].double(), ref_o.double()) < tol["o"]
     assert rel_error(got["final"].double(), ref_final.double()) < tol["final_state"]

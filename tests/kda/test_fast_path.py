@@ -58,7 +58,8 @@ def test_workspace_regions_are_aligned_and_disjoint():
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------------
-def _inputs(B, T, H, HV, *, offsets=None, cu_dtype=torch.int32, h0=True, v_first=False, fp32_gate=False, seed=0):
+def _inputs(B, T, H, HV, *, offsets=None, cu_dtype=torch.int32, h0=True, v_first=False, fp32_gate=False, seed=0,
+            lower_bound=LB):
     torch.manual_seed(seed)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     N = B if offsets is None else len(offsets) - 1
@@ -72,7 +73,7 @@ def _inputs(B, T, H, HV, *, offsets=None, cu_dtype=torch.int32, h0=True, v_first
                 initial_state=state if h0 else None, output_final_state=h0, state_v_first=v_first,
                 cu_seqlens=None if offsets is None else torch.tensor(offsets, device="cuda", dtype=cu_dtype),
                 use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                lower_bound=LB)
+                lower_bound=lower_bound)
 
 
 class _Calls:
@@ -102,6 +103,8 @@ CASES = {
     "no-state": dict(B=1, T=129, H=2, HV=2, h0=False),
     "fp32-gate-and-beta": dict(B=1, T=200, H=2, HV=2, fp32_gate=True),
     "one-token": dict(B=1, T=1, H=2, HV=2),
+    "softplus-packed": dict(B=1, T=333, H=2, HV=4, offsets=[0, 0, 100, 101, 333], lower_bound=None),
+    "wide-lower-bound": dict(B=2, T=200, H=2, HV=2, lower_bound=-20.0),
 }
 
 
@@ -191,7 +194,7 @@ def test_no_plan_where_the_ordinary_path_runs_other_kernels(monkeypatch):
     check_no_plan_elsewhere(chunk_kda, _inputs(1, 200, 2, 2), _Calls(monkeypatch), [
         (env(monkeypatch, "KDA_COMPILE_PREPARE_KERNEL", "triton"), {}),  # the Triton prepare runs
         (only_backends("fla"), {}),
-        (contextlib.nullcontext(), {"lower_bound": -6.0}),  # beyond the CUDA prepare's design
+        (contextlib.nullcontext(), {"use_gate_in_kernel": False, "A_log": None, "dt_bias": None}),  # a finished gate
     ])
 
 

@@ -24,7 +24,7 @@ def test_backend_declines_what_it_cannot_serve():
     cuda = torch.device("cuda")
     assert "float64" in backend.unsupported_reason(cuda, torch.float64, 64, 64, opts)
     assert "K=300" in backend.unsupported_reason(cuda, torch.bfloat16, 300, 64, opts)
-    # Below FLA (prefill_backend's docstring: preferred only for bounded gates), above the reference.
+    # Below FLA (preferred for some calls: prefill_backend's docstring), above the reference.
     assert registered_backends().index("fla") < registered_backends().index("triton_chunk")
     assert registered_backends().index("triton_chunk") < registered_backends().index("reference")
     assert "chunk_kda" in backend.serves and "fused_recurrent_kda" not in backend.serves
@@ -56,8 +56,9 @@ def test_bounded_gates_stay_within_the_kernels_limit():
 
 
 def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
-    """A backend above ours serves every other call; the bounded lower-bound gate comes to ours first
-    (forward, fake and backward all ask ``select_backend`` the same question)."""
+    """A backend above ours serves every other call; the bounded lower-bound gate, and every in-kernel gate the CUDA
+    prepare kernel serves, come to ours first (forward, fake and backward all ask ``select_backend`` the same
+    question)."""
     class Everything:
         name, serves = "everything", frozenset({"chunk_kda", "fused_recurrent_kda"})
 
@@ -80,9 +81,25 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
     said = [r.getMessage() for r in caplog.records if "ahead of its priority" in r.getMessage()]
     assert len(said) == 1 and "lower_bound=-5.0" in said[0]  # why, once
     assert chosen(use_gate_in_kernel=True, lower_bound=-0.5) == "triton_chunk"
-    assert chosen(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT) == "everything"
-    assert chosen(use_gate_in_kernel=True) == "everything"  # softplus: its speed on ours depends on the data
     assert chosen(lower_bound=-1.0) == "everything"  # precomputed gates are not bounded
+    # Other in-kernel gates come to ours where the CUDA prepare kernel serves them (any decay, no exact pass);
+    # elsewhere the Triton prepare's exact pass would make their speed depend on the data.
+    from kda_compile.ops.kda import cuda_prepare
+    monkeypatch.setattr(cuda_prepare.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda_prepare, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_prepare, "cuda_index", lambda device: 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # (the CPU suite interprets Triton; the choice reads it)
+    for strong in (dict(use_gate_in_kernel=True), dict(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT)):
+        assert chosen(**strong) == "triton_chunk"
+        assert select_backend("chunk_kda", cuda, torch.float16, 128, 128,
+                              KDAOptions(scale=0.1, **strong)).name == "everything"
+        assert select_backend("chunk_kda", cuda, torch.bfloat16, 64, 64,
+                              KDAOptions(scale=0.1, **strong)).name == "everything"
+        monkeypatch.setenv(cuda_prepare.KERNEL_ENV, "triton")
+        assert chosen(**strong) == "everything"
+        monkeypatch.delenv(cuda_prepare.KERNEL_ENV)
+    monkeypatch.setattr(cuda_prepare, "device_capability", lambda index: (7, 5))
+    assert chosen(use_gate_in_kernel=True) == "everything"
     assert select_backend("chunk_kda", torch.device("cpu"), torch.float32, 64, 64,
                           KDAOptions(scale=0.1, **bounded)).name == "everything"  # ours declines CPU
 

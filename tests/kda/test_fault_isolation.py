@@ -217,14 +217,16 @@ def test_cuda_chunk_backends_isolate_sequences(backend, name, value, layout, dty
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("gate_form", ["lower_bound", "softplus"])
 @pytest.mark.parametrize("layout", ["packed", "batched"])
 @pytest.mark.parametrize("name, value", CUDA_VALUES, ids=_cuda_ids)
-def test_cuda_prepare_and_scan_kernels_isolate_sequences(monkeypatch, name, value, layout):
-    # The NVRTC kernels' design point: bf16, K = V = 128, the bounded lower-bound gate; both forced on.
+def test_cuda_prepare_and_scan_kernels_isolate_sequences(monkeypatch, name, value, layout, gate_form):
+    # The NVRTC kernels' design point: bf16, K = V = 128, an in-kernel gate (the bounded lower-bound gate, or
+    # softplus through the wide-block form); both kernels forced on.
     monkeypatch.setenv("KDA_COMPILE_PREPARE_KERNEL", "cuda")
     monkeypatch.setenv("KDA_COMPILE_SCAN_KERNEL", "cuda")
-    args = make_case(layout, device="cuda", dtype=torch.bfloat16, K=128, V=128, H=2, HV=2,
-                     gate_form="lower_bound", lower_bound=-5.0, qk_l2norm=True, beta_sigmoid=True)
+    args = make_case(layout, device="cuda", dtype=torch.bfloat16, K=128, V=128, H=2, HV=2, gate_form=gate_form,
+                     lower_bound=-5.0 if gate_form == "lower_bound" else None, qk_l2norm=True, beta_sigmoid=True)
     assert_isolated(_with_backends(chunk_kda, "triton_chunk"), args, name, value)
 
 

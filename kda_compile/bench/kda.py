@@ -148,8 +148,8 @@ def _providers():
 
 def _gate_kwargs(gate: str, H: int, device) -> dict:
     kwargs = {"A_log": torch.rand(H, device=device), "dt_bias": torch.randn(H * K, device=device) * 0.1}
-    if gate == "softplus_strong":  # kda_providers.GATES: exp(A_log) ~ U(1, 16)
-        kwargs["A_log"] = torch.log1p(15 * kwargs["A_log"])
+    if gate == "softplus_strong":
+        kwargs["A_log"] = kda_providers.strong_a_log(kwargs["A_log"])
     if gate == "lower_bound":
         kwargs.update(lower_bound=-5.0, safe_gate=True)
     return kwargs

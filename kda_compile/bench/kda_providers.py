@@ -141,12 +141,17 @@ class Inputs:
     g: torch.Tensor
     beta: torch.Tensor
     A_log: torch.Tensor
-    A_log_strong: torch.Tensor  # log(1 + 15 A_log): exp(A_log_strong) ~ U(1, 16)
+    A_log_strong: torch.Tensor  # strong_a_log(A_log)
     dt_bias: torch.Tensor
     h0: torch.Tensor
     cu_seqlens: torch.Tensor | None
     cu_seqlens_cpu: torch.Tensor | None
     scale: float = K ** -0.5
+
+
+def strong_a_log(A_log: torch.Tensor) -> torch.Tensor:
+    """``softplus_strong``'s ``A_log`` from the benchmark's ``A_log ~ U(0, 1)``: ``exp`` of it ~ U(1, 16)."""
+    return torch.log1p(15 * A_log)
 
 
 def make_inputs(shape: Shape, device, *, seed: int = 0) -> Inputs:
@@ -160,7 +165,7 @@ def make_inputs(shape: Shape, device, *, seed: int = 0) -> Inputs:
     offsets = shape.offsets()
     A_log = torch.rand(H, generator=gen, device=device)
     return Inputs(q=randn(B, T, H, K), k=randn(B, T, H, K), v=randn(B, T, H, V), g=randn(B, T, H, K),
-                  beta=randn(B, T, H), A_log=A_log, A_log_strong=torch.log1p(15 * A_log),
+                  beta=randn(B, T, H), A_log=A_log, A_log_strong=strong_a_log(A_log),
                   dt_bias=randn(H * K, dtype=torch.float32, std=0.1),
                   h0=randn(shape.num_sequences, H, V, K, dtype=torch.float32, std=0.1),
                   cu_seqlens=None if offsets is None else torch.tensor(offsets, dtype=torch.int64, device=device),

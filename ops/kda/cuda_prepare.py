@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback, triton_interpreted
+from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 from kda_compile.ops.kda.cuda_choice import device_unsupported
@@ -66,15 +66,13 @@ def serves_in_kernel_gates(device: torch.device, dtype: torch.dtype, K: int, V: 
     """Why calls of this device, dtype and sizes with an in-kernel per-channel gate (lower-bound or softplus, any
     strength) would not run the CUDA kernel, or None (read without tensors: the backend choice's question; the
     gate's and beta's dtypes are checked at the call)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"needs CUDA, got {device.type} (CUDA available: {torch.cuda.is_available()})"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available"
+    why = device_unsupported(device)
+    if why is not None:
+        return why
     if requested_kernel() == "triton":
         return f"{KERNEL_ENV}=triton"
-    if triton_interpreted():
-        return "TRITON_INTERPRET=1"
-    capability = device_capability(cuda_index(device))
-    if capability < (8, 0):
-        return f"needs sm_80 or newer, got sm_{''.join(map(str, capability))}"
     if dtype != torch.bfloat16 or K != src.HEAD_DIM or V != src.HEAD_DIM:
         return f"the kernel takes bfloat16 with K = V = {src.HEAD_DIM}, got {dtype}, K = {K}, V = {V}"
     return None
@@ -136,11 +134,11 @@ def prepare_flags(args: dict) -> tuple[bool, ...]:
 def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens, chunk_offsets``;
-    ``g_cumsum`` is not written: the lower-bound gate saves none), ``args`` its scalar and constexpr keywords
-    (``T, N, H, HV, scale, beta_scale, lower_bound, GATE, IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID,
-    SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``, ``dt_bias`` ``[HV]``;
-    with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of the rows'
-    factors and ``kd`` is not written; without it, ``GATE`` and ``lower_bound`` pick the per-channel gate's form).
+    ``g_cumsum`` is not written: the in-kernel gates save none), ``args`` its scalar and constexpr keywords
+    (``T, N, H, HV, scale, beta_scale, lower_bound, GATE, EXACT_DIAGONAL, IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS,
+    BETA_SIGMOID, SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``, ``dt_bias``
+    ``[HV]``; with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of the rows'
+    factors and ``kd`` is not written; without it, ``GATE`` and ``EXACT_DIAGONAL`` pick the per-channel gate's form).
     The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
     device_index = cuda_index(q.device)
@@ -149,8 +147,8 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
     flags = prepare_flags(args)
     scalar_gate = bool(args.get("SCALAR_GATE", False))
-    softplus, wide = (False, False) if scalar_gate else channel_gate_form(
-        None if args["GATE"] == int(GATE_SOFTPLUS) else args["lower_bound"])
+    softplus = not scalar_gate and args["GATE"] == int(GATE_SOFTPLUS)
+    wide = bool(args["EXACT_DIAGONAL"])  # (the launch's own choice: exact_diagonal_needed, False for the scalar gate)
     with on_device(device_index):
         kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags,
                                 scalar_gate=scalar_gate, row_factors=bool(args.get("ROW_FACTORS", False)),

@@ -172,23 +172,18 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
         }
         // key tile of this block: k 2^(a - G), anchor a at the middle of the block's decay range (with WIDE_BLOCKS
         // at its end, a = S: k 2^(S - G) <= k for any decay; the block's own product is formed below)
-#if WIDE_BLOCKS  // k rescaled where it is used: 8 registers fewer held across the diagonal product and the barrier
-#define KF(hh, j) ((((j) & 1) ? hi_bf(rk[hh][(j) >> 1]) : lo_bf(rk[hh][(j) >> 1])) * ksc[hh])
-#else
         float kf[2][4];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             kf[hh][0] = lo_bf(rk[hh][0]) * ksc[hh]; kf[hh][1] = hi_bf(rk[hh][0]) * ksc[hh];
             kf[hh][2] = lo_bf(rk[hh][1]) * ksc[hh]; kf[hh][3] = hi_bf(rk[hh][1]) * ksc[hh];
         }
-#define KF(hh, j) kf[hh][j]
-#endif
         {
             float kt[8];
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) kt[4 * hh + j] = KF(hh, j) * ex2(KEY_ANCHOR * S_own[j] - L[hh][j]);
+                for (int j = 0; j < 4; ++j) kt[4 * hh + j] = kf[hh][j] * ex2(KEY_ANCHOR * S_own[j] - L[hh][j]);
             float4* dst = reinterpret_cast<float4*>(keys + ((par * 4 + wp) * 32 + lane) * 8);
             dst[0] = make_float4(kt[0], kt[1], kt[2], kt[3]);
             dst[1] = make_float4(kt[4], kt[5], kt[6], kt[7]);
@@ -210,14 +205,14 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
                     if (nt == 0) {
                         const float f = ex2(e00[j]);
                         dq[2 * p] = tf32_rna(((j & 1) ? hi_bf(rq[0][j >> 1]) : lo_bf(rq[0][j >> 1])) * qsc[0] * f);
-                        dk[2 * p] = tf32_rna(KF(0, j) * f);
-                        b[p] = tf32_rna(KF(0, j) * ex2(-e00[j]));
+                        dk[2 * p] = tf32_rna(kf[0][j] * f);
+                        b[p] = tf32_rna(kf[0][j] * ex2(-e00[j]));
                     } else {
-                        b[p] = tf32_rna(KF(1, j) * ex2(-e1[nt][j]));
+                        b[p] = tf32_rna(kf[1][j] * ex2(-e1[nt][j]));
                     }
                     const float f = ex2(e1[nt][j]);
                     dq[2 * p + 1] = tf32_rna(((j & 1) ? hi_bf(rq[1][j >> 1]) : lo_bf(rq[1][j >> 1])) * qsc[1] * f);
-                    dk[2 * p + 1] = tf32_rna(KF(1, j) * f);
+                    dk[2 * p + 1] = tf32_rna(kf[1][j] * f);
                 }
 #pragma unroll
                 for (int s = 0; s < 4; ++s)
@@ -283,9 +278,9 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
                 const float qf = ((j & 1) ? hi_bf(rq[hh][j >> 1]) : lo_bf(rq[hh][j >> 1])) * qsc[hh];
                 const float eP = ex2(P[j]);
                 qe[j] = qf * e;
-                ke[j] = KF(hh, j) * e;
+                ke[j] = kf[hh][j] * e;
                 qg[j] = qe[j] * eP;
-                kd[j] = KF(hh, j) * ex2((S_own[j] - L[hh][j]) + later[j]);  // the gate after the row
+                kd[j] = kf[hh][j] * ex2((S_own[j] - L[hh][j]) + later[j]);  // the gate after the row
                 xv[j] = ke[j] * eP * beta_r[hh];
             }
 #pragma unroll
@@ -322,5 +317,4 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
             }
         }
     }
-#undef KF
 """

@@ -290,8 +290,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
                 planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
                 beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if lower_bound is None else lower_bound,
-                T=T, N=N, H=H,
-                HV=HV,
+                T=T, N=N, H=H, HV=HV,
                 h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words,
                 row_factors=scalar_gate)
 

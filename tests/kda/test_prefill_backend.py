@@ -84,10 +84,10 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
     assert chosen(lower_bound=-1.0) == "everything"  # precomputed gates are not bounded
     # Other in-kernel gates come to ours where the CUDA prepare kernel serves them (any decay, no exact pass);
     # elsewhere the Triton prepare's exact pass would make their speed depend on the data.
-    from kda_compile.ops.kda import cuda_prepare
+    from kda_compile.ops.kda import cuda_choice, cuda_prepare
     monkeypatch.setattr(cuda_prepare.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda_prepare, "device_capability", lambda index: (9, 0))
-    monkeypatch.setattr(cuda_prepare, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(cuda_choice, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(cuda_choice, "cuda_index", lambda device: 0)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # (the CPU suite interprets Triton; the choice reads it)
     for strong in (dict(use_gate_in_kernel=True), dict(use_gate_in_kernel=True, lower_bound=-2 * BOUNDED_GATE_LIMIT)):
         assert chosen(**strong) == "triton_chunk"
@@ -98,7 +98,7 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
         monkeypatch.setenv(cuda_prepare.KERNEL_ENV, "triton")
         assert chosen(**strong) == "everything"
         monkeypatch.delenv(cuda_prepare.KERNEL_ENV)
-    monkeypatch.setattr(cuda_prepare, "device_capability", lambda index: (7, 5))
+    monkeypatch.setattr(cuda_choice, "device_capability", lambda index: (7, 5))
     assert chosen(use_gate_in_kernel=True) == "everything"
     assert select_backend("chunk_kda", torch.device("cpu"), torch.float32, 64, 64,
                           KDAOptions(scale=0.1, **bounded)).name == "everything"  # ours declines CPU

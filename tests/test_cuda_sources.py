@@ -99,13 +99,13 @@ def test_row_factors_need_the_scalar_gate():
 
 
 @pytest.mark.parametrize("row_factors", [False, True])
-@pytest.mark.parametrize("block_v", [32, 64])
+@pytest.mark.parametrize("block_v", scan.BLOCK_VS)
 @pytest.mark.parametrize("varlen, has_h0, store_ht", [(False, True, True), (True, True, True), (True, False, False)])
 def test_kda_scan_kernel_compiles(block_v, varlen, has_h0, store_ht, row_factors, caplog):
     source = scan.kernel_source(cu_dtype="int", varlen=varlen, has_h0=has_h0, store_ht=store_ht, stages=2,
                                 block_v=block_v, row_factors=row_factors)
     spills = _compile(source, scan.KERNEL_NAME, "90a", caplog)
-    if block_v == 64:  # 32 columns a CTA take 255 registers and spill 4 bytes in some specialisations (NVRTC 12.9)
+    if block_v > 32:  # 32 columns a CTA take 255 registers and spill 4 bytes in some specialisations (NVRTC 12.9)
         assert spills == {"stores": 0, "loads": 0}, spills
 
 

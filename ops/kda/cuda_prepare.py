@@ -93,6 +93,21 @@ def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lo
     return "triton"
 
 
+def record_exact_pass(q, k, v, g, beta, cu_seqlens, lower_bound: float | None, *, op: str = _OP) -> None:
+    """Record, as a fallback, a call with an unbounded in-kernel gate (softplus, or a lower bound below
+    ``-MAX_BOUNDED_DECAY``) that runs the Triton prepare with its exact pass although the CUDA kernel serves its
+    device, dtype and sizes (``serves_in_kernel_gates``: the backend choice preferred our kernels for that): its own
+    arguments are outside the CUDA kernel's design (e.g. an fp16 gate or beta), and the exact pass makes the cost
+    depend on the decays (up to 1.9x on strong ones). Calls the CUDA kernel does not serve at all, or a forced
+    Triton kernel, are not recorded: the backend choice knew."""
+    if serves_in_kernel_gates(q.device, q.dtype, q.shape[-1], v.shape[-1]) is not None:
+        return
+    why = outside_design(q, k, v, g, beta, cu_seqlens, True, lower_bound)
+    if why is not None:
+        record_fallback(op, "Triton prepare kernel with its exact pass (its cost depends on the decays)",
+                        f"the CUDA prepare kernel serves this device, dtype and sizes but not this call: {why}")
+
+
 @functools.lru_cache(maxsize=None)
 def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...], scalar_gate: bool,
             row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False) -> str:

@@ -73,8 +73,8 @@ SHARED_BYTES = UNION_OFF + max(KEYS_BYTES + SUMS_BYTES + NSTAGE * stage_bytes(4)
 
 _DTYPES = {"bf16": "bf16", "f32": "float"}
 
-# The kernel's signature, the chunk's place and pointers, the v tile and beta, the rows' L2-norm factors: what
-# every gate form needs before its pass 1.
+# The kernel's signature, the chunk's place and pointers, the v tile's copies: what every gate form needs before
+# its pass 1 (then the per-channel form's slice copies, then ``_PROLOGUE_TAIL``).
 _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare_mma(
     const bf16* __restrict__ Q, const bf16* __restrict__ Kin, const bf16* __restrict__ Vin,
     const G_T* __restrict__ Gin, const BETA_T* __restrict__ Beta, const float* __restrict__ Alog,
@@ -91,8 +91,16 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
     int seq_len, chunk;
 #if IS_VARLEN
     {
+        // the sequence holding this chunk slot: the last n <= N with chunk_offsets[n] <= slot (n = N: past the last
+        // sequence). Each warp searches 32-ary, one probe a lane (the probes that hold form a prefix of the lanes:
+        // the offsets do not decrease), so N <= 32 takes one round of loads and N <= 1024 two, not log2(N + 1).
         int lo = 0, hi = N;
-        while (lo < hi) { int mid = (lo + hi) >> 1; if (slot < chunk_offsets[mid + 1]) hi = mid; else lo = mid + 1; }
+        while (lo < hi) {
+            const int step = (hi - lo + 31) >> 5, probe = lo + (lane + 1) * step;
+            const bool holds = probe <= hi && chunk_offsets[probe] <= slot;
+            lo += __popc(__ballot_sync(FULL, holds)) * step;
+            hi = min(hi, lo + step - 1);
+        }
         if (lo >= N) return;
         bos = (long long)cu_seqlens[lo];
         seq_len = (int)((long long)cu_seqlens[lo + 1] - bos);
@@ -130,7 +138,10 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
                      :: "r"(smem_addr(vsm) + swz(row, ch)), "l"(src), "r"(ok ? 16 : 0));
     }
     asm volatile("cp.async.commit_group;");
-    if (tid < 64) {
+"""
+
+# Beta, the rows' L2-norm factors, the gate's slope.
+_PROLOGUE_TAIL = r"""    if (tid < 64) {
         float b = 0.f;
         if (tid < nvalid) {
             b = to_f(Beta[(t0 + tid) * HV + hv]);
@@ -222,5 +233,8 @@ def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool,
         "STAGE_BYTES": stage_bytes(2 if g_dtype == "bf16" else 4),
     }
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
-    pass1 = cuda_prepare_scalar.PASS1 if scalar_gate else cuda_prepare_channel.PASS1
-    return head + HELPERS + _PROLOGUE + pass1 + SOLVE_AND_PASS2
+    if scalar_gate:
+        body = _PROLOGUE + _PROLOGUE_TAIL + cuda_prepare_scalar.PASS1
+    else:
+        body = _PROLOGUE + cuda_prepare_channel.ISSUE_SLICES + _PROLOGUE_TAIL + cuda_prepare_channel.PASS1
+    return head + HELPERS + body + SOLVE_AND_PASS2

@@ -32,11 +32,25 @@ MAX_SEQUENCES = 65535  # the grid's z dimension
 STAGES = 2  # chunks of tiles in shared memory (cuda_scan_source.shared_bytes); 3 measured no faster
 
 
+# One chunk step of the kernel in the segment cost model's units (``triton_chunk.segment_cost``: about 6 us, the
+# Triton scan's step on an H100), per value columns a CTA. Measured, one CTA per SM: 1.68 / 1.86 us with 32 / 64
+# columns (H100, 1 x 32768 x 32); 1.75 / 1.97 / 3.3 us with 32 / 64 / 128 (H200, 1 x 8192 x 32 / 64 / 96).
+STEP_COST = {32: 0.28, 64: 0.31, 128: 0.53}
+
+
 def block_v_for(pairs: int, sm_count: int) -> int:
-    """Value columns per CTA for ``pairs`` (sequence, head) pairs: 32 (four CTAs of 2 warps a head) when those
-    CTAs fit in one wave, else 64 (two CTAs of 4 warps). Measured on an H100: a chunk step takes 1.68 us with
-    32 and 1.86 us with 64 (1 x 32768 x 32); past one wave, 32 loses (1 x 8192 x 64: 0.445 against 0.270 ms)."""
-    return 32 if pairs * (src.HEAD_DIM // 32) <= sm_count else 64
+    """Value columns per CTA for ``pairs`` (sequence, head) pairs: the count whose waves of CTAs (one CTA per SM,
+    ``128 / block_v`` CTAs a pair) cost least by ``STEP_COST`` (the smaller on a tie). Few pairs take 32 (more
+    CTAs, shorter steps: 1.04x the whole forward against 64 at 1 x 8192 x 32); up to two CTAs of 64 a pair per wave,
+    64; more pairs 128, one CTA of 8 warps a pair, whose w / qg / kd tiles are then loaded once instead of once per
+    CTA (H200, same process: the scan 13-21% faster than with 64 on the packed comparison shapes, e.g. 142 -> 123
+    us at 8 x 1024 x 32, 499 -> 394 us at 256 x 128 x 16)."""
+    return min(STEP_COST, key=lambda bv: (scan_waves(pairs, bv, sm_count) * STEP_COST[bv], bv))
+
+
+def scan_waves(pairs: int, block_v: int, sm_count: int) -> int:
+    """Waves of the kernel's CTAs (one resident per SM) for ``pairs`` (sequence, head) pairs."""
+    return -(-pairs * (src.HEAD_DIM // block_v) // sm_count)
 
 
 def requested_kernel() -> str:

@@ -35,8 +35,9 @@ step's dependency chain: 1 x 16384 scan about 444 -> 503 us) and still gains ove
 The chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u`` ``[64, BV]``, ``A_qk`` ``[64, 64]``, ``decay``) arrive by
 ``cp.async`` while the previous chunk computes (``stages`` chunks in shared memory); each thread copies fixed
 16-byte columns of fixed rows, whole chunks without row checks. One barrier per chunk, for reusing a stage. One
-CTA of ``BV / 16`` warps per (value block, head, sequence): grid ``(128 / BV, HV, N)``, BV = 64 or 32 (more
-CTAs, for few heads).
+CTA of ``BV / 16`` warps per (value block, head, sequence): grid ``(128 / BV, HV, N)``, BV = 32 (more CTAs, for
+few heads), 64, or 128 for many (sequence, head) pairs (one CTA a pair loads the chunk's w / qg / kd tiles once;
+``cuda_scan.block_v_for``).
 
 Measured (H100, 2026-11-23; ``docs/kda-kernels.md`` section 5): a chunk step takes 1.86 us with BV = 64 and
 1.68 us with BV = 32 at 1 x 32768 x 32, against 2.4 us for the kernel's first design, whose warps split the state
@@ -49,7 +50,7 @@ from __future__ import annotations
 KERNEL_NAME = "kda_scan_mma"
 HEAD_DIM = 128
 CHUNK = 64
-BLOCK_VS = (32, 64)
+BLOCK_VS = (32, 64, 128)
 
 # Shared memory (bytes) of one stage: the chunk's tiles.
 W_OFF, QG_OFF, KD_OFF = 0, CHUNK * HEAD_DIM * 2, 2 * CHUNK * HEAD_DIM * 2
@@ -71,10 +72,12 @@ def stage_bytes(block_v: int, row_factors: bool = False) -> int:
 
 
 O_STAGE_BYTES = CHUNK * 16 * 2  # one warp's o tile [64 tokens][16 columns], bf16
+MAX_SHARED_BYTES = 227 * 1024  # dynamic shared memory of one CTA on sm_90
 
 
 def shared_bytes(stages: int, block_v: int, row_factors: bool = False) -> int:
     return stages * stage_bytes(block_v, row_factors) + block_v // 16 * O_STAGE_BYTES
+
 
 _BODY = r"""
 typedef unsigned int u32;
@@ -93,7 +96,9 @@ __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_gen
 __device__ __forceinline__ u32 swz128(int row, int chunk) { return row * 256 + ((chunk ^ (row & 7)) << 4); }
 __device__ __forceinline__ u32 swz64(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
 __device__ __forceinline__ u32 swz32(int row, int chunk) { return row * 64 + ((chunk ^ ((row >> 1) & 3)) << 4); }
-#if BV == 64
+#if BV == 128
+#define SWZ_U swz128
+#elif BV == 64
 #define SWZ_U swz64
 #else
 #define SWZ_U swz32
@@ -371,7 +376,7 @@ def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, 
                   row_factors: bool = False) -> str:
     """The kernel's CUDA text for one specialisation (``cu_dtype``: "int" or "long long", the cu_seqlens
     element type; ``stages``: chunks of tiles in shared memory, 2 or 3; ``block_v``: value columns per CTA,
-    32 or 64, 16 per warp). ``row_factors`` (a scalar gate, GDN): ``QG`` / ``KDt`` are the raw ``q`` / ``k``
+    32, 64 or 128, 16 per warp; 3 stages of 128 columns do not fit an SM's shared memory). ``row_factors`` (a scalar gate, GDN): ``QG`` / ``KDt`` are the raw ``q`` / ``k``
     ``[TT, H, 128]`` and ``FACT`` ``[slots, HV, 2, 64]`` fp32 holds each token's factors, ``qg = diag(qf) q`` and
     ``kd = diag(kf) k`` (the prepare kernel's ``ROW_FACTORS`` output): the prepare writes no ``qg`` / ``kd``, and
     the value heads of one q/k head read the same q / k rows."""
@@ -381,6 +386,9 @@ def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, 
         raise ValueError(f"stages must be 2 or 3, got {stages!r}")
     if block_v not in BLOCK_VS:
         raise ValueError(f"block_v must be one of {BLOCK_VS}, got {block_v!r}")
+    if shared_bytes(stages, block_v, row_factors) > MAX_SHARED_BYTES:
+        raise ValueError(f"stages={stages} with block_v={block_v} needs {shared_bytes(stages, block_v, row_factors)} "
+                         f"bytes of shared memory; a CTA takes at most {MAX_SHARED_BYTES}")
     defines = {"NSTAGE": stages, "BV": block_v, "WARPS": block_v // 16,
         "CU_T": cu_dtype, "IS_VARLEN": int(varlen), "HAS_H0": int(has_h0), "STORE_HT": int(store_ht),
         "ROW_FACTORS": int(row_factors), "FACT_OFF": fact_off(block_v),

@@ -36,9 +36,10 @@ import triton
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.kda.cuda_prepare import (choose_prepare_kernel, launch_prepare, prepare_flags, prepare_kernel,
-                                              run_or_fall_back)
-from kda_compile.ops.kda import cuda_scan_source
+                                              record_exact_pass, run_or_fall_back)
+from kda_compile.ops.kda.cuda_scan import STEP_COST as CUDA_STEP_COST
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
+from kda_compile.ops.kda.cuda_scan import scan_waves
 from kda_compile.ops.kda.cuda_scan import choose_scan_kernel, launch_scan_cuda, scan_kernel
 from kda_compile.ops.kda.cuda_scan import run_or_fall_back as run_scan_cuda
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
@@ -53,10 +54,6 @@ SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
 # occupancy count (offline sm_90 compiles give one resident program of 8 warps, but the model with 1 picked P = 3
 # at 1 x 65536 x 16, 3.33 ms, where P = 8 takes 3.17 ms).
 SCAN_RESIDENT = 2
-# One chunk step of the CUDA scan (cuda_scan_source.py, one CTA per SM) in the cost model's units, per value
-# columns a CTA (cuda_scan.block_v_for): 1.68 / 1.86 us against about 6 us per unit for the Triton scan and
-# summaries (H100, 2026-11-23).
-CUDA_STEP_COST = {32: 0.28, 64: 0.31}
 MAX_SEGMENTS = 16
 MIN_SEGMENT_CHUNKS = 8  # shorter segments are not worth their summaries
 
@@ -159,8 +156,7 @@ def segment_cost(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks
 def cuda_scan_cost(num_seqs: int, heads: int, chunks: int, sm_count: int) -> float:
     """The CUDA scan (one segment, one CTA per SM) in ``segment_cost``'s units."""
     block_v = cuda_block_v(num_seqs * heads, sm_count)
-    ctas = num_seqs * heads * math.ceil(cuda_scan_source.HEAD_DIM / block_v)
-    return math.ceil(ctas / sm_count) * chunks * CUDA_STEP_COST[block_v]
+    return scan_waves(num_seqs * heads, block_v, sm_count) * chunks * CUDA_STEP_COST[block_v]
 
 
 def _best_segments(num_seqs: int, heads: int, v_blocks: int, x_blocks: int, chunks: int, sm_count: int | None, *,
@@ -418,6 +414,8 @@ def chunk_kda_prefill(
     )
     use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate != int(GATE_PRECOMPUTED),
                                      lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
+    if not use_cuda and prepare_args["EXACT_DIAGONAL"]:
+        record_exact_pass(q, k, v, g, beta, cu_seqlens if varlen else None, lower_bound, op=op)
     factors = None
     if use_cuda and scalar_gate and row_factors_served(q, v, g, beta, initial_state, cu_seqlens, T=T, N=N,
                                                        segments=segments, output_final_state=output_final_state,

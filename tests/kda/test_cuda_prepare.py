@@ -70,7 +70,9 @@ def test_the_gate_form_picks_pass_one_only():
     base = dict(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=True, l2norm=True, has_a_log=True,
                 has_dt_bias=True, beta_sigmoid=True, save_akk=False)
     channel, scalar = src.kernel_source(**base), src.kernel_source(**base, scalar_gate=True)
-    assert channel.replace(cuda_prepare_channel.PASS1, cuda_prepare_scalar.PASS1) == scalar
+    assert cuda_prepare_channel.ISSUE_SLICES in channel  # the per-channel pass issues its slices' copies early
+    channel_only = channel.replace(cuda_prepare_channel.ISSUE_SLICES, "")
+    assert channel_only.replace(cuda_prepare_channel.PASS1, cuda_prepare_scalar.PASS1) == scalar
     assert src.kernel_source(**base, scalar_gate=False) == channel
 
 
@@ -91,6 +93,31 @@ def test_gate_forms_in_the_design(monkeypatch):
     assert cuda_prepare.channel_gate_form(-5.2) == (False, True)
     assert "K = 64" in cuda_prepare.outside_design(q[..., :64], q[..., :64], v, g, beta, None, False, None,
                                                   scalar_gate=True)
+
+
+@pytest.mark.parametrize("g_dtype, beta_dtype, recorded", [(torch.float16, torch.bfloat16, True),
+                                                          (torch.bfloat16, torch.float16, True),
+                                                          (torch.bfloat16, torch.float32, False)])
+def test_an_exact_pass_the_backend_did_not_expect_is_recorded(monkeypatch, g_dtype, beta_dtype, recorded):
+    """A softplus call whose device, dtype and sizes the CUDA kernel serves (so the backend choice preferred our
+    kernels) but whose gate or beta dtype it does not take runs the Triton prepare's exact pass: a recorded
+    fallback, naming the dtypes."""
+    q = torch.zeros(1, 4, 1, K, dtype=torch.bfloat16)
+    v = torch.zeros(1, 4, 1, V, dtype=torch.bfloat16)
+    g, beta = torch.zeros(1, 4, 1, K, dtype=g_dtype), torch.zeros(1, 4, 1, dtype=beta_dtype)
+    clear_fallback_events()
+    cuda_prepare.record_exact_pass(q, q, v, g, beta, None, None)
+    assert not fallback_events()  # CPU tensors: the CUDA kernel does not serve the device, the choice knew
+    monkeypatch.setattr(cuda_prepare, "serves_in_kernel_gates", lambda *args: None)
+    monkeypatch.setattr(cuda_prepare, "device_unsupported", lambda x: None)
+    cuda_prepare.record_exact_pass(q, q, v, g, beta, None, None)
+    reasons = [e.reason for e in fallback_events()]
+    if recorded:
+        assert reasons == ["the CUDA prepare kernel serves this device, dtype and sizes but not this call: g / beta "
+                           f"are {g_dtype} / {beta_dtype} (the kernel takes bfloat16 or float32)"]
+    else:
+        assert not reasons
+    clear_fallback_events()
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------------

@@ -25,22 +25,26 @@ def test_source_rejects_unknown_options_by_name():
     base = dict(cu_dtype="int", varlen=False, has_h0=True, store_ht=True, stages=2, block_v=64)
     assert "kda_scan_mma" in src.kernel_source(**base)
     for key, bad, message in (("cu_dtype", "short", "cu_dtype must be"), ("stages", 4, "stages must be 2 or 3"),
-                              ("block_v", 128, r"block_v must be one of \(32, 64\), got 128")):
+                              ("block_v", 96, r"block_v must be one of \(32, 64, 128\), got 96")):
         with pytest.raises(ValueError, match=message):
             src.kernel_source(**{**base, key: bad})
+    with pytest.raises(ValueError, match=r"stages=3 with block_v=128 needs 239104 bytes of shared memory"):
+        src.kernel_source(**{**base, "stages": 3, "block_v": 128})
 
 
 @pytest.mark.parametrize("block_v", src.BLOCK_VS)
-def test_shared_memory_fits_an_h100_sm(block_v):
-    """227 KiB of dynamic shared memory per block on sm_90, for the launcher's stage count and the deepest."""
-    assert src.shared_bytes(cuda_scan.STAGES, block_v) <= 227 * 1024
-    assert src.shared_bytes(3, block_v) <= 227 * 1024
+@pytest.mark.parametrize("row_factors", [False, True])
+def test_shared_memory_fits_an_h100_sm(block_v, row_factors):
+    """227 KiB of dynamic shared memory per block on sm_90, for the launcher's stage count."""
+    assert src.shared_bytes(cuda_scan.STAGES, block_v, row_factors) <= 227 * 1024
 
 
-def test_block_v_is_32_only_while_its_ctas_fit_one_wave():
-    assert cuda_scan.block_v_for(33, 132) == 32  # 132 CTAs of 32 columns
-    assert cuda_scan.block_v_for(34, 132) == 64
-    assert cuda_scan.block_v_for(64, 132) == 64
+@pytest.mark.parametrize("pairs, block_v", [(1, 32), (33, 32), (34, 64), (64, 64), (66, 64), (67, 128), (96, 128),
+                                            (132, 128), (256, 128), (4096, 128)])
+def test_block_v_takes_the_fewest_costed_waves(pairs, block_v):
+    """132 SMs: 32 columns while their four CTAs a pair fit one wave, 64 while two do, then one CTA of 128 a pair
+    (one wave of 128 costs less than two of 64)."""
+    assert cuda_scan.block_v_for(pairs, 132) == block_v
 
 
 def test_requested_kernel_validates_the_environment(monkeypatch):

@@ -376,10 +376,11 @@ def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, 
                   row_factors: bool = False) -> str:
     """The kernel's CUDA text for one specialisation (``cu_dtype``: "int" or "long long", the cu_seqlens
     element type; ``stages``: chunks of tiles in shared memory, 2 or 3; ``block_v``: value columns per CTA,
-    32, 64 or 128, 16 per warp; 3 stages of 128 columns do not fit an SM's shared memory). ``row_factors`` (a scalar gate, GDN): ``QG`` / ``KDt`` are the raw ``q`` / ``k``
-    ``[TT, H, 128]`` and ``FACT`` ``[slots, HV, 2, 64]`` fp32 holds each token's factors, ``qg = diag(qf) q`` and
-    ``kd = diag(kf) k`` (the prepare kernel's ``ROW_FACTORS`` output): the prepare writes no ``qg`` / ``kd``, and
-    the value heads of one q/k head read the same q / k rows."""
+    32, 64 or 128, 16 per warp; 3 stages of 128 columns do not fit an SM's shared memory). ``row_factors`` (a
+    scalar gate, GDN): ``QG`` / ``KDt`` are the raw ``q`` / ``k`` ``[TT, H, 128]`` and ``FACT``
+    ``[slots, HV, 2, 64]`` fp32 holds each token's factors, ``qg = diag(qf) q`` and ``kd = diag(kf) k`` (the
+    prepare kernel's ``ROW_FACTORS`` output): the prepare writes no ``qg`` / ``kd``, and the value heads of one
+    q/k head read the same q / k rows."""
     if cu_dtype not in ("int", "long long"):
         raise ValueError(f"cu_dtype must be 'int' or 'long long', got {cu_dtype!r}")
     if stages not in (2, 3):

@@ -43,6 +43,22 @@ def plain(value):
     return value
 
 
+CHECK_INPUTS_ENV = "KDA_COMPILE_CHECK_INPUTS"
+_ENV_TRUE, _ENV_FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+def check_inputs_enabled() -> bool:
+    """Whether ``KDA_COMPILE_CHECK_INPUTS`` asks for the value checks that read tensor values on the host (a
+    device-to-host copy per call on CUDA, so off by default there; read on every call, at run time: a compiled
+    graph honours it too)."""
+    value = os.environ.get(CHECK_INPUTS_ENV, "").strip().lower()
+    if value in _ENV_TRUE:
+        return True
+    if value in _ENV_FALSE:
+        return False
+    raise arg_error(CHECK_INPUTS_ENV, repr(value), "one of 1, true, yes, on, 0, false, no, off or unset")
+
+
 def kernel_switch(env: str, choices: tuple[str, ...]) -> str:
     """The kernel override the environment variable ``env`` names (default ``auto``, case and blanks ignored);
     a clear error naming it for a value outside ``choices``."""

@@ -1,7 +1,11 @@
 """Which implementation runs a DSA op on CUDA: the Triton kernels, or (logged) the torch reference.
 
 Kernels know nothing of torch.compile; this module only checks that a call fits them (dtype, head
-widths the tiles handle, Triton importable) and records every fallback with its reason.
+widths the tiles handle, Triton importable) and records every fallback with its reason. The values of a CUDA
+``cu_seqlens`` are read on the host only when ``KDA_COMPILE_CHECK_INPUTS`` asks for value checks (a device sync
+per call otherwise; KDA's rule, docs/kda-input-checks.md): unchecked offsets that are not offsets from 0 to T give
+an in-range, meaningless selection (``reference.visible_ranges`` clamps every range to the keys), never an
+out-of-range access.
 """
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops._common import check_inputs_enabled, module_unusable, record_fallback
 from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     check_cu_seqlens_values,
@@ -65,7 +69,7 @@ def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causa
         return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
     from kda_compile.ops.dsa.triton_indexer import indexer_topk_triton
 
-    if cu_seqlens is not None:
+    if cu_seqlens is not None and check_inputs_enabled():
         check_cu_seqlens_values(cu_seqlens, k.shape[1])
     return indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
 

@@ -39,7 +39,9 @@ def visible_ranges(queries: int, keys: int, is_causal: bool, cu_seqlens, device)
 
     Without ``cu_seqlens`` every query's range starts at 0 and, when causal, ends after ``i + T - S``
     (bottom-right alignment: a cache of ``T - S`` earlier keys). With ``cu_seqlens`` (S == T) the range
-    is the query's own packed sequence, cut after the query itself when causal."""
+    is the query's own packed sequence, cut after the query itself when causal. Offsets are clamped to
+    ``[0, keys]``: the CUDA kernels read them unchecked unless value checks are on (``kernels.py``), and a range
+    past the keys would send their top-k outside its code rows."""
     pos = torch.arange(queries, device=device, dtype=torch.int64)
     if cu_seqlens is None:
         lo = torch.zeros_like(pos)
@@ -47,7 +49,7 @@ def visible_ranges(queries: int, keys: int, is_causal: bool, cu_seqlens, device)
     else:
         offsets = cu_seqlens.to(device=device, dtype=torch.int64)
         seq = torch.searchsorted(offsets[1:], pos, right=True).clamp_max(offsets.numel() - 2)
-        lo, hi = offsets[seq], offsets[seq + 1]
+        lo, hi = offsets[seq].clamp(0, keys), offsets[seq + 1].clamp(0, keys)
     if is_causal:
         hi = torch.minimum(hi, pos + (keys - queries) + 1)
     return lo, torch.maximum(hi, lo)

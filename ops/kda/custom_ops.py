@@ -34,7 +34,8 @@ from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA ba
 from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
 from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
-from kda_compile.ops.kda.validation import check_input_values, check_inputs_enabled
+from kda_compile.ops._common import check_inputs_enabled
+from kda_compile.ops.kda.validation import check_input_values
 
 logger = logging.getLogger("kda_compile.ops.kda")
 

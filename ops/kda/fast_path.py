@@ -48,7 +48,7 @@ from kda_compile.ops._nvrtc import ArgumentBlock, NvrtcUnavailable, current_raw_
 from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare_src
 from kda_compile.ops.kda.backends import KDAOptions, restricted_to, select_backend
-from kda_compile.ops.kda.validation import CHECK_INPUTS_ENV
+from kda_compile.ops._common import CHECK_INPUTS_ENV
 
 logger = logging.getLogger("kda_compile.ops.kda")
 

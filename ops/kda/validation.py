@@ -13,7 +13,6 @@ Two kinds of checks:
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
@@ -24,19 +23,6 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 CHUNK_SIZES = (16, 32, 64)
-CHECK_INPUTS_ENV = "KDA_COMPILE_CHECK_INPUTS"
-_ENV_TRUE, _ENV_FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
-def check_inputs_enabled() -> bool:
-    """Whether ``KDA_COMPILE_CHECK_INPUTS`` asks for full value checks (read on every call, at run time: a
-    compiled graph honours it too)."""
-    value = os.environ.get(CHECK_INPUTS_ENV, "").strip().lower()
-    if value in _ENV_TRUE:
-        return True
-    if value in _ENV_FALSE:
-        return False
-    raise arg_error(CHECK_INPUTS_ENV, repr(value), "one of 1, true, yes, on, 0, false, no, off or unset")
 
 
 def check_inputs_flag(check_inputs, compiling: bool) -> None:

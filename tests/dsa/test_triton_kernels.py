@@ -216,3 +216,27 @@ def test_empty_chunks_attended_or_skipped(rows):
         more["indices"] = args["indices"].repeat(1, rows // 4, 1)
         args = more
     _check_kernels(args, SparseConfig(16, 16, 1, 1, 1, 1))
+
+
+def test_unchecked_bad_offsets_stay_in_range_and_checked_ones_raise(monkeypatch):
+    """``cu_seqlens`` on the kernels' path: its values are read (and a bad set rejected, naming them) only with
+    ``KDA_COMPILE_CHECK_INPUTS=1``; unchecked, offsets past T or decreasing give in-range indices (every range is
+    clamped to the keys: the top-k never reads outside its code rows)."""
+    from kda_compile.ops.dsa import kernels
+    from kda_compile.ops.dsa.reference import visible_ranges
+
+    gen = torch.Generator().manual_seed(3)
+    t, heads, dim, topk = 12, 2, 8, 4
+    q = torch.randn(1, t, heads, dim, generator=gen).to(DEVICE)
+    k = torch.randn(1, t, dim, generator=gen).to(DEVICE)
+    w = torch.randn(1, t, heads, generator=gen).to(DEVICE)
+    bad = torch.tensor([0, 3, 30, 40], dtype=torch.int32, device=DEVICE)  # ends past T = 12
+    for causal in (False, True):
+        lo, hi = visible_ranges(t, t, causal, bad, DEVICE)
+        assert bool(((lo >= 0) & (lo <= hi) & (hi <= t)).all()), (lo, hi)
+        monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "0")
+        got = kernels.indexer_topk_cuda(q, k, w, None, bad, topk, 1.0, causal)
+        assert got.shape == (1, t, topk) and bool(((got >= -1) & (got < t)).all())
+        monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "1")
+        with pytest.raises(ValueError, match=r"non-decreasing offsets from 0 to T = 12, got \[0, 3, 30, 40\]"):
+            kernels.indexer_topk_cuda(q, k, w, None, bad, topk, 1.0, causal)

@@ -99,8 +99,9 @@ def record_exact_pass(q, k, v, g, beta, cu_seqlens, lower_bound: float | None, *
     device, dtype and sizes (``serves_in_kernel_gates``: the backend choice preferred our kernels for that): its own
     arguments are outside the CUDA kernel's design (e.g. an fp16 gate or beta), and the exact pass makes the cost
     depend on the decays (up to 1.9x on strong ones). Calls the CUDA kernel does not serve at all, or a forced
-    Triton kernel, are not recorded: the backend choice knew."""
-    if serves_in_kernel_gates(q.device, q.dtype, q.shape[-1], v.shape[-1]) is not None:
+    Triton kernel, are not recorded: the backend choice knew; a forced CUDA kernel recorded its own fallback
+    (``choose_prepare_kernel``)."""
+    if requested_kernel() == "cuda" or serves_in_kernel_gates(q.device, q.dtype, q.shape[-1], v.shape[-1]):
         return
     why = outside_design(q, k, v, g, beta, cu_seqlens, True, lower_bound)
     if why is not None:

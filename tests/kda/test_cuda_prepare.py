@@ -118,6 +118,9 @@ def test_an_exact_pass_the_backend_did_not_expect_is_recorded(monkeypatch, g_dty
     else:
         assert not reasons
     clear_fallback_events()
+    monkeypatch.setenv(cuda_prepare.KERNEL_ENV, "cuda")  # forced: choose_prepare_kernel records the fallback
+    cuda_prepare.record_exact_pass(q, q, v, g, beta, None, None)
+    assert not fallback_events()
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------------

@@ -80,8 +80,11 @@ def serves_in_kernel_gates(device: torch.device, dtype: torch.dtype, K: int, V: 
 
 def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lower_bound: float | None, *,
                           scalar_gate: bool = False, op: str = _OP) -> str:
-    """"cuda" or "triton" for this call (see the module docstring); a forced ``cuda`` outside the design
-    is logged as a fallback (under ``op``)."""
+    """"cuda" or "triton" for this call (see the module docstring); recorded as a fallback (under ``op``): a forced
+    ``cuda`` outside the design, and an in-kernel gate that needs wide blocks (softplus, a lower bound below
+    ``-MAX_BOUNDED_DECAY``) on a device, dtype and sizes the kernel serves (``serves_in_kernel_gates``: the backend
+    choice preferred our kernels for that) whose own arguments it cannot take (e.g. an fp16 gate or beta): the
+    Triton kernel then takes its exact pass, whose cost depends on the decays (up to 1.9x on strong ones)."""
     requested = requested_kernel()
     if requested == "triton":
         return "triton"
@@ -90,23 +93,11 @@ def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lo
         return "cuda"
     if requested == "cuda":
         record_fallback(op, "Triton prepare kernel", f"the CUDA prepare kernel cannot run this call: {why}")
-    return "triton"
-
-
-def record_exact_pass(q, k, v, g, beta, cu_seqlens, lower_bound: float | None, *, op: str = _OP) -> None:
-    """Record, as a fallback, a call with an unbounded in-kernel gate (softplus, or a lower bound below
-    ``-MAX_BOUNDED_DECAY``) that runs the Triton prepare with its exact pass although the CUDA kernel serves its
-    device, dtype and sizes (``serves_in_kernel_gates``: the backend choice preferred our kernels for that): its own
-    arguments are outside the CUDA kernel's design (e.g. an fp16 gate or beta), and the exact pass makes the cost
-    depend on the decays (up to 1.9x on strong ones). Calls the CUDA kernel does not serve at all, or a forced
-    Triton kernel, are not recorded: the backend choice knew; a forced CUDA kernel recorded its own fallback
-    (``choose_prepare_kernel``)."""
-    if requested_kernel() == "cuda" or serves_in_kernel_gates(q.device, q.dtype, q.shape[-1], v.shape[-1]):
-        return
-    why = outside_design(q, k, v, g, beta, cu_seqlens, True, lower_bound)
-    if why is not None:
+    elif (gate_in_kernel and not scalar_gate and channel_gate_form(lower_bound)[1]
+          and serves_in_kernel_gates(q.device, q.dtype, q.shape[-1], v.shape[-1]) is None):
         record_fallback(op, "Triton prepare kernel with its exact pass (its cost depends on the decays)",
                         f"the CUDA prepare kernel serves this device, dtype and sizes but not this call: {why}")
+    return "triton"
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,11 +36,10 @@ import triton
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.kda.cuda_prepare import (choose_prepare_kernel, launch_prepare, prepare_flags, prepare_kernel,
-                                              record_exact_pass, run_or_fall_back)
+                                              run_or_fall_back)
 from kda_compile.ops.kda.cuda_scan import STEP_COST as CUDA_STEP_COST
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
-from kda_compile.ops.kda.cuda_scan import scan_waves
-from kda_compile.ops.kda.cuda_scan import choose_scan_kernel, launch_scan_cuda, scan_kernel
+from kda_compile.ops.kda.cuda_scan import choose_scan_kernel, launch_scan_cuda, scan_kernel, scan_waves
 from kda_compile.ops.kda.cuda_scan import run_or_fall_back as run_scan_cuda
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
@@ -414,8 +413,6 @@ def chunk_kda_prefill(
     )
     use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate != int(GATE_PRECOMPUTED),
                                      lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
-    if not use_cuda and prepare_args["EXACT_DIAGONAL"]:
-        record_exact_pass(q, k, v, g, beta, cu_seqlens if varlen else None, lower_bound, op=op)
     factors = None
     if use_cuda and scalar_gate and row_factors_served(q, v, g, beta, initial_state, cu_seqlens, T=T, N=N,
                                                        segments=segments, output_final_state=output_final_state,

@@ -101,16 +101,19 @@ def test_gate_forms_in_the_design(monkeypatch):
 def test_an_exact_pass_the_backend_did_not_expect_is_recorded(monkeypatch, g_dtype, beta_dtype, recorded):
     """A softplus call whose device, dtype and sizes the CUDA kernel serves (so the backend choice preferred our
     kernels) but whose gate or beta dtype it does not take runs the Triton prepare's exact pass: a recorded
-    fallback, naming the dtypes."""
+    fallback, naming the dtypes. A finished gate or a bounded lower bound takes no exact pass the choice did not
+    expect: not recorded; a forced CUDA kernel records its own fallback once."""
     q = torch.zeros(1, 4, 1, K, dtype=torch.bfloat16)
     v = torch.zeros(1, 4, 1, V, dtype=torch.bfloat16)
     g, beta = torch.zeros(1, 4, 1, K, dtype=g_dtype), torch.zeros(1, 4, 1, dtype=beta_dtype)
     clear_fallback_events()
-    cuda_prepare.record_exact_pass(q, q, v, g, beta, None, None)
+    monkeypatch.setenv(cuda_prepare.KERNEL_ENV, "auto")
+    assert cuda_prepare.choose_prepare_kernel(q, q, v, g, beta, None, True, None) == "triton"
     assert not fallback_events()  # CPU tensors: the CUDA kernel does not serve the device, the choice knew
     monkeypatch.setattr(cuda_prepare, "serves_in_kernel_gates", lambda *args: None)
     monkeypatch.setattr(cuda_prepare, "device_unsupported", lambda x: None)
-    cuda_prepare.record_exact_pass(q, q, v, g, beta, None, None)
+    expected = "cuda" if not recorded else "triton"
+    assert cuda_prepare.choose_prepare_kernel(q, q, v, g, beta, None, True, None) == expected
     reasons = [e.reason for e in fallback_events()]
     if recorded:
         assert reasons == ["the CUDA prepare kernel serves this device, dtype and sizes but not this call: g / beta "
@@ -118,9 +121,14 @@ def test_an_exact_pass_the_backend_did_not_expect_is_recorded(monkeypatch, g_dty
     else:
         assert not reasons
     clear_fallback_events()
-    monkeypatch.setenv(cuda_prepare.KERNEL_ENV, "cuda")  # forced: choose_prepare_kernel records the fallback
-    cuda_prepare.record_exact_pass(q, q, v, g, beta, None, None)
+    cuda_prepare.choose_prepare_kernel(q, q, v, g, beta, None, False, None)  # a finished gate: Triton by design
+    cuda_prepare.choose_prepare_kernel(q, q, v, g, beta, None, True, LB)  # bounded: no exact pass
     assert not fallback_events()
+    monkeypatch.setenv(cuda_prepare.KERNEL_ENV, "cuda")  # forced: one record, the forced kernel's
+    cuda_prepare.choose_prepare_kernel(q, q, v, g, beta, None, True, None)
+    assert len(fallback_events()) == (1 if recorded else 0)
+    assert all(e.chosen == "Triton prepare kernel" for e in fallback_events())
+    clear_fallback_events()
 
 
 # ---- CUDA -------------------------------------------------------------------------------------------------

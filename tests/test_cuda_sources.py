@@ -10,6 +10,7 @@ import re
 import pytest
 
 from kda_compile.ops import _nvrtc
+from kda_compile.ops.dsa import cuda_topk
 from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare
 from kda_compile.ops.kda import cuda_scan_source as scan
@@ -164,3 +165,12 @@ def test_the_cache_can_be_switched_off_or_unwritable(tmp_path, monkeypatch):
     monkeypatch.setenv(_nvrtc.CACHE_DIR_ENV, str(blocker))
     cubin, path = _nvrtc.cached_cubin(_small_source(0), cuda_chunk_plan.KERNEL_NAME, "90a")
     assert path is None and cubin.startswith(b"\x7fELF")
+
+
+@pytest.mark.parametrize("per", cuda_topk.PER_THREAD)
+def test_dsa_topk_kernel_compiles(per, caplog):
+    """The DSA top-k's one-CTA-per-row kernel at each per-thread width: no spills on the H100."""
+    for arch in ("80", "90a"):
+        spills = _compile(cuda_topk.kernel_source(per), cuda_topk.KERNEL_NAME, arch, caplog)
+        if arch == "90a":
+            assert spills == {"stores": 0, "loads": 0}, spills

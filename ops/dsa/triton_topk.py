@@ -30,7 +30,10 @@ ballots plus ``2**BITS / 32`` popcounts per code: a 16-bin round costs a few tim
 row split pays a launch per round and keeps 8-bit digits (``TILED_BITS``, ``SPLIT_BITS``, ``RESIDENT_BITS``,
 H200 numbers beside them).
 
-Three kernels run this select (``topk_from_codes`` picks one with ``choose_path``):
+On a GPU, a few rows of at most 32k codes (decode: ``B * rows`` under ``SPLIT_BELOW_PROGRAMS_PER_SM`` per SM) run
+the same select in CUDA instead (``cuda_topk.py``: one CTA per row, one launch; 64 rows of 32k 30 us against the
+row split's 75, H200); ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them here. Three Triton kernels run this select
+(``topk_from_codes`` picks one with ``choose_path``):
 
 - **Register-resident row** (``resident_topk_kernel``, one launch, one program per row): the program loads its
   row once into registers (up to ``MAX_RESIDENT_WIDTH`` codes, 4 to 32 warps), runs the rounds from there and
@@ -72,7 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import arg_error, cdiv, cuda_index, next_power_of_2, sm_count
+from kda_compile.ops._common import (arg_error, cdiv, cuda_index, kernel_switch, next_power_of_2, record_fallback,
+                                     sm_count)
 from kda_compile.ops._common import triton_interpreted as interpreted
 from kda_compile.ops.dsa.triton_radix_select import (compact, compact_codes, digit_histogram, pad_to_topk, radix_init,
                                                       radix_step, round_hist, select_rule)
@@ -400,6 +404,37 @@ def choose_path(width: int, grid_rows: int, sms: int, uncaptured: bool) -> tuple
     return ("split", chunks) if chunks > 1 else ("tiles", 1)
 
 
+KERNEL_ENV = "KDA_COMPILE_TOPK_KERNEL"  # auto | triton | cuda: the few-row select on ``cuda_topk``'s kernel or not
+
+
+def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -> str | None:
+    """Why the CUDA kernel (``cuda_topk.py``, one CTA per row) does not take a select, or None when it does: rows
+    of at most ``cuda_topk.MAX_WIDTH`` codes on a GPU, too few to fill it with the tiled kernel (decode: ``B *
+    rows`` under ``SPLIT_BELOW_PROGRAMS_PER_SM`` per SM; 64 rows of 32k: docs/dsa.md section 4)."""
+    from kda_compile.ops.dsa import cuda_topk
+
+    if device_type != "cuda" or interpreted():
+        return "not a CUDA tensor"
+    if width > cuda_topk.MAX_WIDTH:
+        return f"rows of {width} codes (the kernel holds at most {cuda_topk.MAX_WIDTH})"
+    if grid_rows >= SPLIT_BELOW_PROGRAMS_PER_SM * sms:
+        return f"{grid_rows} rows fill the GPU (the tiled kernel)"
+    return None
+
+
+def _cuda_topk(codes, lo, hi, row0: int, topk: int, out) -> bool:
+    """The select on the CUDA kernel; False (recorded) when NVRTC cannot build it."""
+    from kda_compile.ops._nvrtc import NvrtcUnavailable
+    from kda_compile.ops.dsa import cuda_topk
+
+    try:
+        cuda_topk.launch(codes, lo, hi, row0, topk, out)
+    except NvrtcUnavailable as exc:
+        record_fallback("dsa_indexer_topk", "Triton top-k kernels", f"the CUDA top-k kernel could not be built: {exc}")
+        return False
+    return True
+
+
 def tiled_config(width: int) -> tuple[int, int]:
     """(codes per tile, warps) of the one-program-per-row tiled kernel for rows of ``width`` codes. H200 sweep with
     4-bit digits (causal rows, CUDA graph): rows up to 16k codes take 512-code tiles, 4 warps up to 8k (4096 x 4k
@@ -432,7 +467,9 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     from ``score_codes``) in ascending key order; row ``r`` sees columns ``lo[row0 + r] <= s < hi[row0 + r]``
     (int64 [S]; ``hi`` at most ``width``).
 
-    With neither ``chunks`` nor ``resident`` given, ``choose_path`` picks the kernel. ``resident``: True forces
+    With neither ``chunks`` nor ``resident`` given, a few rows of at most ``cuda_topk.MAX_WIDTH`` codes on a GPU
+    (decode) take the CUDA kernel (``cuda_topk.py``; ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them on Triton) and
+    otherwise ``choose_path`` picks the Triton kernel. ``resident``: True forces
     the register-resident kernel (``width`` at most ``MAX_RESIDENT_WIDTH``), False the tiled kernels (then
     ``row_split_chunks`` chooses, one program per row for an uncaptured call over few codes). ``chunks`` forces a
     tiled kernel: 1 one program per row, more the row split into that many chunks per row."""
@@ -449,6 +486,14 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else sm_count(cuda_index(codes.device))
     split_tile = INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE
     if resident is None and chunks is None:
+        switch = kernel_switch(KERNEL_ENV, ("auto", "triton", "cuda"))
+        if switch != "triton" and topk >= 1:
+            why = cuda_kernel_serves(codes.device.type, width, b * rows, sms)
+            if why is None:
+                if _cuda_topk(codes, lo, hi, row0, topk, out):
+                    return
+            elif switch == "cuda":
+                record_fallback("dsa_indexer_topk", "Triton top-k kernels", f"{KERNEL_ENV}=cuda but {why}")
         path, chunks = choose_path(width, b * rows, sms, _uncaptured(codes))
         resident = path == "resident"
     elif chunks is None:  # resident=False: the tiled kernels, their own choice

@@ -213,7 +213,8 @@ def test_resident_warps():
 def test_resident_choice(monkeypatch):
     """Rows up to AUTO_RESIDENT_WIDTH codes take the register-resident kernel unless ``chunks`` names a tiled
     path or the rows are too few; wider rows take the tiled kernels, and forcing the resident kernel beyond
-    MAX_RESIDENT_WIDTH is an error."""
+    MAX_RESIDENT_WIDTH is an error (the Triton kernels' own choice: the CUDA kernel for few rows is switched off)."""
+    monkeypatch.setenv(triton_topk.KERNEL_ENV, "triton")
     launched = []
     monkeypatch.setattr(triton_topk, "MAX_RESIDENT_WIDTH", 64)
     monkeypatch.setattr(triton_topk, "AUTO_RESIDENT_WIDTH", 64)

@@ -133,11 +133,11 @@ def test_an_exact_pass_the_backend_did_not_expect_is_recorded(monkeypatch, g_dty
 
 # ---- CUDA -------------------------------------------------------------------------------------------------
 def _inputs(B, T, H, HV, *, offsets=None, g_dtype=torch.bfloat16, beta_dtype=torch.bfloat16, raw=True, shift=-4.0,
-            seed=0, strong=False):
+            seed=0, strong=False, a_log=None):
     """Fresh inputs. ``shift``: added to the raw gate (-4: about 0.2 nats a step, so 2^G stays well inside fp32
     over a chunk; 0: the benchmark's ~2.5 nats). ``raw=False``: unit-norm q / k and beta in (0, 1). ``strong``:
     Mamba-style ``A_log = log U(1, 16)`` (softplus gate: up to ~40 nats a step, most 16-token blocks spanning more
-    than 2^120 in some channel)."""
+    than 2^120 in some channel); ``a_log``: one A_log per value head instead."""
     torch.manual_seed(seed)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     q, k, v = torch.randn(B, T, H, K, **bf16), torch.randn(B, T, H, K, **bf16), torch.randn(B, T, HV, V, **bf16)
@@ -149,6 +149,8 @@ def _inputs(B, T, H, HV, *, offsets=None, g_dtype=torch.bfloat16, beta_dtype=tor
     A_log, dt_bias = torch.rand(HV, device="cuda"), torch.randn(HV * K, device="cuda") * 0.1
     if strong:
         A_log = torch.log(1 + 15 * torch.rand(HV, device="cuda"))
+    if a_log is not None:
+        A_log = torch.tensor(a_log, device="cuda", dtype=torch.float32)
     cu = torch.tensor(offsets, device="cuda", dtype=torch.int32) if offsets is not None else None
     return dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, cu=cu)
 
@@ -202,6 +204,10 @@ CASES = [
      dict(B=1, T=200, H=2, HV=4, raw=False, strong=True, shift=1.0, g_dtype=torch.float32),
      dict(lower_bound=None, l2norm=False, sigmoid=False, save=True)),
     ("softplus-mild-decays-no-bias", dict(B=2, T=130, H=2, HV=2, shift=-4.0), dict(lower_bound=None, use_dt=False)),
+    # exp(A_log) 1 / 5 / 6.7 / 16 by head: blocks within and far beyond 2^120 side by side (about 1 / 0.46 / 0 / 0
+    # of each head's blocks within it)
+    ("softplus-mixed-strengths-by-head", dict(B=1, T=512, H=2, HV=4, shift=0.0, a_log=[0.0, 1.6, 1.9, 2.8]),
+     dict(lower_bound=None)),
     ("lower-bound-minus-40", dict(B=2, T=300, H=2, HV=2, shift=0.0), dict(lower_bound=-40.0)),
 ]
 

@@ -1,0 +1,208 @@
+"""The DSA top-k of a few rows of at most ``MAX_WIDTH`` codes (decode) in one CUDA launch (compiled with NVRTC).
+
+The select is the one of ``triton_topk.py`` (its docstring): an exact radix select over the int32 score codes,
+most significant 8-bit digit first, then a compaction in ascending key order with the tie rule (equal codes: lower
+key index first), -1 up to ``topk``. The result is defined by that rule alone, so it equals the Triton kernels'
+bit for bit (tested). Here one CTA of ``THREADS`` threads owns one row and keeps it in registers: thread ``t``
+holds the codes of columns ``lo + t * per .. lo + (t + 1) * per - 1`` (``per`` = 16, 32 or 64 by the row's
+width; 16-byte loads where the row allows), so the key order is the thread order and the compaction is one
+block-wide scan. A round's 256-bin histogram is built in shared memory, one per warp (summed after the round), so
+warps never contend for a bin; a round whose chosen bin is wholly in the top-k ends the select. The Triton row
+split pays a launch per round (seven launches: 75 us for 64 rows of 32k on an H200, 30 us here; docs/dsa.md
+section 4).
+
+Parameters: ``codes, Lo, Hi, out`` (pointers: int32 ``[B, rows, width]``, int64 ``[S]`` visible ranges, int32
+``[B, rows, topk]``), the codes' and the output's element strides (long long), ``row0`` (long long: row
+``local`` reads ``Lo[row0 + local]``) and ``topk`` (int, at least 1). Grid ``(rows, B)``.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kda_compile.ops._common import cuda_index, device_capability, on_device
+from kda_compile.ops._nvrtc import load_kernel
+
+KERNEL_NAME = "dsa_topk_resident"
+THREADS = 512
+PER_THREAD = (16, 32, 64)  # codes a thread holds: rows of up to THREADS * per codes
+MAX_WIDTH = THREADS * PER_THREAD[-1]
+
+_BODY = r"""
+#define FULL 0xffffffffu
+extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
+    const int* __restrict__ codes, const long long* __restrict__ Lo, const long long* __restrict__ Hi,
+    int* __restrict__ out, long long scb, long long scs, long long sct, long long sob, long long sos, long long sok,
+    long long row0, int topk)
+{
+    __shared__ int hist[256];
+    __shared__ int warp_hist[THREADS / 32][256];  // each warp's own histogram: no atomics across warps
+    __shared__ int scan[2][THREADS / 32];
+    __shared__ unsigned int state[4];  // prefix, mask, remaining, whole (the rest of the matching keys are in)
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
+    const long long local = blockIdx.x, b = blockIdx.y;
+    const long long lo = Lo[row0 + local], hi = Hi[row0 + local];
+    const int* row = codes + b * scb + local * scs;
+    int* dst = out + b * sob + local * sos;
+    const long long c0 = lo + (long long)tid * PER;
+
+    // u: the code with its sign bit flipped (the same order, unsigned), 0 for a key outside [lo, hi)
+    unsigned int u[PER];
+    if (sct == 1 && (reinterpret_cast<unsigned long long>(row + c0) & 15) == 0) {  // (the same for every thread)
+#pragma unroll
+        for (int q = 0; q < PER / 4; ++q) {
+            const long long c = c0 + 4 * q;
+            if (c + 3 < hi) {
+                const int4 x = *reinterpret_cast<const int4*>(row + c);
+                u[4 * q] = (unsigned int)x.x ^ 0x80000000u; u[4 * q + 1] = (unsigned int)x.y ^ 0x80000000u;
+                u[4 * q + 2] = (unsigned int)x.z ^ 0x80000000u; u[4 * q + 3] = (unsigned int)x.w ^ 0x80000000u;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) u[4 * q + e] = c + e < hi ? (unsigned int)row[c + e] ^ 0x80000000u : 0u;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const long long c = c0 + j;
+            u[j] = c < hi ? (unsigned int)row[c * sct] ^ 0x80000000u : 0u;
+        }
+    }
+
+    unsigned int prefix = 0u, mask = 0u, whole = 0u;
+    int remaining = topk;
+    for (int rnd = 0; rnd < 4 && !whole; ++rnd) {  // (uniform: every thread reads the same state)
+        const int shift = 24 - 8 * rnd;
+        for (int i = tid; i < 256 * (THREADS / 32); i += THREADS) (&warp_hist[0][0])[i] = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if (u[j] != 0u && (u[j] & mask) == prefix) atomicAdd(&warp_hist[wp][(u[j] >> shift) & 255u], 1);
+        __syncthreads();
+        for (int i = tid; i < 256; i += THREADS) {
+            int sum = 0;
+#pragma unroll
+            for (int w = 0; w < THREADS / 32; ++w) sum += warp_hist[w][i];
+            hist[i] = sum;
+        }
+        __syncthreads();
+        if (wp == 0) {  // the bin holding the remaining-th best matching key; lane l scans bins 255 - 8 l - k
+            int count[8], own = 0;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) { count[k] = hist[255 - 8 * lane - k]; own += count[k]; }
+            int upto = own;  // matching keys in the bins of lanes <= this one (higher bins first)
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(FULL, upto, off);
+                if (lane >= off) upto += y;
+            }
+            const int total = __shfl_sync(FULL, upto, 31), above = upto - own;
+            if (rnd == 0 && total <= remaining) {  // every visible key is in
+                if (lane == 0) { state[0] = 0u; state[1] = 0u; state[2] = (unsigned int)total; state[3] = 1u; }
+            } else if (above < remaining && remaining <= upto) {  // (exactly one lane)
+                int acc = above;
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    if (acc < remaining && remaining <= acc + count[k]) {
+                        const unsigned int bin = 255u - 8u * lane - k;
+                        const int need = remaining - acc;
+                        state[0] = prefix | (bin << shift);
+                        state[1] = mask | (255u << shift);
+                        state[2] = (unsigned int)need;
+                        state[3] = need == count[k] ? 1u : 0u;
+                    }
+                    acc += count[k];
+                }
+            }
+        }
+        __syncthreads();
+        prefix = state[0]; mask = state[1]; remaining = (int)state[2]; whole = state[3];
+        __syncthreads();  // state and hist are rewritten next round
+    }
+
+    // keys above the prefix are in; of those equal to it (after four rounds: the code tau), all when whole, else
+    // the first `remaining` in key order
+    int sure = 0, tied = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        if (u[j] != 0u) {
+            const unsigned int v = u[j] & mask;
+            sure += v > prefix;
+            tied += v == prefix;
+        }
+    }
+    if (whole) { sure += tied; tied = 0; }
+    int xs = sure, xt = tied;  // block-wide exclusive scans of both counts
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int ys = __shfl_up_sync(FULL, xs, off), yt = __shfl_up_sync(FULL, xt, off);
+        if (lane >= off) { xs += ys; xt += yt; }
+    }
+    if (lane == 31) { scan[0][wp] = xs; scan[1][wp] = xt; }
+    __syncthreads();
+    if (wp == 0) {
+        int s = lane < THREADS / 32 ? scan[0][lane] : 0, t = lane < THREADS / 32 ? scan[1][lane] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int ys = __shfl_up_sync(FULL, s, off), yt = __shfl_up_sync(FULL, t, off);
+            if (lane >= off) { s += ys; t += yt; }
+        }
+        if (lane < THREADS / 32) { scan[0][lane] = s; scan[1][lane] = t; }
+    }
+    __syncthreads();
+    const int sure_before = xs - sure + (wp > 0 ? scan[0][wp - 1] : 0);
+    int tie_rank = xt - tied + (wp > 0 ? scan[1][wp - 1] : 0);
+    const int selected = scan[0][THREADS / 32 - 1] + min(scan[1][THREADS / 32 - 1], remaining);
+    int pos = sure_before + min(tie_rank, remaining);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        if (u[j] != 0u) {
+            const unsigned int v = u[j] & mask;
+            bool take = v > prefix || (whole && v == prefix);
+            if (!whole && v == prefix) take = tie_rank++ < remaining;
+            if (take) dst[(pos++) * sok] = (int)(c0 + j);
+        }
+    }
+    for (int p = selected + tid; p < topk; p += THREADS) dst[p * sok] = -1;
+}
+"""
+
+
+def per_thread(width: int) -> int:
+    """Codes a thread holds for rows of ``width`` codes (at most ``MAX_WIDTH``)."""
+    return next(p for p in PER_THREAD if THREADS * p >= width)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(per: int) -> str:
+    if per not in PER_THREAD:
+        raise ValueError(f"per must be one of {PER_THREAD}, got {per}")
+    return f"#define THREADS {THREADS}\n#define PER {per}\n" + _BODY
+
+
+def topk_kernel(device_index: int, width: int):
+    """The compiled kernel for rows of ``width`` codes; the caller has made the device current. Raises
+    NvrtcUnavailable."""
+    major, minor = device_capability(device_index)
+    return load_kernel(kernel_source(per_thread(width)), KERNEL_NAME, device_index, arch=f"{major}{minor}",
+                       shared_bytes=0)
+
+
+def launch(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row0: int, topk: int, out: torch.Tensor) -> None:
+    """``out`` (int32 ``[B, rows, topk]``, any strides) = the top-k of ``codes`` (int32 ``[B, rows, width]``, width at
+    most ``MAX_WIDTH``, any strides) as ``triton_topk.topk_from_codes`` defines it; row ``r`` sees the columns
+    ``[lo[row0 + r], hi[row0 + r])`` (``[S]``, at most ``width``). Raises NvrtcUnavailable."""
+    b, rows, width = codes.shape
+    if codes.dtype != torch.int32 or out.dtype != torch.int32 or width > MAX_WIDTH or topk < 1:
+        raise ValueError(f"the CUDA top-k takes int32 codes of at most {MAX_WIDTH} columns, an int32 output and "
+                         f"topk >= 1, got {codes.dtype} codes of {width} columns, {out.dtype} output, topk={topk}")
+    lo, hi = (t.to(torch.int64).contiguous() for t in (lo, hi))  # (already so from the indexer: no copy)
+    index = cuda_index(codes.device)
+    with on_device(index):
+        kernel = topk_kernel(index, width)
+        args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(lo.data_ptr()), ctypes.c_void_p(hi.data_ptr()),
+                ctypes.c_void_p(out.data_ptr()), *[ctypes.c_longlong(s) for s in (*codes.stride(), *out.stride())],
+                ctypes.c_longlong(row0), ctypes.c_int(topk)]
+        kernel.launch((rows, b, 1), THREADS, args)

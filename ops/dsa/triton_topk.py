@@ -78,6 +78,8 @@ import triton.language as tl
 from kda_compile.ops._common import (arg_error, cdiv, cuda_index, kernel_switch, next_power_of_2, record_fallback,
                                      sm_count)
 from kda_compile.ops._common import triton_interpreted as interpreted
+from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.dsa import cuda_topk
 from kda_compile.ops.dsa.triton_radix_select import (compact, compact_codes, digit_histogram, pad_to_topk, radix_init,
                                                       radix_step, round_hist, select_rule)
 
@@ -411,8 +413,6 @@ def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -
     """Why the CUDA kernel (``cuda_topk.py``, one CTA per row) does not take a select, or None when it does: rows
     of at most ``cuda_topk.MAX_WIDTH`` codes on a GPU, too few to fill it with the tiled kernel (decode: ``B *
     rows`` under ``SPLIT_BELOW_PROGRAMS_PER_SM`` per SM; 64 rows of 32k: docs/dsa.md section 4)."""
-    from kda_compile.ops.dsa import cuda_topk
-
     if device_type != "cuda" or interpreted():
         return "not a CUDA tensor"
     if width > cuda_topk.MAX_WIDTH:
@@ -424,9 +424,6 @@ def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -
 
 def _cuda_topk(codes, lo, hi, row0: int, topk: int, out) -> bool:
     """The select on the CUDA kernel; False (recorded) when NVRTC cannot build it."""
-    from kda_compile.ops._nvrtc import NvrtcUnavailable
-    from kda_compile.ops.dsa import cuda_topk
-
     try:
         cuda_topk.launch(codes, lo, hi, row0, topk, out)
     except NvrtcUnavailable as exc:

@@ -11,6 +11,7 @@ import pytest
 
 from kda_compile.ops import _nvrtc
 from kda_compile.ops.dsa import cuda_topk
+from kda_compile.ops.dsa import wgmma_sparse_source as dsa_sparse
 from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare
 from kda_compile.ops.kda import cuda_scan_source as scan
@@ -119,6 +120,13 @@ def test_chunk_plan_kernel_compiles(cu_type, caplog):
 def test_mla_decode_kernel_compiles(partial, caplog):
     source = mla.kernel_source(elem="bf16", is_causal=True, mask_kind=0, partial=partial)
     _compile(source, mla.KERNEL_NAME, "90a", caplog)
+
+
+@pytest.mark.parametrize("elem, rope, partial", [("bf16", True, False), ("bf16", True, True), ("bf16", False, False),
+                                                 ("bf16", False, True), ("f16", True, False)])
+def test_dsa_sparse_attention_kernel_compiles_without_spills(elem, rope, partial, caplog):
+    source = dsa_sparse.kernel_source(elem=elem, rope=rope, partial=partial)
+    assert _compile(source, dsa_sparse.KERNEL_NAME, "90a", caplog) == {"stores": 0, "loads": 0}
 
 
 # ---- the on-disk cubin cache ------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Which implementation runs a DSA op on CUDA: the Triton kernels, or (logged) the torch reference.
+"""Which implementation runs a DSA op on CUDA: our CUDA / Triton kernels, or (logged) the torch reference.
+
+The sparse attention forward runs the Hopper wgmma kernel (``wgmma_sparse.py``) on the calls it is written for
+(sm_90, half precision, the absorbed form with 512 (+ 64) channel rows; ``wgmma_sparse.choose_kernel``), the
+Triton kernel otherwise.
 
 Kernels know nothing of torch.compile; this module only checks that a call fits them (dtype, head
 widths the tiles handle, Triton importable) and records every fallback with its reason. The values of a CUDA
@@ -14,6 +18,7 @@ import functools
 import torch
 
 from kda_compile.ops._common import check_inputs_enabled, module_unusable, record_fallback
+from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     check_cu_seqlens_values,
@@ -91,8 +96,15 @@ def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
         record_fallback("dsa_sparse_attention", "torch reference", why)
         o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
         return o.to(q.dtype).contiguous(), lse.contiguous()
+    from kda_compile.ops.dsa import wgmma_sparse
     from kda_compile.ops.dsa.triton_sparse import sparse_attention_fwd_triton
 
+    if wgmma_sparse.choose_kernel(q, k, v, indices, d_v) == "cuda":
+        try:
+            return wgmma_sparse.sparse_attention_fwd_wgmma(q, k, indices, scale)
+        except NvrtcUnavailable as exc:
+            record_fallback("dsa_sparse_attention", "Triton sparse attention kernel",
+                            f"the wgmma sparse attention kernel could not be built: {exc}")
     return sparse_attention_fwd_triton(q, k, v, indices, scale, d_v)
 
 

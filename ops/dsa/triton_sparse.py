@@ -422,10 +422,18 @@ def sparse_attention_fwd_triton(q, k, v, indices, scale: float, d_v: int, *, con
         s_len, topk, groups, d_main, d_tail, d_v, dv_per_program, float(scale),
         splits, chunks_per_split * cfg.block_k, head_blocks, cfg.dv_splits, **common,
     )
+    combine_splits(o_part, lse_part, o, lse)
+    return o, lse
+
+
+def combine_splits(o_part, lse_part, o, lse) -> None:
+    """``o`` [B, S, Hq, d_v] and ``lse`` [B, S, Hq] from the split partials ``o_part`` [B, S, splits, Hq, d_v] and
+    ``lse_part`` [B, S, splits, Hq] (float32; each split normalised by its own exp-sum, natural-log lse, -inf for a
+    split without a valid index), any strides: ``sparse_attention_combine_kernel``."""
+    b, s_len, splits, hq, d_v = o_part.shape
     block_h = min(16, next_power_of_2(hq))
     block_dv = min(64, next_power_of_2(d_v))  # 16 x 64 tiles: 64 programs per token at 128 heads x 512
     sparse_attention_combine_kernel[(b * s_len, cdiv(hq, block_h), cdiv(d_v, block_dv))](
         o_part, lse_part, o, lse, *o_part.stride(), *lse_part.stride(), *o.stride(), *lse.stride(),
         s_len, hq, d_v, splits, BLOCK_H=block_h, BLOCK_DV=block_dv, num_warps=4,
     )
-    return o, lse

@@ -57,7 +57,7 @@ def _operands(count: int) -> str:
     return ", ".join(f"%{i}" for i in range(count))
 
 
-def _wgmma(name: str, n: int, acc: str, trans_b: int) -> str:
+def wgmma_function(name: str, n: int, acc: str, trans_b: int) -> str:
     """A device function issuing one ``wgmma.mma_async m64n{n}k16`` with both operands in shared memory."""
     regs = n // 2
     outs = ", ".join(f'"+f"({acc}[{i}])' for i in range(regs))
@@ -73,7 +73,8 @@ __device__ __forceinline__ void {name}(float* {acc}, u64 desc_a, u64 desc_b, int
 """
 
 
-_PRELUDE = r"""
+# Shared with the DSA sparse-attention kernel (ops/dsa/wgmma_sparse_source.py): helpers and PTX wrappers.
+PRELUDE = r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -432,5 +433,5 @@ def kernel_source(*, elem: str, is_causal: bool, mask_kind: int, partial: bool, 
     defines += "".join(f"#define {name} {value}\n" for name, value in (
         ("ROWS", ROWS), ("TILE_TOKENS", TILE_TOKENS), ("PANEL_BYTES", PANEL_BYTES), ("TILE_BYTES", TILE_BYTES),
         ("THREADS", THREADS), ("STAT_BYTES", STAT_BYTES)))
-    body = _PRELUDE + _wgmma("wgmma_scores", 64, "d", 0) + _wgmma("wgmma_values", 256, "d", 1) + _KERNEL
+    body = PRELUDE + wgmma_function("wgmma_scores", 64, "d", 0) + wgmma_function("wgmma_values", 256, "d", 1) + _KERNEL
     return defines + body.replace("ELEM_PTX", elem)

@@ -10,19 +10,23 @@ with the contiguous TMA tiles replaced by a gather:
   contiguous range (split) of its top-k list; grid (token x head blocks, splits), head block fastest, so the
   programs gathering the same rows run together and the second read comes from L2.
 - Shared memory (1024-byte aligned, 128-byte swizzle): the query block [64 heads, D] (D = 512 or 576), two
-  stages of 64 gathered rows [64, D] stored as [64 x 64] panels of 128-byte rows, P [64 x 64] (8 KB), per-row
-  statistics and the stages' mbarriers.
+  stages of 64 gathered rows [64, D] stored as [64 x 64] panels of 128-byte rows, P [64 x 64] per stage (with
+  rope in the stage's rope panel, which the scores no longer need once computed; without, 8 KB of its own),
+  per-row statistics and the mbarriers.
 - The value warpgroups gather. Each owns half of the value columns (four latent panels) and, for the scores,
-  half of the rope panel's columns; once its value product of tile i is done it copies its part of tile i + 2
-  into the stage (``cp.async`` of 16 bytes, zero-filled for index -1 or a position past the split, each warp
-  copying 512 contiguous bytes of one latent row per instruction) and arrives on the stage's "full" mbarrier when its
-  copies land (``cp.async.mbarrier.arrive.noinc``: 256 arrivals complete a phase). The indices of tile i + 2
-  are loaded at the start of iteration i, so their latency hides under the iteration.
+  half of the rope panel's columns; once both have finished their value products of tile i (a 256-thread named
+  barrier: P of tile i may live in the rope panel) they copy tile i + 2 into the stage (``cp.async`` of 16
+  bytes, zero-filled for index -1 or a position past the split, each warp copying 512 contiguous bytes of one
+  latent row per instruction) and arrive on the stage's "full" mbarrier when their copies land
+  (``cp.async.mbarrier.arrive.noinc``: 256 arrivals complete a phase). The indices of tile i + 2 are loaded at
+  the start of iteration i, so their latency hides under the iteration.
 - Warpgroup 0 (scores) computes S = Q K^T ([64 x 64], k = D: wgmma m64n64k16), masks the positions whose index
   is -1 or past the split (a 64-bit ballot of the tile's indices per warp), runs the online softmax in base 2
   with lazy rescaling (the row max moves only when a tile exceeds it by ``RESCALE_THRESHOLD``) and hands P and
-  the rescale factors to the value warpgroups, which accumulate O += P V (wgmma m64n256k16, V = the latent
-  panels of the same stage, read N-major: each row is gathered once for both products).
+  the rescale factors to the value warpgroups through the stage's "P full" mbarrier (P and the factors are
+  per stage, so the scores of tile i + 1 never wait for the value product of tile i); they accumulate
+  O += P V (wgmma m64n256k16, V = the latent panels of the same stage, read N-major: each row is gathered once
+  for both products).
 - Output: o normalised by the row's exp-sum (q's dtype, or float32 partials with ``PARTIAL``) and the
   natural-log lse (-inf, and o = 0, for a row that saw no valid index), the contract of the Triton kernel's
   split form, so its combine kernel merges the splits.
@@ -41,7 +45,7 @@ THREADS = 384
 PANEL_BYTES = 64 * 128  # 64 rows of 128 bytes (64 half-precision channels)
 P_BYTES = PANEL_BYTES
 STAT_BYTES = 4 * ROWS * 4
-BARRIER_BYTES = 2 * 8  # the "full" mbarriers of the two stages
+BARRIER_BYTES = 4 * 8  # the "full" and "P full" mbarriers of the two stages
 GATHER_THREADS = 256  # the value warpgroups: arrivals per phase of a "full" mbarrier
 KERNEL_NAME = "dsa_sparse_wgmma"
 
@@ -50,9 +54,14 @@ def tile_bytes(rope: bool) -> int:
     return (LATENT_DIM + (ROPE_DIM if rope else 0)) // 64 * PANEL_BYTES
 
 
+def p_buffer_bytes(rope: bool) -> int:
+    """Shared memory of the P buffers outside the stages: none with rope (P lives in the stage's rope panel)."""
+    return 0 if rope else 2 * P_BYTES
+
+
 def shared_bytes(rope: bool) -> int:
     """Dynamic shared memory: query block, two stages, P, statistics, barriers and 1 KB to align to 1024."""
-    return 3 * tile_bytes(rope) + P_BYTES + STAT_BYTES + BARRIER_BYTES + 1024
+    return 3 * tile_bytes(rope) + p_buffer_bytes(rope) + STAT_BYTES + BARRIER_BYTES + 1024
 
 
 _KERNEL = r"""
@@ -77,12 +86,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
   const u32 base = (raw + 1023u) & ~1023u;
-  const u32 s_q = base, s_p = base + 3 * TILE_BYTES;
-  float* stats = (float*)(smem_raw + (s_p + P_BYTES - raw));
-  float* s_alpha = stats;            /* [64] rescale factor of the current tile */
-  float* s_max = stats + ROWS;       /* [64] final running max */
-  float* s_lsum = stats + 2 * ROWS;  /* [64] final row sums */
-  const u32 bar_full = s_p + P_BYTES + STAT_BYTES;  /* full[stage]: the stage's rows landed */
+  const u32 s_q = base, s_p = base + 3 * TILE_BYTES;  /* (without rope: the two P buffers) */
+  float* stats = (float*)(smem_raw + (s_p + P_BUFFER_BYTES - raw));
+  float* s_alpha = stats;            /* [2][64] rescale factors of the tile in each stage */
+  float* s_max = stats + 2 * ROWS;   /* [64] final running max */
+  float* s_lsum = stats + 3 * ROWS;  /* [64] final row sums */
+  /* full[stage]: the stage's rows landed; p_full[stage]: P and the rescale factors of its tile are written */
+  const u32 bar_full = s_p + P_BUFFER_BYTES + STAT_BYTES, bar_p_full = bar_full + 16;
 
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const int head_block = blockIdx.x % head_blocks, token = blockIdx.x / head_blocks;
@@ -96,6 +106,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
 
   if (tid == 0) {
     mbar_init(bar_full, GATHER_THREADS); mbar_init(bar_full + 8, GATHER_THREADS);
+    mbar_init(bar_p_full, 128); mbar_init(bar_p_full + 8, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   /* The query block (every thread, cp.async, its own group). */
@@ -111,6 +122,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
      32 half + lane (one 512-byte run of a row per instruction) and rope chunks 64 + 4 half + (lane & 3) of rows
      16 w + 8 j + (lane >> 2), j = 0, 1. Lane l loads the index of row 16 w + (l & 15); shuffles share it. */
   const int half = wg - 1, gather_warp = warp;
+  /* P of the tile in a stage: with rope, that stage's rope panel (free once the tile's scores are computed, and
+     refilled only after both value warpgroups' products of the tile); without, a buffer of its own */
+  auto p_buffer = [&](int stage) {
+    return ROPE ? base + TILE_BYTES * (1 + stage) + 8 * PANEL_BYTES : s_p + stage * P_BYTES;
+  };
   auto tile_index = [&](int tile) {
     return load_index(idx_row, sik, lo + tile * TILE_TOKENS + 16 * gather_warp + (lane & 15), hi);
   };
@@ -204,18 +220,19 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
           p_pack[2 * j + e] = pack2(p0, p1);
         }
       }
-      if (it > 0) bar_sync(BAR_P_FREE, THREADS);  /* the value warps are done with P of tile it - 1 */
+      /* P of tile it - 2, in the same buffer, was read: tile it's rows came after that tile's value products */
+      const u32 p_buf = p_buffer(it & 1);
       #pragma unroll
       for (int j = 0; j < 8; ++j) {
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int r = r_a + 8 * e;
-          st_shared_b32(s_p + r * 128 + ((j ^ (r & 7)) << 4) + 2 * col2, p_pack[2 * j + e]);
+          st_shared_b32(p_buf + r * 128 + ((j ^ (r & 7)) << 4) + 2 * col2, p_pack[2 * j + e]);
         }
       }
-      if ((lane & 3) == 0) { s_alpha[r_a] = alpha[0]; s_alpha[r_a + 8] = alpha[1]; }
+      if ((lane & 3) == 0) { s_alpha[(it & 1) * ROWS + r_a] = alpha[0]; s_alpha[(it & 1) * ROWS + r_a + 8] = alpha[1]; }
       fence_async_shared();
-      bar_arrive(BAR_P_READY, THREADS);
+      mbar_arrive(bar_p_full + 8 * (it & 1));
     }
     #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -235,10 +252,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
       const u32 s_kv = base + TILE_BYTES * (1 + stage);
       const bool refill = it + 2 < num_tiles;
       if (refill) ix = tile_index(it + 2);  /* in flight while this tile is computed */
-      bar_sync(BAR_P_READY, THREADS);  /* P and the rescale factors of tile it are written */
+      mbar_wait(bar_p_full + 8 * stage, (it >> 1) & 1);  /* P and the rescale factors of tile it are written */
       mbar_wait(bar_full + 8 * stage, (it >> 1) & 1);
       fence_async_shared();
-      const float a0 = s_alpha[r_a], a1 = s_alpha[r_a + 8];
+      const float a0 = s_alpha[stage * ROWS + r_a], a1 = s_alpha[stage * ROWS + r_a + 8];
       if (a0 != 1.f || a1 != 1.f) {
         #pragma unroll
         for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? a1 : a0;
@@ -246,13 +263,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
       wgmma_fence();
       #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        wgmma_values(o, smem_desc(s_p + kk * 32, 16, 1024), smem_desc(s_kv + v_cols + kk * 2048, PANEL_BYTES, 1024),
-                     1);
+        wgmma_values(o, smem_desc(p_buffer(stage) + kk * 32, 16, 1024),
+                     smem_desc(s_kv + v_cols + kk * 2048, PANEL_BYTES, 1024), 1);
       }
       wgmma_commit();
       wgmma_wait_all();
-      if (it + 1 < num_tiles) bar_arrive(BAR_P_FREE, THREADS);
-      if (refill) gather(stage, ix);  /* this warpgroup's part of the stage is free: tile it + 2 */
+      if (refill) {  /* the stage is free for tile it + 2 once both value warpgroups are done with it (and P) */
+        bar_sync(BAR_VALUES, GATHER_THREADS);
+        gather(stage, ix);
+      }
     }
   }
   __syncthreads();  /* the row statistics are in shared memory */
@@ -294,6 +313,7 @@ def kernel_source(*, elem: str, rope: bool, partial: bool) -> str:
         ("ROPE", int(bool(rope))), ("PARTIAL", int(bool(partial))), ("RESCALE_THRESHOLD", f"{RESCALE_THRESHOLD}f"),
         ("ROWS", ROWS), ("TILE_TOKENS", TILE_TOKENS), ("PANEL_BYTES", PANEL_BYTES), ("P_BYTES", P_BYTES),
         ("TILE_BYTES", tile_bytes(rope)), ("THREADS", THREADS), ("STAT_BYTES", STAT_BYTES),
+        ("P_BUFFER_BYTES", p_buffer_bytes(rope)), ("BAR_VALUES", 3),
         ("GATHER_THREADS", GATHER_THREADS)))
     body = PRELUDE + wgmma_function("wgmma_scores", 64, "d", 0) + wgmma_function("wgmma_values", 256, "d", 1) + _KERNEL
     return defines + body.replace("ELEM_PTX", elem)

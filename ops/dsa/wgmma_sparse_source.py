@@ -197,29 +197,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_sparse_wgmma(
         tile_max[e] = fmaxf(tile_max[e], sc[i]);
       }
       float alpha[2];
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(FULL_MASK, tile_max[e], 1));
-        tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(FULL_MASK, tile_max[e], 2));
-        alpha[e] = 1.f;
-        if (tile_max[e] > m_run[e] + RESCALE_THRESHOLD) {  /* false while both are -inf */
-          alpha[e] = fast_exp2(m_run[e] - tile_max[e]);    /* 0 when m_run is -inf */
-          m_run[e] = tile_max[e];
-        }
-        l_run[e] *= alpha[e];
-      }
-      const float m_use[2] = {m_run[0] == NEG_INF ? 0.f : m_run[0], m_run[1] == NEG_INF ? 0.f : m_run[1]};
       u32 p_pack[16];
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float p0 = fast_exp2(sc[4 * j + 2 * e] - m_use[e]);
-          const float p1 = fast_exp2(sc[4 * j + 2 * e + 1] - m_use[e]);
-          l_run[e] += p0 + p1;
-          p_pack[2 * j + e] = pack2(p0, p1);
-        }
-      }
+      online_softmax_tile(sc, tile_max, m_run, l_run, alpha, p_pack);  /* base 2: TO_LOG2 is 1 here */
       /* P of tile it - 2, in the same buffer, was read: tile it's rows came after that tile's value products */
       const u32 p_buf = p_buffer(it & 1);
       #pragma unroll

@@ -166,6 +166,39 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lead, u32 stride) {
 __device__ __forceinline__ u32 tile_offset(int r, int c) {
   return (u32)((c >> 3) * PANEL_BYTES + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
+/* One tile's online-softmax step over a thread's 32 scores of the wgmma m64n64 accumulator (rows r and r + 8;
+   masked entries -inf; units that TO_LOG2 turns into base 2) and its rows' maxima over them: the maxima across
+   the quad, a lazy rescale (alpha = 1 unless a row's tile max exceeds its running max by RESCALE_THRESHOLD), the
+   running sums, and P as packed pairs of ELEM. */
+__device__ __forceinline__ void online_softmax_tile(const float* s, float* tile_max, float* m_run, float* l_run,
+                                                    float* alpha, u32* p_pack) {
+  #pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xffffffffu, tile_max[e], 1));
+    tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xffffffffu, tile_max[e], 2));
+    alpha[e] = 1.f;
+    if (tile_max[e] > m_run[e] + RESCALE_THRESHOLD / TO_LOG2) {  /* false while both are -inf */
+      alpha[e] = fast_exp2((m_run[e] - tile_max[e]) * TO_LOG2);  /* 0 when m_run is -inf */
+      m_run[e] = tile_max[e];
+    }
+    l_run[e] *= alpha[e];
+  }
+  const float m_use[2] = {m_run[0] == NEG_INF ? 0.f : m_run[0], m_run[1] == NEG_INF ? 0.f : m_run[1]};
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#if DBG_NO_SOFTMAX
+      const float p0 = s[4 * j + 2 * e], p1 = s[4 * j + 2 * e + 1];
+#else
+      const float p0 = fast_exp2((s[4 * j + 2 * e] - m_use[e]) * TO_LOG2);
+      const float p1 = fast_exp2((s[4 * j + 2 * e + 1] - m_use[e]) * TO_LOG2);
+#endif
+      l_run[e] += p0 + p1;
+      p_pack[2 * j + e] = pack2(p0, p1);
+    }
+  }
+}
 """
 
 _KERNEL = r"""
@@ -292,33 +325,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) mla_decode_wgmma(
         tile_max[e] = fmaxf(tile_max[e], s[i]);
       }
       float alpha[2];
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xffffffffu, tile_max[e], 1));
-        tile_max[e] = fmaxf(tile_max[e], __shfl_xor_sync(0xffffffffu, tile_max[e], 2));
-        alpha[e] = 1.f;
-        if (tile_max[e] > m_run[e] + RESCALE_THRESHOLD / TO_LOG2) {  /* false while both are -inf */
-          alpha[e] = fast_exp2((m_run[e] - tile_max[e]) * TO_LOG2);  /* 0 when m_run is -inf */
-          m_run[e] = tile_max[e];
-        }
-        l_run[e] *= alpha[e];
-      }
-      const float m_use[2] = {m_run[0] == NEG_INF ? 0.f : m_run[0], m_run[1] == NEG_INF ? 0.f : m_run[1]};
       u32 p_pack[16];
-      #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-#if DBG_NO_SOFTMAX
-          const float p0 = s[4 * j + 2 * e], p1 = s[4 * j + 2 * e + 1];
-#else
-          const float p0 = fast_exp2((s[4 * j + 2 * e] - m_use[e]) * TO_LOG2);
-          const float p1 = fast_exp2((s[4 * j + 2 * e + 1] - m_use[e]) * TO_LOG2);
-#endif
-          l_run[e] += p0 + p1;
-          p_pack[2 * j + e] = pack2(p0, p1);
-        }
-      }
+      online_softmax_tile(s, tile_max, m_run, l_run, alpha, p_pack);
       if (it > 0) bar_sync(BAR_P_FREE, THREADS);  /* the value warps are done with P of tile it - 1 */
       #pragma unroll
       for (int j = 0; j < 8; ++j) {

@@ -225,6 +225,25 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def hopper_problem(t: torch.Tensor) -> str | None:
+    """Why ``t``'s device cannot run our sm_90a kernels (warpgroup MMA, TMA; compiled for exactly that target), or
+    None."""
+    if not t.is_cuda:
+        return "not a CUDA tensor"
+    capability = device_capability(cuda_index(t.device))
+    if capability != (9, 0):
+        return f"needs an sm_90 GPU (warpgroup MMA), got sm_{''.join(map(str, capability))}"
+    return None
+
+
+def half_rows_problem(name: str, t: torch.Tensor) -> str | None:
+    """Why the 16-bit tensor ``t`` (argument ``name``) cannot be copied row by row in 16-byte pieces (rows along the
+    last dim contiguous, every other stride and the address 16-byte aligned), or None."""
+    if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        return f"{name}'s rows are not contiguous and 16-byte aligned (strides {tuple(t.stride())})"
+    return None
+
+
 def triton_interpreted() -> bool:
     """True under ``TRITON_INTERPRET=1``, where Triton kernels run on CPU tensors (read at every call: tests set it)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

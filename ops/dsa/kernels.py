@@ -19,6 +19,7 @@ import torch
 
 from kda_compile.ops._common import check_inputs_enabled, module_unusable, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.dsa import wgmma_sparse
 from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     check_cu_seqlens_values,
@@ -96,7 +97,6 @@ def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
         record_fallback("dsa_sparse_attention", "torch reference", why)
         o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
         return o.to(q.dtype).contiguous(), lse.contiguous()
-    from kda_compile.ops.dsa import wgmma_sparse
     from kda_compile.ops.dsa.triton_sparse import sparse_attention_fwd_triton
 
     if wgmma_sparse.choose_kernel(q, k, v, indices, d_v) == "cuda":

@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_switch, on_device, record_fallback,
-                                    sm_count)
+from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_switch, on_device,
+                                    record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa import wgmma_sparse_source as src
 
@@ -29,11 +29,9 @@ _OP = "dsa_sparse_attention"
 
 def outside_design(q, k, v, d_v: int) -> str | None:
     """Why the call is not one the kernel is written for (device, dtype, form, widths), or None."""
-    if not q.is_cuda:
-        return "not a CUDA tensor"
-    capability = device_capability(cuda_index(q.device))
-    if capability != (9, 0):
-        return f"needs an sm_90 GPU (warpgroup MMA), got sm_{''.join(map(str, capability))}"
+    why = hopper_problem(q)
+    if why:
+        return why
     if q.dtype not in _ELEM:
         return f"{q.dtype} (the kernel takes bfloat16 / float16)"
     if v is not None:
@@ -52,10 +50,7 @@ def layout_problem(q, k, indices) -> str | None:
         return f"k is {k.dtype}, q {q.dtype}"
     if indices.dtype != torch.int32:
         return f"indices are {indices.dtype}, not int32"
-    for name, t in (("q", q), ("k", k)):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name}'s rows are not contiguous and 16-byte aligned (strides {tuple(t.stride())})"
-    return None
+    return half_rows_problem("q", q) or half_rows_problem("k", k)
 
 
 def choose_kernel(q, k, v, indices, d_v: int) -> str:

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import cdiv, cuda_index
+from kda_compile.ops._common import cdiv, cuda_index, half_rows_problem, hopper_problem
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
 from kda_compile.ops.mla import wgmma_source as src
 from kda_compile.ops.mla.triton_decode import (allocate_decode_outputs, choose_num_splits, mask_for_kernel,
@@ -36,11 +36,9 @@ def unsupported_reason(q_lat, q_rope, kv_latent, k_rope) -> str | None:
 
 def outside_design(q_lat, q_rope, kv_latent) -> str | None:
     """Why the call is not one the kernel is written for (device, dtype, widths), or None."""
-    if not kv_latent.is_cuda:
-        return "not a CUDA tensor"
-    capability = torch.cuda.get_device_capability(kv_latent.device)
-    if capability != (9, 0):
-        return f"needs an sm_90 GPU (warpgroup MMA), got sm_{''.join(map(str, capability))}"
+    why = hopper_problem(kv_latent)
+    if why:
+        return why
     if kv_latent.dtype not in _ELEM:
         return f"{kv_latent.dtype} (the kernel takes bfloat16 / float16)"
     if q_lat.shape[-1] != src.LATENT_DIM or q_rope.shape[-1] != src.ROPE_DIM:
@@ -54,8 +52,9 @@ def layout_problem(q_lat, q_rope, kv_latent, k_rope) -> str | None:
     for name, t in (("q_lat", q_lat), ("q_rope", q_rope), ("kv_latent", kv_latent), ("k_rope", k_rope)):
         if t.dtype != kv_latent.dtype:
             return f"{name} is {t.dtype}, kv_latent {kv_latent.dtype}"
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return f"{name}'s rows are not contiguous and 16-byte aligned (strides {tuple(t.stride())})"
+        why = half_rows_problem(name, t)
+        if why:
+            return why
     return None
 
 

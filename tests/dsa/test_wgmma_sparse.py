@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kda_compile.ops import _common
 from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.ops.dsa import wgmma_sparse
 from kda_compile.ops.dsa.reference import sparse_attention_reference
@@ -32,8 +33,8 @@ def test_outside_design_names_the_reason(monkeypatch):
     q, k, idx = _shapes()
     assert wgmma_sparse.outside_design(q, k, None, 512) == "not a CUDA tensor"
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    monkeypatch.setattr(wgmma_sparse, "cuda_index", lambda device: 0)
-    monkeypatch.setattr(wgmma_sparse, "device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(_common, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(_common, "device_capability", lambda index: (9, 0))
     assert wgmma_sparse.outside_design(q, k, None, 512) is None
     assert wgmma_sparse.outside_design(*_shapes(d_qk=512)[:2], None, 512) is None
     assert wgmma_sparse.outside_design(*_shapes(hq=128, hkv=2)[:2], None, 512) is None
@@ -41,7 +42,7 @@ def test_outside_design_names_the_reason(monkeypatch):
     assert "separate value tensor" in wgmma_sparse.outside_design(q, k, k, 512)
     assert "d_qk 192 / d_v 128" in wgmma_sparse.outside_design(*_shapes(d_qk=192)[:2], None, 128)
     assert "32 query heads per KV head" in wgmma_sparse.outside_design(*_shapes(hq=32)[:2], None, 512)
-    monkeypatch.setattr(wgmma_sparse, "device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(_common, "device_capability", lambda index: (8, 0))
     assert wgmma_sparse.outside_design(q, k, None, 512) == "needs an sm_90 GPU (warpgroup MMA), got sm_80"
 
 

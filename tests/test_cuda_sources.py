@@ -11,6 +11,7 @@ import pytest
 
 from kda_compile.ops import _nvrtc
 from kda_compile.ops.dsa import cuda_topk
+from kda_compile.ops.dsa import wgmma_indexer_source as dsa_indexer
 from kda_compile.ops.dsa import wgmma_sparse_source as dsa_sparse
 from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare
@@ -177,8 +178,26 @@ def test_the_cache_can_be_switched_off_or_unwritable(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("per", cuda_topk.PER_THREAD)
 def test_dsa_topk_kernel_compiles(per, caplog):
-    """The DSA top-k's one-CTA-per-row kernel at each per-thread width: no spills on the H100."""
-    for arch in ("80", "90a"):
-        spills = _compile(cuda_topk.kernel_source(per), cuda_topk.KERNEL_NAME, arch, caplog)
-        if arch == "90a":
-            assert spills == {"stores": 0, "loads": 0}, spills
+    """The DSA top-k's kernel at each per-thread width and CTA size, one CTA per row (any GPU) or a cluster of two
+    (sm_90): no spills on the H100."""
+    for threads in (cuda_topk.THREADS, 2 * cuda_topk.THREADS):
+        for arch, cluster in (("80", 1), ("90a", 1), ("90a", 2)):
+            spills = _compile(cuda_topk.kernel_source(per, cluster, threads), cuda_topk.KERNEL_NAME, arch, caplog)
+            if arch == "90a":
+                assert spills == {"stores": 0, "loads": 0}, spills
+
+
+@pytest.mark.parametrize("elem, has_key_mask, weight",
+                         list(itertools.product(("bf16", "f16"), (False, True), dsa_indexer.WEIGHT_KINDS)))
+def test_dsa_indexer_kernel_compiles_without_spills(elem, has_key_mask, weight, caplog):
+    source = dsa_indexer.kernel_source(elem=elem, has_key_mask=has_key_mask, weight=weight)
+    assert _compile(source, dsa_indexer.KERNEL_NAME, "90a", caplog) == {"stores": 0, "loads": 0}
+
+
+def test_dsa_indexer_source_options_are_checked():
+    with pytest.raises(ValueError, match="weight must be one of"):
+        dsa_indexer.kernel_source(elem="bf16", has_key_mask=False, weight="f64")
+    with pytest.raises(ValueError, match="stages must be 2 to 8, got 1"):
+        dsa_indexer.kernel_source(elem="bf16", has_key_mask=False, stages=1)
+    with pytest.raises(ValueError, match="elem must be 'bf16' or 'f16'"):
+        dsa_indexer.kernel_source(elem="f32", has_key_mask=False)

@@ -3,17 +3,20 @@
 The select is the one of ``triton_topk.py`` (its docstring): an exact radix select over the int32 score codes,
 most significant 8-bit digit first, then a compaction in ascending key order with the tie rule (equal codes: lower
 key index first), -1 up to ``topk``. The result is defined by that rule alone, so it equals the Triton kernels'
-bit for bit (tested). Here one CTA of ``THREADS`` threads owns one row and keeps it in registers: thread ``t``
-holds the codes of columns ``lo + t * per .. lo + (t + 1) * per - 1`` (``per`` = 16, 32 or 64 by the row's
-width; 16-byte loads where the row allows), so the key order is the thread order and the compaction is one
-block-wide scan. A round's 256-bin histogram is built in shared memory, one per warp (summed after the round), so
-warps never contend for a bin; a round whose chosen bin is wholly in the top-k ends the select. The Triton row
-split pays a launch per round (seven launches: 75 us for 64 rows of 32k on an H200, 30 us here; docs/dsa.md
-section 4).
+bit for bit (tested). Here one CTA (``THREADS`` threads, twice as many for rows wider than ``WIDE_ROW``) owns
+one row, or on sm_90 a cluster of two CTAs owns it (rows wider than ``CLUSTER_MIN_WIDTH`` when two CTAs per row
+fit one wave: ``cluster_size``), and keeps it in registers: thread ``t`` of CTA ``r`` holds the codes of columns
+``lo + (r * threads + t) * per`` onwards (``per`` = 16 or 32 by the row's width; 16-byte loads where the row
+allows), so the key order is the (CTA, thread) order and the compaction is one block-wide scan (plus, in a
+cluster, the first CTA's counts added to the second's offsets). A round's 256-bin histogram is built in shared
+memory, one per warp (summed after the round), so warps never contend for a bin; a cluster adds its two CTAs'
+histograms through distributed shared memory; a round whose chosen bin is wholly in the top-k ends the select.
+The Triton row split pays a launch per round (seven launches: 75 us for 64 rows of 32k on an H200; one CTA per
+row 30 us, clusters of two with 1024 threads 21 us; docs/dsa.md section 4).
 
 Parameters: ``codes, Lo, Hi, out`` (pointers: int32 ``[B, rows, width]``, int64 ``[S]`` visible ranges, int32
 ``[B, rows, topk]``), the codes' and the output's element strides (long long), ``row0`` (long long: row
-``local`` reads ``Lo[row0 + local]``) and ``topk`` (int, at least 1). Grid ``(rows, B)``.
+``local`` reads ``Lo[row0 + local]``) and ``topk`` (int, at least 1). Grid ``(rows * cluster, B)``.
 """
 from __future__ import annotations
 
@@ -22,31 +25,58 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import cuda_index, device_capability, on_device
+from kda_compile.ops._common import cdiv, cuda_index, device_capability, on_device, sm_count
 from kda_compile.ops._nvrtc import load_kernel
 
 KERNEL_NAME = "dsa_topk_resident"
 THREADS = 512
-PER_THREAD = (16, 32, 64)  # codes a thread holds: rows of up to THREADS * per codes
-MAX_WIDTH = THREADS * PER_THREAD[-1]
+PER_THREAD = (16, 32)  # codes a thread holds
+MAX_WIDTH = 32768  # widest row (2 * THREADS threads x 32 codes)
+CLUSTER_MIN_WIDTH = 8192  # rows up to this many codes stay on one CTA
+WIDE_ROW = 16384  # rows wider than this take CTAs of 2 * THREADS threads (``threads_for``)
 
 _BODY = r"""
 #define FULL 0xffffffffu
+#if CLUSTER > 1
+/* the CTAs of a row's cluster: shared memory of the peer CTA, and a barrier of the whole cluster */
+__device__ __forceinline__ int cluster_rank() {
+    unsigned int r; asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r)); return (int)r;
+}
+__device__ __forceinline__ int load_peer(const int* p, int rank) {
+    unsigned int local_addr, addr; int v;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(local_addr) : "l"(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"(local_addr), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) dsa_topk_resident(
+#else
 extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
+#endif
     const int* __restrict__ codes, const long long* __restrict__ Lo, const long long* __restrict__ Hi,
     int* __restrict__ out, long long scb, long long scs, long long sct, long long sob, long long sos, long long sok,
     long long row0, int topk)
 {
-    __shared__ int hist[256];
+    __shared__ int hist[2][256];  // this CTA's histogram of the round (by round parity: the peer may still read it)
     __shared__ int warp_hist[THREADS / 32][256];  // each warp's own histogram: no atomics across warps
     __shared__ int scan[2][THREADS / 32];
-    __shared__ unsigned int state[4];  // prefix, mask, remaining, whole (the rest of the matching keys are in)
+    __shared__ unsigned int state[2][4];  // prefix, mask, remaining, whole (the rest of the matching keys are in)
     const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5;
-    const long long local = blockIdx.x, b = blockIdx.y;
+#if CLUSTER > 1
+    __shared__ int hist_all[256];  // the cluster's histogram of the round
+    __shared__ int totals[2];      // this CTA's selected-for-sure and tied counts
+    const int rank = cluster_rank();
+#else
+    const int rank = 0;
+#endif
+    const long long local = blockIdx.x / CLUSTER, b = blockIdx.y;
     const long long lo = Lo[row0 + local], hi = Hi[row0 + local];
     const int* row = codes + b * scb + local * scs;
     int* dst = out + b * sob + local * sos;
-    const long long c0 = lo + (long long)tid * PER;
+    const long long c0 = lo + ((long long)rank * THREADS + tid) * PER;
 
     // u: the code with its sign bit flipped (the same order, unsigned), 0 for a key outside [lo, hi)
     unsigned int u[PER];
@@ -73,10 +103,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
 
     unsigned int prefix = 0u, mask = 0u, whole = 0u;
     int remaining = topk;
+    for (int i = tid; i < 256 * (THREADS / 32); i += THREADS) (&warp_hist[0][0])[i] = 0;
+    __syncthreads();
     for (int rnd = 0; rnd < 4 && !whole; ++rnd) {  // (uniform: every thread reads the same state)
         const int shift = 24 - 8 * rnd;
-        for (int i = tid; i < 256 * (THREADS / 32); i += THREADS) (&warp_hist[0][0])[i] = 0;
-        __syncthreads();
+        unsigned int* const st = state[rnd & 1];  // (by round parity: no barrier between reading and rewriting)
 #pragma unroll
         for (int j = 0; j < PER; ++j)
             if (u[j] != 0u && (u[j] & mask) == prefix) atomicAdd(&warp_hist[wp][(u[j] >> shift) & 255u], 1);
@@ -84,14 +115,22 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
         for (int i = tid; i < 256; i += THREADS) {
             int sum = 0;
 #pragma unroll
-            for (int w = 0; w < THREADS / 32; ++w) sum += warp_hist[w][i];
-            hist[i] = sum;
+            for (int w = 0; w < THREADS / 32; ++w) { sum += warp_hist[w][i]; warp_hist[w][i] = 0; }  // (next round)
+            hist[rnd & 1][i] = sum;
         }
+#if CLUSTER > 1
+        cluster_sync();  // every CTA's histogram of the round is complete
+        for (int i = tid; i < 256; i += THREADS)
+            hist_all[i] = hist[rnd & 1][i] + load_peer(&hist[rnd & 1][i], rank ^ 1);
+        const int* const round_hist = hist_all;
+#else
+        const int* const round_hist = hist[rnd & 1];
+#endif
         __syncthreads();
         if (wp == 0) {  // the bin holding the remaining-th best matching key; lane l scans bins 255 - 8 l - k
             int count[8], own = 0;
 #pragma unroll
-            for (int k = 0; k < 8; ++k) { count[k] = hist[255 - 8 * lane - k]; own += count[k]; }
+            for (int k = 0; k < 8; ++k) { count[k] = round_hist[255 - 8 * lane - k]; own += count[k]; }
             int upto = own;  // matching keys in the bins of lanes <= this one (higher bins first)
 #pragma unroll
             for (int off = 1; off < 32; off <<= 1) {
@@ -100,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
             }
             const int total = __shfl_sync(FULL, upto, 31), above = upto - own;
             if (rnd == 0 && total <= remaining) {  // every visible key is in
-                if (lane == 0) { state[0] = 0u; state[1] = 0u; state[2] = (unsigned int)total; state[3] = 1u; }
+                if (lane == 0) { st[0] = 0u; st[1] = 0u; st[2] = (unsigned int)total; st[3] = 1u; }
             } else if (above < remaining && remaining <= upto) {  // (exactly one lane)
                 int acc = above;
 #pragma unroll
@@ -108,18 +147,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
                     if (acc < remaining && remaining <= acc + count[k]) {
                         const unsigned int bin = 255u - 8u * lane - k;
                         const int need = remaining - acc;
-                        state[0] = prefix | (bin << shift);
-                        state[1] = mask | (255u << shift);
-                        state[2] = (unsigned int)need;
-                        state[3] = need == count[k] ? 1u : 0u;
+                        st[0] = prefix | (bin << shift);
+                        st[1] = mask | (255u << shift);
+                        st[2] = (unsigned int)need;
+                        st[3] = need == count[k] ? 1u : 0u;
                     }
                     acc += count[k];
                 }
             }
         }
         __syncthreads();
-        prefix = state[0]; mask = state[1]; remaining = (int)state[2]; whole = state[3];
-        __syncthreads();  // state and hist are rewritten next round
+        prefix = st[0]; mask = st[1]; remaining = (int)st[2]; whole = st[3];
     }
 
     // keys above the prefix are in; of those equal to it (after four rounds: the code tau), all when whole, else
@@ -152,9 +190,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
         if (lane < THREADS / 32) { scan[0][lane] = s; scan[1][lane] = t; }
     }
     __syncthreads();
-    const int sure_before = xs - sure + (wp > 0 ? scan[0][wp - 1] : 0);
+    int sure_before = xs - sure + (wp > 0 ? scan[0][wp - 1] : 0);
     int tie_rank = xt - tied + (wp > 0 ? scan[1][wp - 1] : 0);
-    const int selected = scan[0][THREADS / 32 - 1] + min(scan[1][THREADS / 32 - 1], remaining);
+    int sure_all = scan[0][THREADS / 32 - 1], tied_all = scan[1][THREADS / 32 - 1];
+#if CLUSTER > 1
+    if (tid == 0) { totals[0] = sure_all; totals[1] = tied_all; }
+    cluster_sync();  // both CTAs' counts are written
+    {
+        const int peer_sure = load_peer(&totals[0], rank ^ 1), peer_tied = load_peer(&totals[1], rank ^ 1);
+        if (rank == 1) { sure_before += peer_sure; tie_rank += peer_tied; }  // rank 0 holds the lower keys
+        sure_all += peer_sure; tied_all += peer_tied;
+    }
+    cluster_sync();  // the peer's reads of this CTA's shared memory are done before either CTA exits
+#endif
+    const int selected = sure_all + min(tied_all, remaining);
     int pos = sure_before + min(tie_rank, remaining);
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
@@ -165,29 +214,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
             if (take) dst[(pos++) * sok] = (int)(c0 + j);
         }
     }
-    for (int p = selected + tid; p < topk; p += THREADS) dst[p * sok] = -1;
+    for (int p = selected + rank * THREADS + tid; p < topk; p += CLUSTER * THREADS) dst[p * sok] = -1;
 }
 """
 
 
-def per_thread(width: int) -> int:
-    """Codes a thread holds for rows of ``width`` codes (at most ``MAX_WIDTH``)."""
-    return next(p for p in PER_THREAD if THREADS * p >= width)
+def per_thread(width: int, threads: int = THREADS) -> int:
+    """Codes a thread holds for rows of ``width`` codes (at most ``MAX_WIDTH``) in one CTA of ``threads``."""
+    return next(p for p in PER_THREAD if threads * p >= width)
+
+
+def threads_for(width: int) -> int:
+    """Threads of a CTA for rows of ``width`` codes: ``THREADS``, twice as many for rows wider than
+    ``WIDE_ROW`` (H200, CUDA graph, top-k 2048: 64 rows of 32k 22.3 -> 21.1 us on clusters of two, 128 rows
+    32.3 -> 28.4 us on one CTA each; at 16k and below the smaller CTA is as fast or faster)."""
+    return 2 * THREADS if width > WIDE_ROW else THREADS
+
+
+def cluster_size(width: int, grid_rows: int, sms: int) -> int:
+    """CTAs per row: two (a cluster, the row's halves, histograms and counts exchanged through distributed shared
+    memory) for rows wider than ``CLUSTER_MIN_WIDTH`` when two CTAs per row still fit one wave, else one."""
+    return 2 if width > CLUSTER_MIN_WIDTH and 2 * grid_rows <= sms else 1
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_source(per: int) -> str:
+def kernel_source(per: int, cluster: int = 1, threads: int = THREADS) -> str:
     if per not in PER_THREAD:
         raise ValueError(f"per must be one of {PER_THREAD}, got {per}")
-    return f"#define THREADS {THREADS}\n#define PER {per}\n" + _BODY
+    if cluster not in (1, 2):
+        raise ValueError(f"cluster must be 1 or 2, got {cluster}")
+    return f"#define THREADS {threads}\n#define PER {per}\n#define CLUSTER {cluster}\n" + _BODY
 
 
-def topk_kernel(device_index: int, width: int):
-    """The compiled kernel for rows of ``width`` codes; the caller has made the device current. Raises
-    NvrtcUnavailable."""
+def topk_kernel(device_index: int, width: int, cluster: int = 1):
+    """The compiled kernel for rows of ``width`` codes cut among ``cluster`` CTAs; the caller has made the device
+    current. Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
-    return load_kernel(kernel_source(per_thread(width)), KERNEL_NAME, device_index, arch=f"{major}{minor}",
-                       shared_bytes=0)
+    threads = threads_for(width)
+    return load_kernel(kernel_source(per_thread(cdiv(width, cluster), threads), cluster, threads), KERNEL_NAME,
+                       device_index, arch=f"{major}{minor}", shared_bytes=0)
 
 
 def launch(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row0: int, topk: int, out: torch.Tensor) -> None:
@@ -200,9 +265,11 @@ def launch(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row0: int, t
                          f"topk >= 1, got {codes.dtype} codes of {width} columns, {out.dtype} output, topk={topk}")
     lo, hi = (t.to(torch.int64).contiguous() for t in (lo, hi))  # (already so from the indexer: no copy)
     index = cuda_index(codes.device)
+    major = device_capability(index)[0]
+    cluster = cluster_size(width, b * rows, sm_count(index)) if major >= 9 else 1  # clusters: sm_90 and later
     with on_device(index):
-        kernel = topk_kernel(index, width)
+        kernel = topk_kernel(index, width, cluster)
         args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(lo.data_ptr()), ctypes.c_void_p(hi.data_ptr()),
                 ctypes.c_void_p(out.data_ptr()), *[ctypes.c_longlong(s) for s in (*codes.stride(), *out.stride())],
                 ctypes.c_longlong(row0), ctypes.c_int(topk)]
-        kernel.launch((rows, b, 1), THREADS, args)
+        kernel.launch((rows * cluster, b, 1), threads_for(width), args)

@@ -42,14 +42,17 @@ def visible_ranges(queries: int, keys: int, is_causal: bool, cu_seqlens, device)
     is the query's own packed sequence, cut after the query itself when causal. Offsets are clamped to
     ``[0, keys]``: the CUDA kernels read them unchecked unless value checks are on (``kernels.py``), and a range
     past the keys would send their top-k outside its code rows."""
+    if cu_seqlens is None:  # two small kernels: decode calls these ranges once per layer and step
+        lo = torch.zeros(queries, device=device, dtype=torch.int64)
+        if not is_causal:
+            return lo, torch.full((queries,), keys, device=device, dtype=torch.int64)
+        # query i sees keys below i + T - S + 1 (at most T), none when that is negative
+        hi = torch.arange(keys - queries + 1, keys + 1, device=device, dtype=torch.int64)
+        return lo, hi.clamp_min_(0) if keys - queries + 1 < 0 else hi
     pos = torch.arange(queries, device=device, dtype=torch.int64)
-    if cu_seqlens is None:
-        lo = torch.zeros_like(pos)
-        hi = torch.full_like(pos, keys)
-    else:
-        offsets = cu_seqlens.to(device=device, dtype=torch.int64)
-        seq = torch.searchsorted(offsets[1:], pos, right=True).clamp_max(offsets.numel() - 2)
-        lo, hi = offsets[seq].clamp(0, keys), offsets[seq + 1].clamp(0, keys)
+    offsets = cu_seqlens.to(device=device, dtype=torch.int64)
+    seq = torch.searchsorted(offsets[1:], pos, right=True).clamp_max(offsets.numel() - 2)
+    lo, hi = offsets[seq].clamp(0, keys), offsets[seq + 1].clamp(0, keys)
     if is_causal:
         hi = torch.minimum(hi, pos + (keys - queries) + 1)
     return lo, torch.maximum(hi, lo)

@@ -11,7 +11,8 @@ tie rule (equal scores: lower index first), the same result as ``torch.topk`` ov
 ``reference.order_keys`` on any GPU.
 
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``indexer_codes_heads_kernel`` instead: one
-query per program, its H_I heads as the MMA's rows.
+query per program, its H_I heads as the MMA's rows; on an sm_90 GPU the CUDA kernel of ``wgmma_indexer.py``
+(the same codes, a deeper key stream; ``wgmma_indexer.choose_kernel``) runs them where it can.
 
 Queries are processed in blocks whose [B, S_blk, width] code buffer stays under ``KEY_BUFFER_BYTES`` (the
 top-k writes its indices straight into the output); ``width`` stops at the last key the block can see (causal:
@@ -29,6 +30,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kda_compile.ops._common import (cdiv, cuda_index, device_capability, next_power_of_2, sm_count,
                                      triton_interpreted as interpreted)
+from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.dsa import wgmma_indexer
 from kda_compile.ops.dsa.reference import visible_ranges
 from kda_compile.ops.dsa.triton_topk import score_codes, topk_from_codes
 
@@ -208,6 +211,7 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # Rows per block: the int32 codes [B, rows, T] under KEY_BUFFER_BYTES, a multiple of BLOCK_M.
     step = max(block_m, (KEY_BUFFER_BYTES // max(1, b * t_len * 4)) // block_m * block_m)
+    few_queries_kernel = wgmma_indexer.choose_kernel(q, k) if s_len < SHORT_QUERIES else "triton"
     for start in range(0, s_len, step):
         stop = min(s_len, start + step)
         # The last key this block can see (causal rows end at i + T - S); the rest is never written.
@@ -217,6 +221,14 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
             continue
         codes = torch.empty((b, stop - start, width), dtype=torch.int32, device=device)
         strides = (*q.stride(), *k.stride(), *weights.stride(), *mask_strides, *codes.stride())
+        if s_len < SHORT_QUERIES and few_queries_kernel == "cuda":
+            try:
+                wgmma_indexer.indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, start, width, scale)
+                topk_from_codes(codes, lo, hi, start, topk, out[:, start:stop])
+                continue
+            except NvrtcUnavailable as exc:
+                wgmma_indexer.record_unavailable(exc)
+                few_queries_kernel = "triton"
         if s_len < SHORT_QUERIES:  # decode / short chunks: heads as the MMA's rows
             block_n, warps, stages = _heads_config(dim, q.dtype)
             tiles = tiles_per_program(cdiv(width, block_n), (stop - start) * b, device)

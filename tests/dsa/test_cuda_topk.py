@@ -1,7 +1,7 @@
 """The DSA top-k's CUDA kernel for a few rows (``ops/dsa/cuda_topk.py``) against ``torch.topk`` over the
 reference's int64 sort keys: equal index lists, bit for bit. Its choice and switch on the CPU; the kernel itself
-on CUDA (rows of every per-thread width, ties at the threshold, hidden keys, partial ranges, top-k above the
-visible count, strided codes and outputs, a CUDA-graph capture)."""
+on CUDA (rows of every per-thread width, on one CTA or cut between a cluster of two, ties at the threshold,
+hidden keys, partial ranges, top-k above the visible count, strided codes and outputs, a CUDA-graph capture)."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,10 +21,21 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 # ---- CPU ---------------------------------------------------------------------------------------
 def test_widths_and_sources():
-    assert [cuda_topk.per_thread(w) for w in (1, 8192, 8193, 16384, 32768)] == [16, 16, 32, 32, 64]
+    widths = (1, 8192, 8193, 16384, 16385, 32768)
+    assert [cuda_topk.threads_for(w) for w in widths] == [512, 512, 512, 512, 1024, 1024]
+    assert [cuda_topk.per_thread(w, cuda_topk.threads_for(w)) for w in widths] == [16, 16, 32, 32, 32, 32]
     assert cuda_topk.MAX_WIDTH == 32768
     with pytest.raises(ValueError, match="per must be one of"):
         cuda_topk.kernel_source(48)
+    with pytest.raises(ValueError, match="cluster must be 1 or 2, got 4"):
+        cuda_topk.kernel_source(16, 4)
+    assert "#define CLUSTER 2" in cuda_topk.kernel_source(32, 2)
+
+
+def test_two_ctas_per_row_only_for_wide_rows_that_fit_one_wave():
+    assert cuda_topk.cluster_size(32768, 64, 132) == 2
+    assert cuda_topk.cluster_size(32768, 67, 132) == 1  # 134 CTAs: more than one wave
+    assert cuda_topk.cluster_size(cuda_topk.CLUSTER_MIN_WIDTH, 1, 132) == 1
 
 
 def test_launch_checks_what_it_takes():
@@ -103,11 +114,24 @@ def _rows(b, rows, width, seed, form, ranges=True):
 
 @cuda
 @needs_gpu
+@settings(max_examples=25, deadline=None)
+@given(topk_cases())
+def test_equals_torch_topk_with_rows_cut_between_two_ctas(case):
+    """The cluster form (each row's halves on two CTAs) forced on every draw, narrow rows included."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_topk, "cluster_size", lambda *args: 2)
+        _check(*case)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("cluster", [1, 2])
 @pytest.mark.parametrize("width", [8192, 12000, 16384, 32768])
 @pytest.mark.parametrize("form", ["continuous", "quantised", "special", "relu"])
-def test_wide_rows(width, form):
-    """Rows of each per-thread width (16, 32, 64 codes a thread), partial ranges, top-k 2048 (DeepSeek's) and
-    top-k above every row's visible count."""
+def test_wide_rows(width, form, cluster, monkeypatch):
+    """Rows of each per-thread width (16, 32, 64 codes a thread), on one CTA or cut between two, partial ranges,
+    top-k 2048 (DeepSeek's) and top-k above every row's visible count."""
+    monkeypatch.setattr(cuda_topk, "cluster_size", lambda *args: cluster)
     case = _rows(2, 3, width, width + len(form), form)
     for topk in (1, 2048, width + 5):
         _check(*case, topk)

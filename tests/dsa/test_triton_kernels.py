@@ -160,10 +160,15 @@ def test_sparse_attention_topk_splits(splits, dtype):
     _check_kernels(_split_rows_args(case, dtype), SparseConfig(16, 16, 1, 1, 1, splits))
 
 
+@pytest.mark.parametrize("at_once", [False, True])
 @pytest.mark.parametrize("splits", [2, 3])
-def test_sparse_attention_topk_splits_layouts(splits):
+def test_sparse_attention_topk_splits_layouts(splits, at_once, monkeypatch):
     # separate values, two KV heads, d_v split over two programs, more heads than one block: every program
-    # coordinate of the folded split grid (value slice, head block, split, token) is non-trivial
+    # coordinate of the folded split grid (value slice, head block, split, token) is non-trivial; the combine
+    # loads the splits one after the other or all at once (its form above COMBINE_AT_ONCE_ABOVE splits)
+    from kda_compile.ops.dsa import triton_sparse
+
+    monkeypatch.setattr(triton_sparse, "COMBINE_AT_ONCE_ABOVE", 0 if at_once else 64)
     case = DSAAttentionCase(b=2, s=4, t=50, hq=20, hkv=2, dqk=24, dv=40, topk=40, absorbed=False)
     _check_kernels(_split_rows_args(case, torch.float32), SparseConfig(16, 16, 2, 1, 1, splits))
 

@@ -16,7 +16,9 @@ row 30 us, clusters of two with 1024 threads 21 us; docs/dsa.md section 4).
 
 Parameters: ``codes, Lo, Hi, out`` (pointers: int32 ``[B, rows, width]``, int64 ``[S]`` visible ranges, int32
 ``[B, rows, topk]``), the codes' and the output's element strides (long long), ``row0`` (long long: row
-``local`` reads ``Lo[row0 + local]``) and ``topk`` (int, at least 1). Grid ``(rows * cluster, B)``.
+``local`` reads ``Lo[row0 + local]``), ``topk`` (int, at least 1), and ``queries, keys`` (long long), ``causal``
+(int): with ``Lo`` null the ranges ``reference.visible_ranges`` gives a call without ``cu_seqlens`` (``[0, T)``,
+causal rows cut after ``i + T - S``) are computed in the kernel. Grid ``(rows * cluster, B)``.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
 #endif
     const int* __restrict__ codes, const long long* __restrict__ Lo, const long long* __restrict__ Hi,
     int* __restrict__ out, long long scb, long long scs, long long sct, long long sob, long long sos, long long sok,
-    long long row0, int topk)
+    long long row0, int topk, long long queries, long long keys, int causal)
 {
     __shared__ int hist[2][256];  // this CTA's histogram of the round (by round parity: the peer may still read it)
     __shared__ int warp_hist[THREADS / 32][256];  // each warp's own histogram: no atomics across warps
@@ -73,7 +75,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) dsa_topk_resident(
     const int rank = 0;
 #endif
     const long long local = blockIdx.x / CLUSTER, b = blockIdx.y;
-    const long long lo = Lo[row0 + local], hi = Hi[row0 + local];
+    long long lo = 0, hi = keys;  // Lo null: the ranges of a call without packed sequences (visible_ranges)
+    if (Lo != nullptr) {
+        lo = Lo[row0 + local]; hi = Hi[row0 + local];
+    } else if (causal) {
+        hi = row0 + local + keys - queries + 1;
+        hi = hi < 0 ? 0 : hi;
+    }
     const int* row = codes + b * scb + local * scs;
     int* dst = out + b * sob + local * sos;
     const long long c0 = lo + ((long long)rank * THREADS + tid) * PER;
@@ -255,21 +263,32 @@ def topk_kernel(device_index: int, width: int, cluster: int = 1):
                        device_index, arch=f"{major}{minor}", shared_bytes=0)
 
 
-def launch(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row0: int, topk: int, out: torch.Tensor) -> None:
+def launch(codes: torch.Tensor, lo: torch.Tensor | None, hi: torch.Tensor | None, row0: int, topk: int,
+           out: torch.Tensor, *, implicit: tuple[int, int, bool] | None = None) -> None:
     """``out`` (int32 ``[B, rows, topk]``, any strides) = the top-k of ``codes`` (int32 ``[B, rows, width]``, width at
     most ``MAX_WIDTH``, any strides) as ``triton_topk.topk_from_codes`` defines it; row ``r`` sees the columns
-    ``[lo[row0 + r], hi[row0 + r])`` (``[S]``, at most ``width``). Raises NvrtcUnavailable."""
+    ``[lo[row0 + r], hi[row0 + r])`` (``[S]``, at most ``width``), or, with ``lo`` and ``hi`` None, the ranges
+    ``reference.visible_ranges(S, T, causal, None)`` for ``implicit = (S, T, causal)``, computed in the kernel.
+    Raises NvrtcUnavailable."""
     b, rows, width = codes.shape
     if codes.dtype != torch.int32 or out.dtype != torch.int32 or width > MAX_WIDTH or topk < 1:
         raise ValueError(f"the CUDA top-k takes int32 codes of at most {MAX_WIDTH} columns, an int32 output and "
                          f"topk >= 1, got {codes.dtype} codes of {width} columns, {out.dtype} output, topk={topk}")
-    lo, hi = (t.to(torch.int64).contiguous() for t in (lo, hi))  # (already so from the indexer: no copy)
+    if lo is None:
+        if implicit is None:
+            raise ValueError("the CUDA top-k needs lo / hi or implicit = (queries, keys, causal)")
+        queries, keys, causal = implicit
+        range_ptrs = [ctypes.c_void_p(0), ctypes.c_void_p(0)]
+    else:
+        lo, hi = (t.to(torch.int64).contiguous() for t in (lo, hi))  # (already so from the indexer: no copy)
+        queries, keys, causal = 0, 0, False
+        range_ptrs = [ctypes.c_void_p(lo.data_ptr()), ctypes.c_void_p(hi.data_ptr())]
     index = cuda_index(codes.device)
     major = device_capability(index)[0]
     cluster = cluster_size(width, b * rows, sm_count(index)) if major >= 9 else 1  # clusters: sm_90 and later
     with on_device(index):
         kernel = topk_kernel(index, width, cluster)
-        args = [ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(lo.data_ptr()), ctypes.c_void_p(hi.data_ptr()),
-                ctypes.c_void_p(out.data_ptr()), *[ctypes.c_longlong(s) for s in (*codes.stride(), *out.stride())],
-                ctypes.c_longlong(row0), ctypes.c_int(topk)]
+        args = [ctypes.c_void_p(codes.data_ptr()), *range_ptrs, ctypes.c_void_p(out.data_ptr()),
+                *[ctypes.c_longlong(s) for s in (*codes.stride(), *out.stride())], ctypes.c_longlong(row0),
+                ctypes.c_int(topk), ctypes.c_longlong(queries), ctypes.c_longlong(keys), ctypes.c_int(int(causal))]
         kernel.launch((rows * cluster, b, 1), threads_for(width), args)

@@ -12,7 +12,9 @@ tie rule (equal scores: lower index first), the same result as ``torch.topk`` ov
 
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``indexer_codes_heads_kernel`` instead: one
 query per program, its H_I heads as the MMA's rows; on an sm_90 GPU the CUDA kernel of ``wgmma_indexer.py``
-(the same codes, a deeper key stream; ``wgmma_indexer.choose_kernel``) runs them where it can.
+(the same codes, a deeper key stream; ``wgmma_indexer.choose_kernel``) runs them where it can, and without
+``cu_seqlens``, when the top-k takes its CUDA kernel too, both compute the visible ranges themselves
+(``_few_queries_on_cuda``: two launches per call).
 
 Queries are processed in blocks whose [B, S_blk, width] code buffer stays under ``KEY_BUFFER_BYTES`` (the
 top-k writes its indices straight into the output); ``width`` stops at the last key the block can see (causal:
@@ -31,9 +33,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kda_compile.ops._common import (cdiv, cuda_index, device_capability, next_power_of_2, sm_count,
                                      triton_interpreted as interpreted)
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.dsa import wgmma_indexer
+from kda_compile.ops.dsa import cuda_topk, wgmma_indexer
 from kda_compile.ops.dsa.reference import visible_ranges
-from kda_compile.ops.dsa.triton_topk import score_codes, topk_from_codes
+from kda_compile.ops.dsa.triton_topk import (cuda_select_takes, record_cuda_topk_unavailable, score_codes,
+                                              topk_from_codes)
 
 KEY_BUFFER_BYTES = 256 << 20
 PROGRAMS_PER_SM = 8  # decode: programs per SM the key stream is cut into
@@ -192,6 +195,28 @@ def tiles_per_program(tiles: int, rows: int, device: torch.device) -> int:
     return max(1, min(MAX_TILES, (tiles * rows) // target))
 
 
+def _few_queries_on_cuda(q, k, weights, key_mask, topk: int, scale: float, is_causal: bool, out) -> bool:
+    """A few queries without ``cu_seqlens`` (decode) on our two CUDA kernels, the scores' and the top-k's, with
+    the visible ranges computed inside them: no range tensors, two launches in all. False, with ``out``
+    untouched, when the top-k would not take its CUDA kernel (the caller then takes the general path). Raises
+    NvrtcUnavailable when the score kernel cannot be built."""
+    b, s_len = q.shape[:2]
+    t_len = k.shape[1]
+    width = t_len  # one block: every causal row of fewer than SHORT_QUERIES queries ends by T
+    if width == 0 or topk < 1 or not cuda_select_takes(q.device, width, b * s_len):
+        return False
+    codes = torch.empty((b, s_len, width), dtype=torch.int32, device=q.device)
+    implicit = (s_len, t_len, is_causal)
+    wgmma_indexer.indexer_codes_wgmma(q, k, weights, key_mask, None, None, codes, 0, width, scale, implicit=implicit)
+    try:
+        cuda_topk.launch(codes, None, None, 0, topk, out, implicit=implicit)
+    except NvrtcUnavailable as exc:
+        record_cuda_topk_unavailable(exc)
+        lo, hi = visible_ranges(s_len, t_len, is_causal, None, q.device)
+        topk_from_codes(codes, lo, hi, 0, topk, out)
+    return True
+
+
 def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: float, is_causal: bool):
     """int32 [B, S, topk]: ``dsa_indexer_topk`` with the fused score kernel and an exact top-k over its keys.
 
@@ -203,6 +228,14 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
     out = torch.empty((b, s_len, topk), dtype=torch.int32, device=device)
     if s_len == 0:
         return out
+    few_queries_kernel = wgmma_indexer.choose_kernel(q, k) if s_len < SHORT_QUERIES else "triton"
+    if few_queries_kernel == "cuda" and cu_seqlens is None:
+        try:
+            if _few_queries_on_cuda(q, k, weights, key_mask, topk, scale, is_causal, out):
+                return out
+        except NvrtcUnavailable as exc:
+            wgmma_indexer.record_unavailable(exc)
+            few_queries_kernel = "triton"
     lo, hi = visible_ranges(s_len, t_len, is_causal, cu_seqlens, device)
     block_m, block_n, warps, stages = _config(dim, q.dtype)
     block_d = max(16, next_power_of_2(dim))
@@ -211,7 +244,6 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     # Rows per block: the int32 codes [B, rows, T] under KEY_BUFFER_BYTES, a multiple of BLOCK_M.
     step = max(block_m, (KEY_BUFFER_BYTES // max(1, b * t_len * 4)) // block_m * block_m)
-    few_queries_kernel = wgmma_indexer.choose_kernel(q, k) if s_len < SHORT_QUERIES else "triton"
     for start in range(0, s_len, step):
         stop = min(s_len, start + step)
         # The last key this block can see (causal rows end at i + T - S); the rest is never written.

@@ -422,14 +422,27 @@ def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -
     return None
 
 
+def cuda_select_takes(device: torch.device, width: int, grid_rows: int) -> bool:
+    """Whether ``topk_from_codes`` would hand rows of ``width`` codes (``grid_rows`` of them) to the CUDA kernel
+    (the switch allows it and ``cuda_kernel_serves`` says yes)."""
+    if kernel_switch(KERNEL_ENV, ("auto", "triton", "cuda")) == "triton":
+        return False
+    sms = INTERPRETER_SMS if interpreted() or device.type != "cuda" else sm_count(cuda_index(device))
+    return cuda_kernel_serves(device.type, width, grid_rows, sms) is None
+
+
 def _cuda_topk(codes, lo, hi, row0: int, topk: int, out) -> bool:
     """The select on the CUDA kernel; False (recorded) when NVRTC cannot build it."""
     try:
         cuda_topk.launch(codes, lo, hi, row0, topk, out)
     except NvrtcUnavailable as exc:
-        record_fallback("dsa_indexer_topk", "Triton top-k kernels", f"the CUDA top-k kernel could not be built: {exc}")
+        record_cuda_topk_unavailable(exc)
         return False
     return True
+
+
+def record_cuda_topk_unavailable(exc: Exception) -> None:
+    record_fallback("dsa_indexer_topk", "Triton top-k kernels", f"the CUDA top-k kernel could not be built: {exc}")
 
 
 def tiled_config(width: int) -> tuple[int, int]:

@@ -94,15 +94,20 @@ def tiles_per_program(tiles: int, rows: int, device_index: int, stages: int = ST
     return cdiv(tiles, per_row)
 
 
-def indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, row0: int, width: int, scale: float) -> None:
+def indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, row0: int, width: int, scale: float, *,
+                        implicit: tuple[int, int, bool] | None = None) -> None:
     """Fill ``codes`` (int32 [B, rows, width], last stride 1) with the score codes of query rows ``row0 + [0,
     rows)``: q [B, S, H, 128], k [B, T, 128], weights [B, S, H] (any floating dtype; float32, bfloat16 and
     float16 are read as they are), key_mask None or bool
-    [B, T], lo / hi int64 [S] visible ranges. The caller checked ``choose_kernel`` is "cuda". Raises
-    NvrtcUnavailable."""
+    [B, T], lo / hi int64 [S] visible ranges, or None with ``implicit = (S, T, causal)``: the ranges
+    ``reference.visible_ranges`` gives without ``cu_seqlens``, computed in the kernel. The caller checked
+    ``choose_kernel`` is "cuda". Raises NvrtcUnavailable."""
     b, rows = codes.shape[:2]
     if b * rows * width == 0:
         return
+    if lo is None and implicit is None:
+        raise ValueError("the wgmma indexer kernel needs lo / hi or implicit = (queries, keys, causal)")
+    queries, keys, causal = implicit if lo is None else (0, 0, False)
     index = cuda_index(q.device)
     w = weights if weights.dtype in _WEIGHT else weights.float()  # (float64 weights: read as float32)
     mask = key_mask.view(torch.uint8) if key_mask is not None else None
@@ -115,9 +120,11 @@ def indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, row0: int, width
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         longs = [ctypes.c_longlong(s) for s in (*q.stride()[:3], *w.stride(), *mask_strides, *codes.stride()[:2],
                                                 row0)]
-        args = [ptr(q), ptr(w), ptr(mask if mask is not None else codes), ptr(lo), ptr(hi), ptr(codes), *longs,
+        ranges = [ctypes.c_void_p(0)] * 2 if lo is None else [ptr(lo), ptr(hi)]
+        args = [ptr(q), ptr(w), ptr(mask if mask is not None else codes), *ranges, ptr(codes), *longs,
                 ctypes.c_int(q.shape[2]), ctypes.c_int(width), ctypes.c_int(per_program),
-                ctypes.c_float(float(scale)), key_tensor_map(k)]
+                ctypes.c_float(float(scale)), ctypes.c_longlong(queries), ctypes.c_longlong(keys),
+                ctypes.c_int(int(causal)), key_tensor_map(k)]
         kernel.launch((cdiv(tiles, per_program), rows, b), src.THREADS, args)
 
 

@@ -23,7 +23,8 @@ flight and does little per byte.
   sums meet in shared memory (double-buffered, one barrier per tile); 64 threads add them and store the tile's 64
   codes.
 - Tiles of the program's run that lie wholly outside the query's visible range ``[lo, hi)`` are not loaded:
-  their codes are written hidden.
+  their codes are written hidden. With a null ``Lo`` the ranges of a call without packed sequences are computed
+  in the kernel (``query_count``, ``key_count``, ``causal``), so decode launches no range kernels.
 
 H200, CUDA-graph replay, 64 heads x 128, bf16: batch 64 x 32k keys (537 MB) 149 us, 3.6 TB/s, against 160 us for
 the Triton heads-as-rows kernel and 140 us for torch's row sum over as many bytes (the read bandwidth this GPU
@@ -91,7 +92,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, PROGRAMS_PER_SM) dsa_index
     const long long* __restrict__ Lo, const long long* __restrict__ Hi, int* __restrict__ out,
     long long sqb, long long sqs, long long sqh, long long swb, long long sws, long long swh,
     long long smb, long long smt, long long sob, long long sos,
-    long long row0, int H, int width, int tiles_per_program, float scale,
+    long long row0, int H, int width, int tiles_per_program, float scale, long long query_count,
+    long long key_count, int causal,
     const __grid_constant__ TensorMap keys) {
   extern __shared__ unsigned char smem_raw[];
   const u32 raw = smem_addr(smem_raw);
@@ -101,8 +103,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, PROGRAMS_PER_SM) dsa_index
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const long long local = blockIdx.y, b = blockIdx.z, qi = row0 + local;
-  const long long lo = Lo[qi];
-  const long long hi = Hi[qi] < width ? Hi[qi] : width;
+  /* Lo null: the ranges of a call without packed sequences (reference.visible_ranges), computed here */
+  long long lo = 0, hi = key_count;
+  if (Lo != nullptr) {
+    lo = Lo[qi]; hi = Hi[qi];
+  } else if (causal) {
+    hi = qi + key_count - query_count + 1;
+    hi = hi < 0 ? 0 : hi;
+  }
+  hi = hi < width ? hi : width;
   const int tile_count = (width + TILE_KEYS - 1) / TILE_KEYS;
   const int t_begin = blockIdx.x * tiles_per_program;
   const int t_end = imin(t_begin + tiles_per_program, tile_count);

@@ -245,3 +245,29 @@ def test_unchecked_bad_offsets_stay_in_range_and_checked_ones_raise(monkeypatch)
         monkeypatch.setenv("KDA_COMPILE_CHECK_INPUTS", "1")
         with pytest.raises(ValueError, match=r"non-decreasing offsets from 0 to T = 12, got \[0, 3, 30, 40\]"):
             kernels.indexer_topk_cuda(q, k, w, None, bad, topk, 1.0, causal)
+
+
+def test_decode_takes_the_triton_kernels_when_the_cuda_score_kernel_cannot_be_built(monkeypatch):
+    """The few-query route whose score kernel NVRTC cannot build: one recorded fallback, then the Triton kernels
+    (here on the device the tests run on), the exact selection on integer inputs."""
+    from kda_compile.ops._common import clear_fallback_events, fallback_events
+    from kda_compile.ops._nvrtc import NvrtcUnavailable
+    from kda_compile.ops.dsa import triton_indexer, wgmma_indexer
+
+    def refuse(*args, **kwargs):
+        raise NvrtcUnavailable("no NVRTC here")
+
+    monkeypatch.setattr(wgmma_indexer, "choose_kernel", lambda q, k: "cuda")
+    monkeypatch.setattr(triton_indexer, "cuda_select_takes", lambda *args: True)
+    monkeypatch.setattr(wgmma_indexer, "indexer_codes_wgmma", refuse)
+    clear_fallback_events()
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-2, 3, (2, 1, 4, 16), generator=g).half()
+    k = torch.randint(-2, 3, (2, 40, 16), generator=g).half()
+    w = torch.randint(-2, 3, (2, 1, 4), generator=g).half()
+    got = indexer_topk_triton(q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), None, None, 9, 0.5, True)
+    assert torch.equal(got.cpu(), dense_topk(dense_scores(q, k, w, 0.5), dense_visible(2, 1, 40, True, None), 9))
+    events = {e: n for e, n in fallback_events().items() if e.op == "dsa_indexer_topk"}
+    assert len(events) == 1 and list(events.values()) == [1], events
+    assert "wgmma indexer kernel could not be built: no NVRTC here" in next(iter(events)).reason
+    clear_fallback_events()

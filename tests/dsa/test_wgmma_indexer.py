@@ -2,7 +2,8 @@
 on the CPU; on an sm_90 GPU: the scores its codes hold against float64 (relative to the row's largest score:
 1e-5), the exact selection of the whole op on integer inputs (every fp32 score exact), the true top-k at
 DeepSeek-V3.2 widths, hidden codes outside the visible range and under a key mask, fewer heads than the MMA's
-64 rows, keys past the cache's end, strided inputs, a negative scale and a CUDA-graph capture."""
+64 rows, keys past the cache's end, strided inputs, a negative scale, the visible ranges computed in the kernels
+(decode without cu_seqlens) against explicit ones, and a CUDA-graph capture."""
 import pytest
 import torch
 
@@ -206,4 +207,62 @@ def test_misaligned_queries_fall_back_to_triton_with_the_reason():
     assert torch.equal(got, indexer_topk_reference(q, k, w, None, None, 50, 0.5, True))
     reasons = [e.reason for e in fallback_events() if e.op == "dsa_indexer_topk"]
     assert any("q's rows are not contiguous and 16-byte aligned" in r for r in reasons), reasons
+    clear_fallback_events()
+
+
+def test_kernels_without_ranges_need_the_call_shape():
+    codes = torch.zeros(1, 1, 8, dtype=torch.int32)
+    q, k = _shapes()
+    with pytest.raises(ValueError, match="needs lo / hi or implicit"):
+        wgmma_indexer.indexer_codes_wgmma(q, k, torch.ones(2, 1, 64), None, None, None, codes, 0, 8, 1.0)
+    from kda_compile.ops.dsa import cuda_topk
+
+    with pytest.raises(ValueError, match="needs lo / hi or implicit"):
+        cuda_topk.launch(codes, None, None, 0, 4, torch.zeros(1, 1, 4, dtype=torch.int32))
+
+
+@cuda
+@sm90
+@pytest.mark.parametrize("s, t, causal", [(1, 3000, True), (9, 700, True), (9, 5, True), (4, 300, False)])
+def test_ranges_computed_in_the_kernels_match_the_tensors(s, t, causal):
+    """Decode without cu_seqlens: the score and top-k kernels compute the visible ranges themselves (fewer keys
+    than queries included: the first rows see none); their codes and indices equal those of explicit ranges."""
+    from kda_compile.ops.dsa import cuda_topk
+
+    g = torch.Generator(device="cuda").manual_seed(s + t)
+    b, heads, topk = 3, 16, 64
+    q = torch.randn(b, s, heads, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn(b, t, 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(b, s, heads, device="cuda", generator=g)
+    lo, hi = visible_ranges(s, t, causal, None, "cuda")
+    want = _codes(q, k, w, None, lo, hi, 0.3)
+    got = torch.full_like(want, 12345)
+    wgmma_indexer.indexer_codes_wgmma(q, k, w, None, None, None, got, 0, t, 0.3, implicit=(s, t, causal))
+    assert torch.equal(got, want)
+    idx_want = torch.full((b, s, topk), 7, dtype=torch.int32, device="cuda")
+    idx_got = torch.full_like(idx_want, 7)
+    cuda_topk.launch(want, lo, hi, 0, topk, idx_want)
+    cuda_topk.launch(want, None, None, 0, topk, idx_got, implicit=(s, t, causal))
+    assert torch.equal(idx_got, idx_want)
+
+
+@cuda
+@sm90
+def test_decode_falls_back_to_the_triton_topk_when_its_kernel_cannot_be_built(monkeypatch):
+    from kda_compile.ops._nvrtc import NvrtcUnavailable
+    from kda_compile.ops.dsa import cuda_topk
+
+    def refuse(*args, **kwargs):
+        raise NvrtcUnavailable("no NVRTC here")
+
+    monkeypatch.setattr(cuda_topk, "launch", refuse)
+    clear_fallback_events()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randint(-2, 3, (2, 1, 8, 128), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randint(-2, 3, (2, 900, 128), device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randint(-2, 3, (2, 1, 8), device="cuda", generator=g).float() / 4
+    got = dsa_indexer_topk(q, k, w, 100, scale=0.5)
+    assert torch.equal(got, indexer_topk_reference(q, k, w, None, None, 100, 0.5, True))
+    reasons = [e.reason for e in fallback_events() if e.op == "dsa_indexer_topk"]
+    assert any("CUDA top-k kernel could not be built: no NVRTC here" in r for r in reasons), reasons
     clear_fallback_events()

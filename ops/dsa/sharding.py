@@ -1,10 +1,11 @@
 """DTensor placements of the DSA ops. docs/distributed.md has the table.
 
 ``dsa_indexer_topk`` (and glm5_next's ``dsa_pooled_indexer_topk``, for the same reason) is replicated only. Its
-score ``sum_h w[h] * relu(q[h] . k)`` sums over the H_I indexer heads before the top-k, and the top-k of a sum is not a function of per-rank partial sums: a rank holding
-some indexer heads can only produce a partial score ``[B, S, T]``, the very tensor the op exists to avoid. So
-head-sharded indexer inputs are gathered (DTensor redistributes them to replicated) and every rank selects the
-same keys; the indices ``[B, S, topk]`` come out replicated, which is what the sparse attention takes.
+score ``sum_h w[h] * relu(q[h] . k)`` sums over the H_I indexer heads before the top-k, and the top-k of a sum is
+not a function of per-rank partial sums: a rank holding some indexer heads can only produce a partial score
+``[B, S, T]``, the very tensor the op exists to avoid. So head-sharded indexer inputs are gathered (DTensor
+redistributes them to replicated) and every rank selects the same keys; the indices ``[B, S, topk]`` come out
+replicated, which is what the sparse attention takes.
 
 ``dsa_sparse_attention_*``: query heads are independent. q ``[B, S, Hq, D]``, o, lse, grad_o, grad_lse on dim 2;
 the key / value rows ``[B, T, Hkv, D]`` replicated when there is one key head (MQA: the absorbed form's latent

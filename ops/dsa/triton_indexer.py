@@ -195,26 +195,28 @@ def tiles_per_program(tiles: int, rows: int, device: torch.device) -> int:
     return max(1, min(MAX_TILES, (tiles * rows) // target))
 
 
-def _few_queries_on_cuda(q, k, weights, key_mask, topk: int, scale: float, is_causal: bool, out) -> bool:
-    """A few queries without ``cu_seqlens`` (decode) on our two CUDA kernels, the scores' and the top-k's, with
-    the visible ranges computed inside them: no range tensors, two launches in all. False, with ``out``
-    untouched, when the top-k would not take its CUDA kernel (the caller then takes the general path). Raises
-    NvrtcUnavailable when the score kernel cannot be built."""
+def _few_queries_on_cuda(q, k, weights, key_mask, cu_seqlens, topk: int, scale: float, is_causal: bool, out) -> None:
+    """Fewer than ``SHORT_QUERIES`` queries (one block of rows, each ending by T) on the CUDA score kernel, then the
+    top-k. Without ``cu_seqlens``, when the top-k takes its CUDA kernel too, both compute the visible ranges
+    themselves: no range tensors, two launches in all. Raises NvrtcUnavailable, with ``out`` untouched, when the
+    score kernel cannot be built."""
     b, s_len = q.shape[:2]
     t_len = k.shape[1]
-    width = t_len  # one block: every causal row of fewer than SHORT_QUERIES queries ends by T
-    if width == 0 or topk < 1 or not cuda_select_takes(q.device, width, b * s_len):
-        return False
-    codes = torch.empty((b, s_len, width), dtype=torch.int32, device=q.device)
-    implicit = (s_len, t_len, is_causal)
-    wgmma_indexer.indexer_codes_wgmma(q, k, weights, key_mask, None, None, codes, 0, width, scale, implicit=implicit)
-    try:
-        cuda_topk.launch(codes, None, None, 0, topk, out, implicit=implicit)
-    except NvrtcUnavailable as exc:
-        record_cuda_topk_unavailable(exc)
+    codes = torch.empty((b, s_len, t_len), dtype=torch.int32, device=q.device)
+    if cu_seqlens is None and topk >= 1 and cuda_select_takes(q.device, t_len, b * s_len):
+        implicit = (s_len, t_len, is_causal)
+        wgmma_indexer.indexer_codes_wgmma(q, k, weights, key_mask, None, None, codes, 0, t_len, scale,
+                                          implicit=implicit)
+        try:
+            cuda_topk.launch(codes, None, None, 0, topk, out, implicit=implicit)
+            return
+        except NvrtcUnavailable as exc:
+            record_cuda_topk_unavailable(exc)
         lo, hi = visible_ranges(s_len, t_len, is_causal, None, q.device)
-        topk_from_codes(codes, lo, hi, 0, topk, out)
-    return True
+    else:
+        lo, hi = visible_ranges(s_len, t_len, is_causal, cu_seqlens, q.device)
+        wgmma_indexer.indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, 0, t_len, scale)
+    topk_from_codes(codes, lo, hi, 0, topk, out)
 
 
 def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: float, is_causal: bool):
@@ -228,14 +230,12 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
     out = torch.empty((b, s_len, topk), dtype=torch.int32, device=device)
     if s_len == 0:
         return out
-    few_queries_kernel = wgmma_indexer.choose_kernel(q, k) if s_len < SHORT_QUERIES else "triton"
-    if few_queries_kernel == "cuda" and cu_seqlens is None:
+    if s_len < SHORT_QUERIES and t_len > 0 and wgmma_indexer.choose_kernel(q, k) == "cuda":
         try:
-            if _few_queries_on_cuda(q, k, weights, key_mask, topk, scale, is_causal, out):
-                return out
+            _few_queries_on_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal, out)
+            return out
         except NvrtcUnavailable as exc:
             wgmma_indexer.record_unavailable(exc)
-            few_queries_kernel = "triton"
     lo, hi = visible_ranges(s_len, t_len, is_causal, cu_seqlens, device)
     block_m, block_n, warps, stages = _config(dim, q.dtype)
     block_d = max(16, next_power_of_2(dim))
@@ -253,14 +253,6 @@ def indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk: int, scale: f
             continue
         codes = torch.empty((b, stop - start, width), dtype=torch.int32, device=device)
         strides = (*q.stride(), *k.stride(), *weights.stride(), *mask_strides, *codes.stride())
-        if s_len < SHORT_QUERIES and few_queries_kernel == "cuda":
-            try:
-                wgmma_indexer.indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, start, width, scale)
-                topk_from_codes(codes, lo, hi, start, topk, out[:, start:stop])
-                continue
-            except NvrtcUnavailable as exc:
-                wgmma_indexer.record_unavailable(exc)
-                few_queries_kernel = "triton"
         if s_len < SHORT_QUERIES:  # decode / short chunks: heads as the MMA's rows
             block_n, warps, stages = _heads_config(dim, q.dtype)
             tiles = tiles_per_program(cdiv(width, block_n), (stop - start) * b, device)

@@ -21,7 +21,6 @@ from kda_compile.ops.dsa import wgmma_indexer_source as src
 ARCH = "90a"
 KERNEL_ENV = "KDA_COMPILE_INDEXER_KERNEL"
 KERNELS = ("auto", "triton", "cuda")
-STAGES = src.STAGES
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _WEIGHT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 _OP = "dsa_indexer_topk"
@@ -66,15 +65,14 @@ def choose_kernel(q, k) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _source(elem: str, has_key_mask: bool, weight: str, stages: int) -> str:
-    return src.kernel_source(elem=elem, has_key_mask=has_key_mask, weight=weight, stages=stages)
+def _source(elem: str, has_key_mask: bool, weight: str) -> str:
+    return src.kernel_source(elem=elem, has_key_mask=has_key_mask, weight=weight)
 
 
-def compiled(dtype: torch.dtype, has_key_mask: bool, weight_dtype: torch.dtype, device_index: int,
-             stages: int = STAGES):
+def compiled(dtype: torch.dtype, has_key_mask: bool, weight_dtype: torch.dtype, device_index: int):
     """The kernel for one specialisation on one device (NVRTC compile on first use, cached across processes)."""
-    return load_kernel(_source(_ELEM[dtype], has_key_mask, _WEIGHT[weight_dtype], stages), src.KERNEL_NAME,
-                       device_index, arch=ARCH, shared_bytes=src.shared_bytes(stages))
+    return load_kernel(_source(_ELEM[dtype], has_key_mask, _WEIGHT[weight_dtype]), src.KERNEL_NAME, device_index,
+                       arch=ARCH, shared_bytes=src.shared_bytes())
 
 
 def key_tensor_map(k: torch.Tensor):
@@ -87,10 +85,10 @@ def key_tensor_map(k: torch.Tensor):
                             (64, src.TILE_KEYS, 1))
 
 
-def tiles_per_program(tiles: int, rows: int, device_index: int, stages: int = STAGES) -> int:
+def tiles_per_program(tiles: int, rows: int, device_index: int) -> int:
     """64-key tiles each program streams: as many programs per row as fit one wave (``src.programs_per_sm`` per SM)
     with every row cut alike, at least one tile each (each program loads its query's heads once)."""
-    per_row = max(1, src.programs_per_sm(stages) * sm_count(device_index) // max(1, rows))
+    per_row = max(1, src.programs_per_sm() * sm_count(device_index) // max(1, rows))
     return cdiv(tiles, per_row)
 
 
@@ -98,8 +96,8 @@ def indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, row0: int, width
                         implicit: tuple[int, int, bool] | None = None) -> None:
     """Fill ``codes`` (int32 [B, rows, width], last stride 1) with the score codes of query rows ``row0 + [0,
     rows)``: q [B, S, H, 128], k [B, T, 128], weights [B, S, H] (any floating dtype; float32, bfloat16 and
-    float16 are read as they are), key_mask None or bool
-    [B, T], lo / hi int64 [S] visible ranges, or None with ``implicit = (S, T, causal)``: the ranges
+    float16 are read as they are), key_mask None or bool [B, T], lo / hi int64 [S] visible ranges, or None
+    with ``implicit = (S, T, causal)``: the ranges
     ``reference.visible_ranges`` gives without ``cu_seqlens``, computed in the kernel. The caller checked
     ``choose_kernel`` is "cuda". Raises NvrtcUnavailable."""
     b, rows = codes.shape[:2]
@@ -113,10 +111,9 @@ def indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, row0: int, width
     mask = key_mask.view(torch.uint8) if key_mask is not None else None
     mask_strides = tuple(mask.stride()) if mask is not None else (0, 0)
     tiles = cdiv(width, src.TILE_KEYS)
-    stages = STAGES
-    per_program = tiles_per_program(tiles, b * rows, index, stages)
+    per_program = tiles_per_program(tiles, b * rows, index)
     with on_device(index):
-        kernel = compiled(q.dtype, mask is not None, w.dtype, index, stages)
+        kernel = compiled(q.dtype, mask is not None, w.dtype, index)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         longs = [ctypes.c_longlong(s) for s in (*q.stride()[:3], *w.stride(), *mask_strides, *codes.stride()[:2],
                                                 row0)]

@@ -271,3 +271,54 @@ def test_decode_takes_the_triton_kernels_when_the_cuda_score_kernel_cannot_be_bu
     assert len(events) == 1 and list(events.values()) == [1], events
     assert "wgmma indexer kernel could not be built: no NVRTC here" in next(iter(events)).reason
     clear_fallback_events()
+
+
+@pytest.mark.parametrize("route", ["packed", "ranges-in-kernels", "range-tensors"])
+def test_few_query_cuda_route_passes_the_ranges_of_each_call(route, monkeypatch):
+    """The few-query CUDA route with its score kernel replaced by a torch one that writes the codes of the ranges
+    it is given (tensors, or the call shape when the kernels compute them): packed sequences pass range tensors;
+    without them the ranges go to the kernels when the CUDA top-k takes the rows (its build refused here, so the
+    top-k finishes from range tensors, recorded), and range tensors otherwise. Exact on integer inputs."""
+    from kda_compile.ops._common import clear_fallback_events, fallback_events
+    from kda_compile.ops._nvrtc import NvrtcUnavailable
+    from kda_compile.ops.dsa import cuda_topk, triton_indexer, wgmma_indexer
+    from kda_compile.ops.dsa.reference import visible_ranges
+
+    from .test_triton_topk import reference_codes
+
+    g = torch.Generator().manual_seed(3)
+    b, s, t, heads, topk = 2, 5, 40, 4, 9
+    cu = None
+    if route == "packed":
+        b, t, cu = 1, s, torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    q = torch.randint(-2, 3, (b, s, heads, 16), generator=g).half()
+    k = torch.randint(-2, 3, (b, t, 16), generator=g).half()
+    w = torch.randint(-2, 3, (b, s, heads), generator=g).half()
+    key_mask = torch.rand(b, t, generator=g) > 0.2
+    given = []
+
+    def torch_codes(q_, k_, w_, mask_, lo, hi, codes, row0, width, scale, *, implicit=None):
+        given.append("implicit" if lo is None else "tensors")
+        if lo is None:
+            lo, hi = visible_ranges(implicit[0], implicit[1], implicit[2], None, codes.device)
+        keys = torch.arange(width)
+        visible = (keys >= lo.cpu()[:, None]) & (keys < hi.cpu()[:, None]) & mask_.cpu()[:, None, :width]
+        codes.copy_(reference_codes(dense_scores(q_, k_, w_, scale)[..., :width], visible).to(codes.device))
+
+    def refuse(*args, **kwargs):
+        raise NvrtcUnavailable("no NVRTC here")
+
+    monkeypatch.setattr(wgmma_indexer, "choose_kernel", lambda q_, k_: "cuda")
+    monkeypatch.setattr(wgmma_indexer, "indexer_codes_wgmma", torch_codes)
+    monkeypatch.setattr(triton_indexer, "cuda_select_takes", lambda *args: route == "ranges-in-kernels")
+    if route == "ranges-in-kernels":
+        monkeypatch.setattr(cuda_topk, "launch", refuse)
+    clear_fallback_events()
+    got = indexer_topk_triton(q.to(DEVICE), k.to(DEVICE), w.to(DEVICE), key_mask.to(DEVICE),
+                              None if cu is None else cu.to(DEVICE), topk, 0.5, True)
+    want = dense_topk(dense_scores(q, k, w, 0.5), dense_visible(b, s, t, True, key_mask, cu), topk)
+    assert torch.equal(got.cpu(), want)
+    assert given == ["implicit" if route == "ranges-in-kernels" else "tensors"]
+    reasons = [e.reason for e in fallback_events() if e.op == "dsa_indexer_topk"]
+    assert any("CUDA top-k kernel could not be built" in r for r in reasons) == (route == "ranges-in-kernels")
+    clear_fallback_events()

@@ -42,7 +42,7 @@ def visible_ranges(queries: int, keys: int, is_causal: bool, cu_seqlens, device)
     is the query's own packed sequence, cut after the query itself when causal. Offsets are clamped to
     ``[0, keys]``: the CUDA kernels read them unchecked unless value checks are on (``kernels.py``), and a range
     past the keys would send their top-k outside its code rows."""
-    if cu_seqlens is None:  # two small kernels: decode calls these ranges once per layer and step
+    if cu_seqlens is None:  # two small kernels (decode on our Hopper kernels computes these ranges in-kernel)
         lo = torch.zeros(queries, device=device, dtype=torch.int64)
         if not is_causal:
             return lo, torch.full((queries,), keys, device=device, dtype=torch.int64)

@@ -154,3 +154,17 @@ def test_eager_calls_skip_the_dispatcher(monkeypatch, device):
     assert callers == ["dsa_sparse_attention", "dsa_sparse_attention_fwd"]
     assert o.grad_fn is None and o_grad.grad_fn is not None
     assert torch.equal(o, o_grad.detach()) and torch.equal(lse, lse_grad.detach())
+
+
+def test_visible_ranges_without_packed_sequences_follow_the_rule():
+    """Query i of S sees keys [0, T), cut after i + T - S when causal (none when that is negative): every (S, T)
+    up to 8, against loops over plain ints."""
+    from kda_compile.ops.dsa.reference import visible_ranges
+
+    for s_len in range(9):
+        for t_len in range(9):
+            for causal in (False, True):
+                lo, hi = visible_ranges(s_len, t_len, causal, None, "cpu")
+                want_hi = [max(0, min(t_len, i + t_len - s_len + 1)) if causal else t_len for i in range(s_len)]
+                assert lo.tolist() == [0] * s_len and hi.tolist() == want_hi, (s_len, t_len, causal)
+                assert lo.dtype == hi.dtype == torch.int64

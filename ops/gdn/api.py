@@ -94,7 +94,7 @@ def chunk_gated_delta_rule(
                    use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, chunk_size,
                    gdn_backends.REGISTRY.allowed)  # GDN's only_backends (the signature holds KDA's)
         plan_key, out = planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log,
-                                     dt_bias, output_final_state, state_v_first)
+                                     dt_bias)
         if out is not None:
             return out
     one_process = None
@@ -166,7 +166,8 @@ chunk_gdn = chunk_gated_delta_rule
 fused_recurrent_gdn = fused_recurrent_gated_delta_rule
 
 
-def _learn_plan(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, chunk_size):
+def _learn_plan(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, chunk_size,
+                state_v_first):
     """A launch plan for this signature if the ordinary path ran our CUDA chunk kernels (``fast_path.learn``);
     ``flags``: the op's (scale, output_final_state, l2norm, in-kernel gate, beta sigmoid, negative eigenvalues)."""
     scale, output_final_state, l2norm, gate_in_kernel, beta_sigmoid, neg_eig = flags
@@ -178,7 +179,8 @@ def _learn_plan(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
     fast_path.learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=scale,
                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=l2norm,
                     use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eig, safe_gate=False,
-                    lower_bound=None, chunk_size=chunk_size, scalar_gate=True, served_by_our_kernels=served)
+                    lower_bound=None, chunk_size=chunk_size, state_v_first=state_v_first, scalar_gate=True,
+                    served_by_our_kernels=served)
 
 
 def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
@@ -229,7 +231,8 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
         o, final = custom_ops.chunk_gdn_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                   int(chunk_size), cu_seqlens_cpu)
         if plan_key is not None:  # later calls of this signature may skip the work above
-            _learn_plan(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, int(chunk_size))
+            _learn_plan(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, int(chunk_size),
+                        bool(state_v_first))
     else:
         o, final, *_ = custom_ops.chunk_gdn_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                 int(chunk_size), needs_grad)

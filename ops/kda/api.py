@@ -127,7 +127,7 @@ def chunk_kda(
         options = (scale, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
                    allow_neg_eigval, safe_gate, lower_bound, disable_recompute, state_v_first, chunk_size)
         plan_key, out = planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log,
-                                     dt_bias, output_final_state, state_v_first)
+                                     dt_bias)
         if out is not None:
             return out
     unsupported = {"return_intermediate_states": return_intermediate_states, **kwargs}
@@ -147,8 +147,7 @@ def chunk_kda(
                 plan_key=plan_key)
 
 
-def planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
-                 output_final_state, state_v_first):
+def planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias):
     """``(key, outputs)``: the call's launch-plan signature (``fast_path.signature`` with ``options``; None where no
     plan can serve it) and its outputs through that plan, or None when it has none or needs what a plan does not
     do (gradients, the dispatcher). Shared by ``chunk_kda`` and GDN's ``chunk_gated_delta_rule``."""
@@ -161,12 +160,7 @@ def planned_call(options, q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlen
         return key, None
     if cu_seqlens_cpu is not None:
         check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    o, final = plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)
-    if final is None:
-        return key, (o, None)
-    return key, (o, final.transpose(-1, -2) if state_v_first else final)
+    return key, plan(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens)  # states in the caller's layout
 
 
 def fused_recurrent_kda(
@@ -260,7 +254,7 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
                             use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
                             use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
                             allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate),
-                            lower_bound=lower_bound, chunk_size=int(chunk_size))
+                            lower_bound=lower_bound, chunk_size=int(chunk_size), state_v_first=bool(state_v_first))
     else:
         keep = disable_recompute and needs_grad
         if keep and cu_seqlens is not None:

@@ -7,9 +7,10 @@ the chunks of packed sequences, allocates a dozen tensors and builds each kernel
 sequences, ``cuda_chunk_plan``'s kernel, which replaces the planning ops and the zero fill of the output), their
 grids and argument blocks with the scalars filled in, and the byte layout of one workspace holding every
 intermediate. A call whose signature has a plan then allocates three tensors (``o``, the final state, the
-workspace), writes the pointers of its tensors into the argument blocks and launches 2 kernels (3 with
-``cu_seqlens``) on the current stream: no device synchronisation, no host-to-device copy, so it can be captured in
-a CUDA graph.
+workspace), writes the pointers of its tensors into the argument blocks (one ``struct.pack_into`` each) and
+launches 2 kernels (3 with ``cu_seqlens``) on the current stream through prepared launches (ctypes values made
+once: ``_nvrtc.PreparedLaunch``), the prepare kernel before the outputs are allocated: no device synchronisation,
+no host-to-device copy, so it can be captured in a CUDA graph.
 
 The signature holds everything the argument checks and the kernel choice read: every input's shape, dtype,
 device and contiguity, the initial state's strides, every option, the kernel switches of the environment
@@ -27,8 +28,9 @@ call (``cu_seqlens_cpu``'s offsets). At most ``MAX_PLANS`` signatures are kept (
 
 GDN (``chunk_gated_delta_rule``) runs the same two kernels with the prepare compiled for the scalar gate
 (``scalar_gate``) in their ``row_factors`` form (the prepare writes the rows' q / k factors, the scan reads the raw
-q / k: ``triton_chunk.row_factors_served``, which the ordinary path takes for every call a plan can serve): its calls learn plans the same way, with the gate's form in the signature's options and the
-GDN backend choice asked by its caller (``served_by_our_kernels``), so nothing here imports GDN.
+q / k: ``triton_chunk.row_factors_served``, which the ordinary path takes for every call a plan can serve): its
+calls learn plans the same way, with the gate's form in the signature's options and the GDN backend choice asked by
+its caller (``served_by_our_kernels``), so nothing here imports GDN.
 
 Ops layer: nothing here knows of torch.compile beyond declining to run while Dynamo traces.
 """
@@ -140,73 +142,87 @@ def _layout(tokens: int, HV: int, slots: int, num_seqs: int, row_factors: bool =
 class Plan:
     """One signature's kernels, grids, argument blocks and workspace layout; calling it runs the forward."""
 
-    def __init__(self, *, device_index, o_shape, final_shape, layout, prepare, prepare_grid, scan, scan_grid,
-                 scan_threads, planner, planner_grid, has_a_log, has_dt_bias, has_h0, varlen, scale, beta_scale,
-                 lower_bound, T, N, H, HV, h0_strides, row_words, row_factors=False):
-        self.device_index, self.o_shape, self.final_shape, self.layout = device_index, o_shape, final_shape, layout
-        self.prepare, self.prepare_grid, self.scan, self.scan_grid = prepare, prepare_grid, scan, scan_grid
-        self.scan_threads, self.planner, self.planner_grid = scan_threads, planner, planner_grid
+    def __init__(self, *, device_index, o_shape, final_shape, state_v_first, layout, prepare, prepare_grid, scan,
+                 scan_grid, scan_threads, planner, planner_grid, has_a_log, has_dt_bias, has_h0, varlen, scale,
+                 beta_scale, lower_bound, T, N, H, HV, h0_strides, row_words, row_factors=False):
+        self.device_index, self.layout = device_index, layout
+        self.o_shape = o_shape
+        # the final state is allocated in the layout the caller gets: the kernel writes [N, HV, K, V] contiguously,
+        # which with state_v_first is the [N, HV, V, K] view of those bytes (what the ordinary path returns)
+        self.final_size = self.final_stride = None
+        if final_shape is not None:
+            N_, HV_, K_, V_ = final_shape
+            contiguous = (HV_ * K_ * V_, K_ * V_, V_, 1)
+            self.final_size = (N_, HV_, V_, K_) if state_v_first else final_shape
+            self.final_stride = (*contiguous[:2], 1, V_) if state_v_first else contiguous
         self.has_a_log, self.has_dt_bias, self.has_h0, self.varlen = has_a_log, has_dt_bias, has_h0, varlen
         self.row_factors = row_factors
-        pointers = lambda n: [ctypes.c_void_p() for _ in range(n)]  # noqa: E731
-        self.prepare_args = ArgumentBlock(pointers(16) + [ctypes.c_int(T), ctypes.c_int(N), ctypes.c_int(H),
-                                                          ctypes.c_int(HV), ctypes.c_float(scale),
-                                                          ctypes.c_float(beta_scale), ctypes.c_float(lower_bound)])
-        self.scan_args = ArgumentBlock(pointers(12) + [ctypes.c_int(T), ctypes.c_int(HV),
-                                                       ctypes.c_int(H if row_factors else HV)]
-                                       + [ctypes.c_longlong(s) for s in h0_strides])
-        self.planner_args = ArgumentBlock(pointers(3) + [ctypes.c_int(N), ctypes.c_longlong(T),
-                                                         ctypes.c_longlong(row_words)]) if varlen else None
+        i32, f32, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_longlong
+        self.prepare_args = ArgumentBlock(16, [i32(T), i32(N), i32(H), i32(HV), f32(scale), f32(beta_scale),
+                                               f32(lower_bound)])
+        self.scan_args = ArgumentBlock(12, [i32(T), i32(HV), i32(H if row_factors else HV)]
+                                       + [i64(s) for s in h0_strides])
+        self.planner_args = ArgumentBlock(3, [i32(N), i64(T), i64(row_words)]) if varlen else None
+        # (chunk plan or None, prepare, scan): launched with the argument blocks above on the caller's stream
+        self._launches = tuple(
+            None if block is None else kernel.launcher(grid, threads, block)
+            for kernel, grid, threads, block in ((planner, planner_grid, cuda_chunk_plan.THREADS, self.planner_args),
+                                                 (prepare, prepare_grid, prepare_src.THREADS, self.prepare_args),
+                                                 (scan, scan_grid, scan_threads, self.scan_args)))
         self._lock = threading.Lock()
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
-        """``(o, final state or None)``; ``initial_state`` in the kernel's ``[N, HV, K, V]`` view (any strides)."""
-        device = q.device
-        o = torch.empty(self.o_shape, dtype=q.dtype, device=device)
-        final = torch.empty(self.final_shape, dtype=torch.float32, device=device) if self.final_shape else None
-        workspace = torch.empty(self.layout.size, dtype=torch.uint8, device=device)
+        """``(o, final state or None)``, the final state in the caller's layout; ``initial_state`` as the caller
+        passed it (only its address is read: the plan holds the strides of its kernel view). The prepare kernel
+        needs only the inputs and the workspace, so it is launched before the outputs are allocated: their host
+        time then runs beside it instead of before it (packed sequences allocate ``o`` first, for the chunk plan's
+        zero fill)."""
+        workspace = q.new_empty(self.layout.size, dtype=torch.uint8)
         at, lay = workspace.data_ptr(), self.layout
         w, u, qg, kd, a_qk, decay = (at + lay.w, at + lay.u, at + lay.qg, at + lay.kd, at + lay.a_qk, at + lay.decay)
-        qp, kp, op = q.data_ptr(), k.data_ptr(), o.data_ptr()
-        cu = cu_seqlens.data_ptr() if self.varlen else qp
-        offsets = at + lay.chunk_offsets if self.varlen else qp
-        # row factors: the prepare writes the factors where qg would be, the scan reads them with the raw q / k
-        factors = qg if self.row_factors else w
-        scan_q, scan_k = (qp, kp) if self.row_factors else (qg, kd)
-        with self._lock:
+        qp, kp = q.data_ptr(), k.data_ptr()
+        varlen = self.varlen
+        cu = cu_seqlens.data_ptr() if varlen else qp
+        offsets = at + lay.chunk_offsets if varlen else qp
+        o = q.new_empty(self.o_shape) if varlen else None
+        index = self.device_index
+        with self._lock, on_device(index):
+            ensure_thread_context(index)
+            stream = current_raw_stream(index)
+            planner, prepare, scan = self._launches
+            if varlen:
+                self.planner_args.set_pointers((cu, offsets, o.data_ptr()))
+                planner(stream)
             self.prepare_args.set_pointers((
                 qp, kp, v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                 A_log.data_ptr() if self.has_a_log else w, dt_bias.data_ptr() if self.has_dt_bias else w,
                 w, u, qg, w if self.row_factors else kd, a_qk, decay, w, cu, offsets))
+            prepare(stream)
+            if o is None:
+                o = q.new_empty(self.o_shape)
+            final = None if self.final_size is None else q.new_empty_strided(self.final_size, self.final_stride,
+                                                                               dtype=torch.float32)
+            # row factors: the prepare wrote the factors where qg would be; the scan reads them with the raw q / k
+            scan_q, scan_k, factors = (qp, kp, qg) if self.row_factors else (qg, kd, w)
             self.scan_args.set_pointers((
-                w, u, scan_q, scan_k, a_qk, decay, op, initial_state.data_ptr() if self.has_h0 else w,
-                final.data_ptr() if final is not None else w, cu if self.varlen else w, offsets if self.varlen else w,
+                w, u, scan_q, scan_k, a_qk, decay, o.data_ptr(), initial_state.data_ptr() if self.has_h0 else w,
+                final.data_ptr() if final is not None else w, cu if varlen else w, offsets if varlen else w,
                 factors))
-            if self.varlen:
-                self.planner_args.set_pointers((cu, offsets, op))
-            with on_device(self.device_index):
-                self._launch()
+            scan(stream)
         return o, final
-
-    def _launch(self):
-        index = self.device_index
-        ensure_thread_context(index)
-        stream = current_raw_stream(index)
-        if self.varlen:
-            self.planner.launch_block(self.planner_grid, cuda_chunk_plan.THREADS, self.planner_args.array, stream)
-        self.prepare.launch_block(self.prepare_grid, prepare_src.THREADS, self.prepare_args.array, stream)
-        self.scan.launch_block(self.scan_grid, self.scan_threads, self.scan_args.array, stream)
 
 
 def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, scale: float, output_final_state: bool,
           use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool, safe_gate: bool,
-          lower_bound: float | None, chunk_size: int, scalar_gate: bool = False,
+          lower_bound: float | None, chunk_size: int, state_v_first: bool, scalar_gate: bool = False,
           served_by_our_kernels: Callable[[], bool] | None = None) -> None:
     """After the ordinary path served an eager inference call of signature ``key``: keep a plan when that call ran
     our CUDA prepare and scan kernels (asked of the same choice functions), else remember that none applies.
-    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view. KDA: the in-kernel gates (lower-bound or softplus). GDN
-    (``scalar_gate``): the scalar gate, in-kernel (``A_log`` given) or finished; ``served_by_our_kernels`` says
-    whether GDN's backend choice takes our chunk kernels for this call."""
+    ``initial_state`` in the kernel's ``[N, HV, K, V]`` view; ``state_v_first``: the caller's layout of the states
+    (a planned call reads the initial state's address and returns the final state in that layout). KDA: the
+    in-kernel gates (lower-bound or softplus). GDN (``scalar_gate``): the scalar gate, in-kernel (``A_log`` given)
+    or finished; ``served_by_our_kernels`` says whether GDN's backend choice takes our chunk kernels for this
+    call."""
     if key is None or key in _plans:
         return
     with _plans_lock:  # a plan from the second call of a signature on: a shape seen once (a new prompt length)
@@ -219,7 +235,7 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
     try:
         plan = _build(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
                       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound,
-                      chunk_size, scalar_gate, served_by_our_kernels)
+                      chunk_size, state_v_first, scalar_gate, served_by_our_kernels)
     except NvrtcUnavailable as exc:  # the ordinary path has recorded this as a fallback already
         logger.debug("no launch plan: %s", exc)
         plan = None
@@ -230,7 +246,8 @@ def learn(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *, s
 
 
 def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final_state, l2norm, beta_sigmoid,
-           neg_eig, safe_gate, lower_bound, chunk_size, scalar_gate=False, served_by_our_kernels=None) -> Plan | None:
+           neg_eig, safe_gate, lower_bound, chunk_size, state_v_first, scalar_gate=False,
+           served_by_our_kernels=None) -> Plan | None:
     # here, not at import: these need triton, which CPU-only installs may lack
     from kda_compile.ops.kda import cuda_prepare, cuda_scan
     from kda_compile.ops.kda.triton_chunk import _device_sms, cuda_scan_is_faster
@@ -284,8 +301,8 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
         planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
     row_words = HV * V // 2
     return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
-                layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate), prepare=prepare,
-                prepare_grid=(slots, HV, 1), scan=scan,
+                state_v_first=state_v_first, layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate),
+                prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
                 planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,

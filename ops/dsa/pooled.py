@@ -53,14 +53,17 @@ def output_width(topk: int, pool: int, select_tail: bool) -> int:
 
 
 def first_valid(key_valid: torch.Tensor) -> torch.Tensor:
-    """int64 [B]: each row's first valid key, T for a row without one."""
+    """int64 [B]: each row's first valid key, T for a row without one (argmax gives the first maximum)."""
     t_len = key_valid.shape[1]
-    return torch.where(key_valid.any(-1), key_valid.long().argmax(-1),
-                       torch.full_like(key_valid[:, 0], t_len, dtype=torch.long))
+    if t_len == 0:
+        return torch.zeros(key_valid.shape[0], dtype=torch.long, device=key_valid.device)
+    first = key_valid.view(torch.uint8).argmax(-1)
+    return torch.where(key_valid.gather(1, first[:, None])[:, 0], first, t_len)
 
 
 def pooled_keys(k, gate, key_valid, ape, first):
-    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring).
+    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring);
+    ``key_valid`` None: every key is valid (``first`` is then zeros).
 
     In blocks of pools whose temporaries (the gathered keys and gates, their product, the indices) stay under
     ``BLOCK_BYTES``: a decode step over a long cache never holds a copy of the whole key cache. Each pool is
@@ -78,7 +81,9 @@ def pooled_keys(k, gate, key_valid, ape, first):
         p1 = min(n_pools, p0 + step)
         tok = first[:, None, None] + torch.arange(p0 * pool, p1 * pool, device=k.device).view(1, p1 - p0, pool)
         safe = tok.clamp(0, max(t_len - 1, 0))
-        valid = key_valid[b_ix, safe] & (tok < t_len)
+        valid = tok < t_len
+        if key_valid is not None:
+            valid = valid & key_valid[b_ix, safe]
         logits = gate[b_ix, safe].float() + ape32
         logits = logits.masked_fill(~valid[..., None], float("-inf"))
         probs = torch.nan_to_num(logits.softmax(dim=2)).to(k.dtype)
@@ -99,24 +104,31 @@ def _order_keys(scores: torch.Tensor, visible: torch.Tensor, start: int) -> torc
     return torch.where(visible, key, torch.full_like(key, -1))
 
 
-def _visible_count(key_valid: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """int64 [B, S]: how many valid keys ``s <= pos_i`` each query sees (a prefix sum; no [S, T])."""
-    b, t_len = key_valid.shape
-    prefix = torch.cat((key_valid.new_zeros((b, 1), dtype=torch.long), key_valid.long().cumsum(-1)), dim=1)
+def _visible_count(key_valid, pos: torch.Tensor, q_offset: int, batch: int, t_len: int) -> torch.Tensor:
+    """int64 [B, S]: how many valid keys ``s <= pos_i`` each query sees (``pos = q_offset + arange(S)``; no [S, T]).
+    The keys before the first query's are summed, a prefix sum runs only over the queries' own positions: a
+    decode step sums its row instead of scanning it. ``key_valid`` None: every key is valid."""
     upto = (pos + 1).clamp(0, t_len)
-    return prefix[:, upto]
+    if key_valid is None:
+        return upto.expand(batch, pos.shape[0])
+    lo, hi = min(max(q_offset + 1, 0), t_len), min(max(q_offset + pos.shape[0], 0), t_len)  # upto's range
+    base = key_valid[:, :lo].sum(-1, keepdim=True)
+    window = torch.cat((key_valid.new_zeros((batch, 1), dtype=torch.long), key_valid[:, lo:hi].long().cumsum(-1)),
+                       dim=1)
+    return base + window[:, upto - lo]
 
 
-def _tail(key_valid, first, pos, pool: int) -> torch.Tensor:
+def _tail(key_valid, first, pos, pool: int, q_offset: int, batch: int, t_len: int) -> torch.Tensor:
     """int64 [B, S, P - 1]: HF's ``append_visible_tail``, from the visible counts."""
-    t_len = key_valid.shape[1]
-    count = _visible_count(key_valid, pos)
+    count = _visible_count(key_valid, pos, q_offset, batch, t_len)
     tail_count = count.remainder(pool)
-    offsets = torch.arange(pool - 1, device=key_valid.device)
+    offsets = torch.arange(pool - 1, device=pos.device)
     tail = (first[:, None] + count - tail_count)[..., None] + offsets
     safe = tail.clamp(0, max(t_len - 1, 0))
-    b_ix = torch.arange(key_valid.shape[0], device=key_valid.device)[:, None, None]
-    seen = key_valid[b_ix, safe] & (safe <= pos[None, :, None])
+    seen = safe <= pos[None, :, None]
+    if key_valid is not None:
+        b_ix = torch.arange(batch, device=pos.device)[:, None, None]
+        seen = seen & key_valid[b_ix, safe]
     keep = (offsets < tail_count[..., None]) & (tail < t_len) & seen
     return tail.masked_fill(~keep, -1)
 
@@ -129,14 +141,13 @@ def pool_slots(topk: int, pool: int, t_len: int) -> int:
 
 def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int, form_pools=None):
     """What both implementations start from: (key_valid, first [B], pos [S], pk [B, NP, D], pool_valid [B, NP],
-    slots, n_sel). ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's ``min(topk // P, n_kept)``
-    is an int64 0-dim tensor on the device (it places the tail; never read on the host). ``form_pools``: the
-    function forming the pools (default ``pooled_keys``; the CUDA path passes its kernel's)."""
+    slots, n_sel); ``key_valid`` None stays None (every key valid, ``first`` zeros: no [B, T] mask is made).
+    ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's ``min(topk // P, n_kept)`` is an int64 0-dim
+    tensor on the device (it places the tail; never read on the host). ``form_pools``: the function forming the
+    pools (default ``pooled_keys``; the CUDA path passes its kernel's)."""
     b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
-    if key_valid is None:
-        key_valid = torch.ones((b, t_len), dtype=torch.bool, device=q.device)
-    first = first_valid(key_valid)
+    first = torch.zeros(b, dtype=torch.long, device=q.device) if key_valid is None else first_valid(key_valid)
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
     pk, pool_valid = (form_pools or pooled_keys)(k, gate, key_valid, ape, first)
     n_sel = pool_valid.any(0).sum().clamp(max=topk // pool)  # HF drops pools no row has, then tops k
@@ -172,12 +183,12 @@ def write_pools(out: torch.Tensor, start: int, stop: int, best: torch.Tensor, fi
 
 
 def finish(out, key_valid, first, pos, pool: int, n_sel: torch.Tensor, select_tail: bool,
-           query_mask) -> torch.Tensor:
+           query_mask, q_offset: int, t_len: int) -> torch.Tensor:
     """The tail after the ``n_sel`` pools and the padded queries' -1 rows (both implementations). ``n_sel`` (a
     device tensor) places the tail by a scatter; the columns it writes held -1 (pool slots past ``n_sel``, which
     no query fills, or padding), so the row is HF's layout."""
     if select_tail and pool > 1:
-        tail = _tail(key_valid, first, pos, pool).to(torch.int32)
+        tail = _tail(key_valid, first, pos, pool, q_offset, out.shape[0], t_len).to(torch.int32)
         cols = n_sel * pool + torch.arange(pool - 1, device=out.device)
         out.scatter_(2, cols.expand(tail.shape), tail)
     if query_mask is not None:
@@ -212,4 +223,4 @@ def pooled_indexer_topk_reference(q, k, gate, weights, key_valid, ape, query_mas
                 best = merge_best(best, _order_keys(scores, visible, p0), slots)
             if best is not None:
                 write_pools(out, start, stop, best, first, pool)
-    return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask)
+    return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask, q_offset, k.shape[1])

@@ -204,4 +204,4 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
                 best = merge_best(best, keys, slots)
             if best is not None:
                 write_pools(out, start, stop, best, first, pool)
-    return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask)
+    return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask, q_offset, k.shape[1])

@@ -120,6 +120,27 @@ def test_pool_keys_in_blocks_are_bitwise_the_whole(monkeypatch, dtype):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("q_offset", [-3, 0, 5, 48, 49, 50, 60])
+@pytest.mark.parametrize("s", [1, 2, 7, 50])
+def test_visible_counts_are_the_prefix_sums(q_offset, s):
+    """Each query's count of visible valid keys (a sum before the queries, a prefix sum over their positions) is
+    the prefix sum of the whole row at its position; without a mask, the position clamped to [0, T]."""
+    g = torch.Generator().manual_seed(q_offset + 100 * s)
+    valid = torch.rand(3, 50, generator=g) > 0.3
+    valid[1] = False
+    pos = q_offset + torch.arange(s)
+    prefix = torch.cat((torch.zeros(3, 1, dtype=torch.long), valid.long().cumsum(-1)), dim=1)
+    upto = (pos + 1).clamp(0, 50)
+    assert torch.equal(pooled._visible_count(valid, pos, q_offset, 3, 50), prefix[:, upto])
+    assert torch.equal(pooled._visible_count(None, pos, q_offset, 3, 50), upto.expand(3, s))
+
+
+def test_first_valid_key():
+    valid = torch.tensor([[True, True, False], [False, False, False], [False, False, True]])
+    assert pooled.first_valid(valid).tolist() == [0, 3, 2]
+    assert pooled.first_valid(torch.zeros(2, 0, dtype=torch.bool)).tolist() == [0, 0]
+
+
 def test_ties_take_the_lower_pool():
     """Exact integer scores with many equal values: the selection is the dense oracle's stable order."""
     g = torch.Generator().manual_seed(7)

@@ -74,3 +74,20 @@ def test_strided_inputs():
     pk, pool_valid = pooled_keys_triton(*(x.to(DEVICE) for x in (k, gate, valid, ape, first)))
     assert torch.equal(pool_valid.cpu(), ref_valid)
     assert_rel_close(pk.cpu(), ref_pk, 1e-6, name="pk", floor=1e-6)
+
+
+@settings(max_examples=10, deadline=None)
+@given(pool_cases())
+def test_no_key_mask_equals_a_mask_of_every_key(case):
+    """``key_valid`` None (the kernel reads no mask and no first key): bit for bit the pools of a mask that keeps
+    every key, in the kernel and in the reference."""
+    k, gate, _, ape = case
+    every = torch.ones(k.shape[:2], dtype=torch.bool)
+    zeros = torch.zeros(k.shape[0], dtype=torch.long)
+    dev = lambda *xs: [x.to(DEVICE) for x in xs]  # noqa: E731
+    pk, pool_valid = pooled_keys_triton(*dev(k, gate), None, *dev(ape, zeros))
+    want_pk, want_valid = pooled_keys_triton(*dev(k, gate, every, ape, first_valid(every)))
+    assert torch.equal(pk, want_pk) and torch.equal(pool_valid, want_valid)
+    ref = pooled_keys(k, gate, None, ape, zeros)
+    ref_all = pooled_keys(k, gate, every, ape, first_valid(every))
+    assert torch.equal(ref[0], ref_all[0]) and torch.equal(ref[1], ref_all[1])

@@ -100,9 +100,15 @@ def test_small_blocks_merge_the_same(monkeypatch):
 
 
 def test_no_key_valid_no_query_mask():
+    """Without a key mask (no [B, T] mask is made, the pools start at token 0): the same selection as with a mask
+    that keeps every key, on both paths."""
     a = quantised_inputs(2, 9, 21, 2, 8, 3, seed=2, pad=False)
     a["key_valid"] = a["query_mask"] = None
-    assert torch.equal(_call(pooled_indexer_topk_triton, a, 9, True), _call(pooled_indexer_topk_reference, a, 9, True))
+    got = _call(pooled_indexer_topk_triton, a, 9, True)
+    assert torch.equal(got, _call(pooled_indexer_topk_reference, a, 9, True))
+    a["key_valid"] = torch.ones(2, 21, dtype=torch.bool, device=DEVICE)
+    assert torch.equal(got, _call(pooled_indexer_topk_triton, a, 9, True))
+    assert torch.equal(got, _call(pooled_indexer_topk_reference, a, 9, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

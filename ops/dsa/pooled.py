@@ -104,7 +104,7 @@ def _order_keys(scores: torch.Tensor, visible: torch.Tensor, start: int) -> torc
     return torch.where(visible, key, torch.full_like(key, -1))
 
 
-def _visible_count(key_valid, pos: torch.Tensor, q_offset: int, batch: int, t_len: int) -> torch.Tensor:
+def visible_count(key_valid, pos: torch.Tensor, q_offset: int, batch: int, t_len: int) -> torch.Tensor:
     """int64 [B, S]: how many valid keys ``s <= pos_i`` each query sees (``pos = q_offset + arange(S)``; no [S, T]).
     The keys before the first query's are summed, a prefix sum runs only over the queries' own positions: a
     decode step sums its row instead of scanning it. ``key_valid`` None: every key is valid."""
@@ -120,7 +120,7 @@ def _visible_count(key_valid, pos: torch.Tensor, q_offset: int, batch: int, t_le
 
 def _tail(key_valid, first, pos, pool: int, q_offset: int, batch: int, t_len: int) -> torch.Tensor:
     """int64 [B, S, P - 1]: HF's ``append_visible_tail``, from the visible counts."""
-    count = _visible_count(key_valid, pos, q_offset, batch, t_len)
+    count = visible_count(key_valid, pos, q_offset, batch, t_len)
     tail_count = count.remainder(pool)
     offsets = torch.arange(pool - 1, device=pos.device)
     tail = (first[:, None] + count - tail_count)[..., None] + offsets

@@ -16,7 +16,9 @@ an int64 buffer ``[B, S_blk, p_blk]`` (under ``KEY_BUFFER_BYTES``) and merged in
 scores: the lower pool) on any device. A block's pools stop at the last pool its queries can see from key 0
 (causal prefill: half the work). Every launch and size is fixed by shapes and ``q_offset``: nothing is read
 back from the device, so a call can be captured in a CUDA graph (after one call has compiled the kernels).
-Expansion into tokens, the visible tail and the padded queries are ``pooled``'s torch code (output-sized).
+Each query block's rows are then written whole in HF's slot layout (the pools' tokens, the visible tail, -1 for
+padding and padded queries) by one kernel, ``triton_pool_layout.write_rows`` (the CPU path's ``write_pools`` and
+``finish``, bit for bit).
 
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``pooled_keys_heads_kernel``: one query per
 program, its H_I heads as the MMA's rows. Under ``TRITON_INTERPRET=1`` a small fixed config runs the kernels
@@ -29,7 +31,8 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
-from kda_compile.ops.dsa.pooled import finish, merge_best, output_width, pool_reach, prepare, write_pools
+from kda_compile.ops.dsa.pooled import merge_best, output_width, pool_reach, prepare, visible_count
+from kda_compile.ops.dsa.triton_pool_layout import write_rows
 from kda_compile.ops.dsa.triton_indexer import SHORT_QUERIES, interpreted
 from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton
 
@@ -171,6 +174,8 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
     key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset,
                                                                   form_pools=pooled_keys_triton)
     n_pools = k.shape[1] // pool  # the pools that can be complete (pooled.pool_slots)
+    # every row is written whole by write_rows (triton_pool_layout.py): pools, tail, padding
+    count = visible_count(key_valid, pos, q_offset, b, k.shape[1]) if select_tail and pool > 1 else None
     if slots > 0:
         weights = weights.float()  # the CPU path's rounding of the head weights
         valid_u8 = pool_valid.view(torch.uint8)
@@ -202,6 +207,9 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
                         PRECISION=precision, num_warps=warps, num_stages=stages,
                     )
                 best = merge_best(best, keys, slots)
-            if best is not None:
-                write_pools(out, start, stop, best, first, pool)
-    return finish(out, key_valid, first, pos, pool, n_sel, select_tail, query_mask, q_offset, k.shape[1])
+            write_rows(out, start, stop, best, first, n_sel, count, key_valid, query_mask, pool, k.shape[1],
+                       q_offset, interpreted())
+    else:  # no pool can be complete: the tail and the padding
+        write_rows(out, 0, s_len, None, first, n_sel, count, key_valid, query_mask, pool, k.shape[1], q_offset,
+                   interpreted())
+    return out

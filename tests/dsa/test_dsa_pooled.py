@@ -131,8 +131,8 @@ def test_visible_counts_are_the_prefix_sums(q_offset, s):
     pos = q_offset + torch.arange(s)
     prefix = torch.cat((torch.zeros(3, 1, dtype=torch.long), valid.long().cumsum(-1)), dim=1)
     upto = (pos + 1).clamp(0, 50)
-    assert torch.equal(pooled._visible_count(valid, pos, q_offset, 3, 50), prefix[:, upto])
-    assert torch.equal(pooled._visible_count(None, pos, q_offset, 3, 50), upto.expand(3, s))
+    assert torch.equal(pooled.visible_count(valid, pos, q_offset, 3, 50), prefix[:, upto])
+    assert torch.equal(pooled.visible_count(None, pos, q_offset, 3, 50), upto.expand(3, s))
 
 
 def test_first_valid_key():

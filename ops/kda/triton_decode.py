@@ -21,11 +21,11 @@ Every program of a head recomputes the prologue over the full K (cheap: K loads 
 V-split costs no extra state traffic: each state element is still read once and written once. A
 token's q / k / g / beta / v loads are all issued before its prologue math: loaded one at a time
 between the L2-norm reductions, their round trips queued behind each other (batch 64 on an H100:
-101.7 us, 88% of the copy bandwidth, before this order; docs/kda-kernels.md section 8).
+101.7 us, 88% of the copy bandwidth, before this order; docs/kda-decode.md).
 Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` come from a shipped table by grid size class
 (``shipped_config``; a small grid, batch 1, favours a small ``BV`` to spread the state over more SMs), so the
 first call compiles one kernel and times nothing: 1.3 s in a fresh process against 4.9-5.4 s with autotuning
-over the 13 candidates (H200, GDN, batch 1 / 64; docs/kda-kernels.md section 8). ``KDA_COMPILE_DECODE_AUTOTUNE=1``
+over the 13 candidates (H200, GDN, batch 1 / 64; docs/kda-decode.md). ``KDA_COMPILE_DECODE_AUTOTUNE=1``
 autotunes instead, per (K, V, grid size class, dtypes), at the first call of each.
 
 Gate forms (``SCALAR_GATE``, compile-time): KDA's gate is a ``[K]`` row per token and value head (``g``

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import next_power_of_2
+from kda_compile.ops.dsa.triton_indexer import interpreted
 
 BLOCK_COLUMNS = 1024  # columns a program writes per step of its row
 
@@ -78,7 +79,7 @@ def pool_rows_kernel(
 
 
 def write_rows(out, start: int, stop: int, best, first, n_sel, count, key_valid, query_mask, pool: int, t_len: int,
-               q_offset: int, interpreted: bool) -> None:
+               q_offset: int) -> None:
     """Rows ``start..stop`` of ``out`` [B, S, width] int32, whole (module docstring). ``best`` [B, stop - start,
     slots] int64 order keys or None (no pool in these rows), ``first`` [B] int64, ``n_sel`` 0-dim int64, ``count``
     [B, S] int64 visible counts or None (no tail), ``key_valid`` / ``query_mask`` bool or None."""
@@ -92,11 +93,12 @@ def write_rows(out, start: int, stop: int, best, first, n_sel, count, key_valid,
     valid_u8 = key_valid.view(torch.uint8) if key_valid is not None else placeholder
     mask_u8 = query_mask.view(torch.uint8) if query_mask is not None else placeholder
     strides = lambda t, n: t.stride() if t is not placeholder else (0,) * n  # noqa: E731
-    block = 16 if interpreted else min(BLOCK_COLUMNS, max(16, next_power_of_2(width)))
+    on_interpreter = interpreted()
+    block = 16 if on_interpreter else min(BLOCK_COLUMNS, max(16, next_power_of_2(width)))
     pool_rows_kernel[(rows, b)](
         out, best_t, first, n_sel, count_t, valid_u8, mask_u8,
         *out.stride(), *strides(best_t, 3), *strides(count_t, 2), *strides(valid_u8, 2), *strides(mask_u8, 2),
         start, width, best.shape[-1] if best is not None else 0, t_len, q_offset,
         POOL=pool, HAS_BEST=best is not None, HAS_TAIL=count is not None, HAS_KEY_VALID=key_valid is not None,
-        HAS_QUERY_MASK=query_mask is not None, BLOCK=block, num_warps=1 if interpreted else 4,
+        HAS_QUERY_MASK=query_mask is not None, BLOCK=block, num_warps=1 if on_interpreter else 4,
     )

@@ -208,8 +208,7 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
                     )
                 best = merge_best(best, keys, slots)
             write_rows(out, start, stop, best, first, n_sel, count, key_valid, query_mask, pool, k.shape[1],
-                       q_offset, interpreted())
+                       q_offset)
     else:  # no pool can be complete: the tail and the padding
-        write_rows(out, 0, s_len, None, first, n_sel, count, key_valid, query_mask, pool, k.shape[1], q_offset,
-                   interpreted())
+        write_rows(out, 0, s_len, None, first, n_sel, count, key_valid, query_mask, pool, k.shape[1], q_offset)
     return out

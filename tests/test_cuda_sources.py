@@ -70,6 +70,18 @@ def test_kda_prepare_kernel_compiles_for_wide_blocks(gate, g_dtype, varlen, save
             assert spills == {"stores": 0, "loads": 0}, spills
 
 
+@pytest.mark.parametrize("form", ["lower-bound", "softplus", "gdn"])
+def test_prepare_kernel_without_a_chunk_plan_compiles(form, caplog):
+    """The ``inline_offsets`` form (packed sequences found from ``cu_seqlens`` alone): no spills with a bf16 gate."""
+    source = prepare.kernel_source(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=True, l2norm=True,
+                                   has_a_log=True, has_dt_bias=True, beta_sigmoid=True, save_akk=False,
+                                   scalar_gate=form == "gdn", row_factors=form == "gdn",
+                                   softplus_gate=form == "softplus", wide_blocks=form == "softplus",
+                                   inline_offsets=True)
+    assert "#define INLINE_OFFSETS 1" in source
+    assert _compile(source, prepare.KERNEL_NAME, "90a", caplog) == {"stores": 0, "loads": 0}
+
+
 def test_gate_form_options_are_checked():
     base = dict(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=False, l2norm=True, has_a_log=True,
                 has_dt_bias=True, beta_sigmoid=True, save_akk=False)
@@ -132,7 +144,9 @@ def test_dsa_sparse_attention_kernel_compiles_without_spills(elem, rope, partial
 
 # ---- the on-disk cubin cache ------------------------------------------------------------------------------
 def _small_source(value: int) -> str:
-    return cuda_chunk_plan._source("int").replace("O[e] = 0u;", f"O[e] = {value}u;")
+    source = cuda_chunk_plan._source("int").replace("chunk_offsets[0] = 0;", f"chunk_offsets[0] = {value};")
+    assert f"chunk_offsets[0] = {value};" in source
+    return source
 
 
 def test_cubins_are_kept_on_disk_and_read_back(tmp_path, monkeypatch):

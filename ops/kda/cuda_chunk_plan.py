@@ -2,14 +2,13 @@
 
 From ``cu_seqlens`` (``[N + 1]`` int32 / int64, on the device) it writes ``chunk_offsets`` (``[N + 1]`` int32:
 the first 64-token chunk slot of each sequence, ``chunk_offsets[i + 1] - chunk_offsets[i] = ceil(len_i / 64)``,
-what ``triton_chunk._chunk_offsets`` computes with five small PyTorch kernels) and zeroes the rows of ``o`` past
-``cu_seqlens[N]`` (tokens of no sequence read 0, as in the reference; the scan writes every other row). Block 0
-scans the lengths (1024 threads, a tile at a time, so any N); the other blocks zero the tail, which is empty in
-the usual call and then costs them one load each. Offsets are not checked here (negative lengths count as
-empty; ``chunk_kda``'s ``check_inputs`` is the place for bad offsets).
+what ``triton_chunk._chunk_offsets`` computes with five small PyTorch kernels): one block of 1024 threads scans the
+lengths a tile at a time, so any N. Launch plans run it before our CUDA prepare and scan with more than
+``cuda_prepare_source.INLINE_SEQS`` sequences (with fewer the two kernels find their chunks from ``cu_seqlens``
+alone). Offsets are not checked here (negative lengths count as empty; ``chunk_kda``'s
+``check_inputs`` is the place for bad offsets).
 
-Parameters: ``cu_seqlens, chunk_offsets, o`` (pointers; ``o`` seen as 32-bit words), ``N`` (int), ``T`` and
-``row_words`` (long long: ``o``'s words per token).
+Parameters: ``cu_seqlens, chunk_offsets`` (pointers), ``N`` (int).
 """
 from __future__ import annotations
 
@@ -24,53 +23,43 @@ from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 KERNEL_NAME = "kda_chunk_plan"
 THREADS = 1024
 CHUNK = 64
-MAX_ZERO_BLOCKS = 64
 
 _BODY = r"""
-extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, int* __restrict__ chunk_offsets,
-                                          unsigned int* __restrict__ O, int N, long long T, long long row_words)
+extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, int* __restrict__ chunk_offsets, int N)
 {
-    if (blockIdx.x == 0) {
-        __shared__ int warp_prefix[32];
-        __shared__ int carry;
-        const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, warps = blockDim.x >> 5;
-        if (tid == 0) { chunk_offsets[0] = 0; carry = 0; }
-        __syncthreads();
-        for (int base = 0; base < N; base += blockDim.x) {
-            const int i = base + tid;
-            int x = 0;
-            if (i < N) {
-                const long long len = (long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i];
-                x = len > 0 ? (int)((len + CHUNK - 1) / CHUNK) : 0;
-            }
-            for (int off = 1; off < 32; off <<= 1) {  // inclusive scan in the warp
-                const int y = __shfl_up_sync(0xffffffffu, x, off);
-                if (lane >= off) x += y;
-            }
-            if (lane == 31) warp_prefix[wp] = x;
-            __syncthreads();
-            if (wp == 0) {  // inclusive scan of the warp totals
-                int t = lane < warps ? warp_prefix[lane] : 0;
-                for (int off = 1; off < 32; off <<= 1) {
-                    const int y = __shfl_up_sync(0xffffffffu, t, off);
-                    if (lane >= off) t += y;
-                }
-                if (lane < warps) warp_prefix[lane] = t;
-            }
-            __syncthreads();
-            const int prefix = carry + (wp > 0 ? warp_prefix[wp - 1] : 0) + x;
-            if (i < N) chunk_offsets[i + 1] = prefix;
-            __syncthreads();  // every thread has read carry
-            if (tid == blockDim.x - 1) carry = prefix;
-            __syncthreads();
+    __shared__ int warp_prefix[32];
+    __shared__ int carry;
+    const int tid = threadIdx.x, lane = tid & 31, wp = tid >> 5, warps = blockDim.x >> 5;
+    if (tid == 0) { chunk_offsets[0] = 0; carry = 0; }
+    __syncthreads();
+    for (int base = 0; base < N; base += blockDim.x) {
+        const int i = base + tid;
+        int x = 0;
+        if (i < N) {
+            const long long len = (long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i];
+            x = len > 0 ? (int)((len + CHUNK - 1) / CHUNK) : 0;
         }
-        return;
+        for (int off = 1; off < 32; off <<= 1) {  // inclusive scan in the warp
+            const int y = __shfl_up_sync(0xffffffffu, x, off);
+            if (lane >= off) x += y;
+        }
+        if (lane == 31) warp_prefix[wp] = x;
+        __syncthreads();
+        if (wp == 0) {  // inclusive scan of the warp totals
+            int t = lane < warps ? warp_prefix[lane] : 0;
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, t, off);
+                if (lane >= off) t += y;
+            }
+            if (lane < warps) warp_prefix[lane] = t;
+        }
+        __syncthreads();
+        const int prefix = carry + (wp > 0 ? warp_prefix[wp - 1] : 0) + x;
+        if (i < N) chunk_offsets[i + 1] = prefix;
+        __syncthreads();  // every thread has read carry
+        if (tid == blockDim.x - 1) carry = prefix;
+        __syncthreads();
     }
-    long long start = (long long)cu_seqlens[N];
-    start = (start < 0 ? 0 : start) * row_words;
-    const long long end = T * row_words, step = (long long)(gridDim.x - 1) * blockDim.x;
-    for (long long e = start + (long long)(blockIdx.x - 1) * blockDim.x + threadIdx.x; e < end; e += step)
-        O[e] = 0u;
 }
 """
 
@@ -86,8 +75,3 @@ def chunk_plan_kernel(device_index: int, cu_dtype: torch.dtype):
     major, minor = device_capability(device_index)
     return load_kernel(_source(_CU[cu_dtype]), KERNEL_NAME, device_index, arch=f"{major}{minor}", shared_bytes=0)
 
-
-def zero_blocks(T: int, row_words: int) -> int:
-    """Blocks that zero the tail: enough for a whole ``o`` of ``T`` rows at 16 words a thread, at most
-    ``MAX_ZERO_BLOCKS``."""
-    return max(1, min(MAX_ZERO_BLOCKS, -(-T * row_words // (THREADS * 16))))

@@ -102,12 +102,13 @@ def choose_prepare_kernel(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lo
 
 @functools.lru_cache(maxsize=None)
 def _source(g_dtype: str, beta_dtype: str, cu_dtype: str, flags: tuple[bool, ...], scalar_gate: bool,
-            row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False) -> str:
+            row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False,
+            inline_offsets: bool = False) -> str:
     varlen, l2norm, has_a_log, has_dt_bias, beta_sigmoid, save_akk = flags
     return src.kernel_source(g_dtype=g_dtype, beta_dtype=beta_dtype, cu_dtype=cu_dtype, varlen=varlen, l2norm=l2norm,
                              has_a_log=has_a_log, has_dt_bias=has_dt_bias, beta_sigmoid=beta_sigmoid,
                              save_akk=save_akk, scalar_gate=scalar_gate, row_factors=row_factors,
-                             softplus_gate=softplus_gate, wide_blocks=wide_blocks)
+                             softplus_gate=softplus_gate, wide_blocks=wide_blocks, inline_offsets=inline_offsets)
 
 
 def channel_gate_form(lower_bound: float | None) -> tuple[bool, bool]:
@@ -119,16 +120,18 @@ def channel_gate_form(lower_bound: float | None) -> tuple[bool, bool]:
 
 def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dtype, cu_dtype: torch.dtype | None,
                    flags: tuple[bool, ...], *, scalar_gate: bool = False, row_factors: bool = False,
-                   softplus_gate: bool = False, wide_blocks: bool = False):
+                   softplus_gate: bool = False, wide_blocks: bool = False, inline_offsets: bool = False):
     """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``):
     ``flags`` = (IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS, BETA_SIGMOID, SAVE_AKK); ``cu_dtype`` the offsets'
     dtype with packed sequences; ``scalar_gate``: the gate is one value per (token, value head) (GDN);
     ``row_factors``: the scalar-gate kernel writes the rows' q / k factors instead of ``qg`` / ``kd`` (for the CUDA
     scan's ``row_factors`` form); ``softplus_gate`` / ``wide_blocks``: the per-channel gate's form
-    (``channel_gate_form``). The caller has made the device current. Raises NvrtcUnavailable."""
+    (``channel_gate_form``); ``inline_offsets``: packed sequences (at most ``INLINE_SEQS``) found from ``cu_seqlens``
+    alone, no ``chunk_offsets``. The caller has made the device current. Raises NvrtcUnavailable."""
     major, minor = device_capability(device_index)
     cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
-    source = _source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors, softplus_gate, wide_blocks)
+    source = _source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors, softplus_gate, wide_blocks,
+                     inline_offsets and flags[0])
     return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
 
 
@@ -138,6 +141,18 @@ def prepare_flags(args: dict) -> tuple[bool, ...]:
                                                "SAVE_AKK"))
 
 
+def kernel_for(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dtype, cu_dtype: torch.dtype | None,
+               args: dict):
+    """The compiled kernel ``launch_prepare`` runs for its launch keywords ``args`` (``prepare_kernel``'s
+    specialisation read from them). The caller has made the device current. Raises NvrtcUnavailable."""
+    scalar_gate = bool(args.get("SCALAR_GATE", False))
+    return prepare_kernel(device_index, g_dtype, beta_dtype, cu_dtype, prepare_flags(args), scalar_gate=scalar_gate,
+                          row_factors=bool(args.get("ROW_FACTORS", False)),
+                          softplus_gate=not scalar_gate and args["GATE"] == int(GATE_SOFTPLUS),
+                          # (the launch's own choice: exact_diagonal_needed, False for the scalar gate)
+                          wide_blocks=bool(args["EXACT_DIAGONAL"]), inline_offsets=bool(args.get("INLINE_OFFSETS")))
+
+
 def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     """Run the CUDA prepare kernel with the Triton kernel's launch: ``tensors`` its tensor arguments in its order
     (``q, k, v, g, beta, A_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum, cu_seqlens, chunk_offsets``;
@@ -145,21 +160,19 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     (``T, N, H, HV, scale, beta_scale, lower_bound, GATE, EXACT_DIAGONAL, IS_VARLEN, L2NORM, HAS_A_LOG, HAS_DT_BIAS,
     BETA_SIGMOID, SAVE_AKK`` are read, and ``SCALAR_GATE`` when present: then ``g`` is ``[TT, HV]``, ``dt_bias``
     ``[HV]``; with ``ROW_FACTORS`` also present and true, ``qg`` is the ``[slots, HV, 2, 64]`` fp32 buffer of the rows'
-    factors and ``kd`` is not written; without it, ``GATE`` and ``EXACT_DIAGONAL`` pick the per-channel gate's form).
+    factors and ``kd`` is not written; without it, ``GATE`` and ``EXACT_DIAGONAL`` pick the per-channel gate's form;
+    ``INLINE_OFFSETS`` present and true, with at most ``INLINE_SEQS`` packed sequences: the kernel finds its chunks
+    from ``cu_seqlens`` alone and does not read ``chunk_offsets``).
     The caller checked ``outside_design`` is None. Raises NvrtcUnavailable when the kernel cannot be built."""
     (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk, _g_cumsum, cu_seqlens, chunk_offsets) = tensors
-    device_index = cuda_index(q.device)
     varlen, HV = args["IS_VARLEN"], args["HV"]
+    if varlen and args.get("INLINE_OFFSETS") and args["N"] > src.INLINE_SEQS:
+        raise ValueError(f"INLINE_OFFSETS takes at most {src.INLINE_SEQS} sequences, got N={args['N']}")
+    device_index = cuda_index(q.device)
     a_log = a_log.float().contiguous() if args["HAS_A_LOG"] else a_log
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
-    flags = prepare_flags(args)
-    scalar_gate = bool(args.get("SCALAR_GATE", False))
-    softplus = not scalar_gate and args["GATE"] == int(GATE_SOFTPLUS)
-    wide = bool(args["EXACT_DIAGONAL"])  # (the launch's own choice: exact_diagonal_needed, False for the scalar gate)
     with on_device(device_index):
-        kernel = prepare_kernel(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, flags,
-                                scalar_gate=scalar_gate, row_factors=bool(args.get("ROW_FACTORS", False)),
-                                softplus_gate=softplus, wide_blocks=wide)
+        kernel = kernel_for(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, args)
         ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
         params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
                                    cu_seqlens if varlen else q, chunk_offsets if varlen else q)]

@@ -59,6 +59,10 @@ SUMS_BYTES = 2 * 4 * 16 * 4  # [parity][block][16 channels] fp32
 # clamped step decays by less than 2^-24 of its product either way (fp32 rounding of an O(1) entry), and 8 clamped
 # steps span at most 192, so a factor anchored at the middle of 8 rows stays within 2^+-96.
 STEP_CLAMP = 24.0
+# With at most INLINE_SEQS packed sequences the prepare (its ``inline_offsets`` form) and the scan find their chunks
+# from cu_seqlens alone: no chunk plan is launched or computed before them. A compile-time form of the prepare: the
+# kernel with both lookups spilled 8 bytes (wide blocks).
+INLINE_SEQS = 128
 NSTAGE = 4  # q / k / gate slices in flight (cp.async): [64][16] tiles of q, k (bf16) and the gate (bf16 / fp32)
 
 
@@ -91,20 +95,59 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
     int seq_len, chunk;
 #if IS_VARLEN
     {
-        // the sequence holding this chunk slot: the last n <= N with chunk_offsets[n] <= slot (n = N: past the last
-        // sequence). Each warp searches 32-ary, one probe a lane (the probes that hold form a prefix of the lanes:
-        // the offsets do not decrease), so N <= 32 takes one round of loads and N <= 1024 two, not log2(N + 1).
-        int lo = 0, hi = N;
-        while (lo < hi) {
-            const int step = (hi - lo + 31) >> 5, probe = lo + (lane + 1) * step;
-            const bool holds = probe <= hi && chunk_offsets[probe] <= slot;
-            lo += __popc(__ballot_sync(FULL, holds)) * step;
-            hi = min(hi, lo + step - 1);
+        int lo = N, first = 0;  // the sequence holding this chunk slot (N: past the last sequence), its first slot
+#if INLINE_OFFSETS
+        // No chunk plan (at most INLINE_SEQS sequences): lane i loads the offsets of sequences i, i + 32, ...; a warp
+        // scan of their chunk counts gives each sequence's first slot, a ballot the sequence holding this slot, and
+        // its lane passes its offsets on (one round of loads up to 32 sequences).
+        int carry = 0;
+        for (int base = 0; base < N; base += 32) {
+            int b0 = 0, b1 = 0, count = 0;  // (offsets fit an int: the kernel's T is one)
+            if (base + lane < N) {
+                b0 = (int)cu_seqlens[base + lane];
+                b1 = (int)cu_seqlens[base + lane + 1];
+                count = b1 > b0 ? (b1 - b0 + 63) / 64 : 0;
+            }
+            int x = count;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(FULL, x, off);
+                if (lane >= off) x += y;
+            }
+            const int begin = carry + x - count;
+            const unsigned holds = __ballot_sync(FULL, slot >= begin && slot < begin + count);
+            if (holds) {
+                const int src = __ffs(holds) - 1;
+                lo = base + src;
+                first = __shfl_sync(FULL, begin, src);
+                const int b = __shfl_sync(FULL, b0, src);
+                bos = b;
+                seq_len = __shfl_sync(FULL, b1, src) - b;
+                break;
+            }
+            carry += __shfl_sync(FULL, x, 31);
+        }
+        if (lo >= N) return;
+#else
+        {
+            // the last n <= N with chunk_offsets[n] <= slot. Each warp searches 32-ary, one probe a lane (the probes
+            // that hold form a prefix of the lanes: the offsets do not decrease), so N <= 32 takes one round of
+            // loads and N <= 1024 two, not log2(N + 1).
+            int hi = N;
+            lo = 0;
+            while (lo < hi) {
+                const int step = (hi - lo + 31) >> 5, probe = lo + (lane + 1) * step;
+                const bool holds = probe <= hi && chunk_offsets[probe] <= slot;
+                lo += __popc(__ballot_sync(FULL, holds)) * step;
+                hi = min(hi, lo + step - 1);
+            }
+            if (lo < N) first = chunk_offsets[lo];
         }
         if (lo >= N) return;
         bos = (long long)cu_seqlens[lo];
         seq_len = (int)((long long)cu_seqlens[lo + 1] - bos);
-        chunk = slot - chunk_offsets[lo];
+#endif
+        chunk = slot - first;
     }
 #else
     {
@@ -199,7 +242,8 @@ _PROLOGUE_TAIL = r"""    if (tid < 64) {
 
 def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool, l2norm: bool, has_a_log: bool,
                   has_dt_bias: bool, beta_sigmoid: bool, save_akk: bool, scalar_gate: bool = False,
-                  row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False) -> str:
+                  row_factors: bool = False, softplus_gate: bool = False, wide_blocks: bool = False,
+                  inline_offsets: bool = False) -> str:
     """The kernel's CUDA text for one specialisation (``g_dtype`` / ``beta_dtype``: "bf16" or "f32";
     ``cu_dtype``: "int" or "long long", the cu_seqlens element type). ``scalar_gate``: one gate per (token, value
     head), ``g`` ``[TT, HV]`` and ``dt_bias`` ``[HV]`` (GDN); ``has_a_log`` then selects the in-kernel softplus
@@ -209,7 +253,10 @@ def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool,
     bound below ``-MAX_BOUNDED_DECAY``), so its product with itself is formed on clamped steps with two anchors
     (``cuda_prepare_channel.py``). ``row_factors`` (scalar gate only): write the rows' q / k factors
     ``[slots, HV, 2, 64]`` fp32 through the ``QG`` pointer instead of the ``qg`` / ``kd`` tiles, for the CUDA scan's
-    ``row_factors`` form."""
+    ``row_factors`` form. ``inline_offsets`` (with ``varlen``, at most ``INLINE_SEQS`` sequences): the chunk slots
+    are found from ``cu_seqlens`` alone, ``chunk_offsets`` is not read."""
+    if inline_offsets and not varlen:
+        raise ValueError("inline_offsets needs varlen (packed sequences)")
     if row_factors and not scalar_gate:
         raise ValueError("row_factors needs scalar_gate (one gate per token and value head)")
     if scalar_gate and (softplus_gate or wide_blocks):
@@ -229,7 +276,8 @@ def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool,
         "ROW_FACTORS": int(row_factors), "GATE_SOFTPLUS": int(softplus_gate), "WIDE_BLOCKS": int(wide_blocks),
         "KEY_ANCHOR": "1.0f" if wide_blocks else "0.5f", "STEP_CLAMP": f"{STEP_CLAMP:.1f}f",
         "LD": LD, "KEYS_BYTES": KEYS_BYTES, "XS_OFF": XS_OFF, "VS_OFF": VS_OFF, "BETA_OFF": BETA_OFF,
-        "UNION_OFF": UNION_OFF, "STAGE_OFF": STAGE_OFF, "NSTAGE": NSTAGE, "G_BYTES": 2 if g_dtype == "bf16" else 4,
+        "UNION_OFF": UNION_OFF, "INLINE_SEQS": INLINE_SEQS, "INLINE_OFFSETS": int(inline_offsets),
+        "STAGE_OFF": STAGE_OFF, "NSTAGE": NSTAGE, "G_BYTES": 2 if g_dtype == "bf16" else 4,
         "STAGE_BYTES": stage_bytes(2 if g_dtype == "bf16" else 4),
     }
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())

@@ -122,7 +122,9 @@ def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seql
     """Run the CUDA scan: ``o`` (and ``final`` when given) from our prepare kernel's intermediates (the
     caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). With
     ``factors`` (the scalar-gate prepare's ``row_factors`` output, ``[slots, HV, 2, 64]`` fp32) ``qg`` / ``kd`` are
-    the raw, contiguous q / k ``[..., H, 128]``. Raises NvrtcUnavailable when the kernel cannot be built."""
+    the raw, contiguous q / k ``[..., H, 128]``. With packed sequences the kernel zeroes ``o``'s rows past the last
+    sequence (``o`` need not start zeroed); with at most ``INLINE_SEQS`` of them it counts their chunks from
+    ``cu_seqlens`` and does not read ``chunk_offsets``. Raises NvrtcUnavailable when the kernel cannot be built."""
     device_index = cuda_index(w.device)
     HV = w.shape[-2]
     H = qg.shape[-2] if factors is not None else HV

@@ -37,7 +37,9 @@ The chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u`` ``[64, BV]``, ``A_qk`` ``[
 16-byte columns of fixed rows, whole chunks without row checks. One barrier per chunk, for reusing a stage. One
 CTA of ``BV / 16`` warps per (value block, head, sequence): grid ``(128 / BV, HV, N)``, BV = 32 (more CTAs, for
 few heads), 64, or 128 for many (sequence, head) pairs (one CTA a pair loads the chunk's w / qg / kd tiles once;
-``cuda_scan.block_v_for``).
+``cuda_scan.block_v_for``). With packed sequences a CTA finds its sequence's first chunk from ``cu_seqlens`` alone when
+there are at most ``INLINE_SEQS`` of them (else from ``chunk_offsets``), and the CTAs zero the rows of ``o`` past the
+last sequence, so ``o`` need not start zeroed.
 
 Measured (H100, 2026-11-23; ``docs/kda-kernels.md`` section 5): a chunk step takes 1.86 us with BV = 64 and
 1.68 us with BV = 32 at 1 x 32768 x 32, against 2.4 us for the kernel's first design, whose warps split the state
@@ -46,6 +48,8 @@ register moves and address arithmetic; now about 880). What is left is latency w
 (ncu: 3.9 cycles per issued instruction, mostly fixed-latency and shared-memory waits).
 """
 from __future__ import annotations
+
+from kda_compile.ops.kda.cuda_prepare_source import INLINE_SEQS
 
 KERNEL_NAME = "kda_scan_mma"
 HEAD_DIM = 128
@@ -159,7 +163,25 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
 #if IS_VARLEN
     bos = (long long)cu_seqlens[n];
     seq_len = (int)((long long)cu_seqlens[n + 1] - bos);
-    first_chunk = chunk_offsets[n];
+    if (gridDim.z <= INLINE_SEQS) {
+        // few sequences, no chunk plan: the chunks of the sequences before n, counted by each warp (every load
+        // issued at once)
+        int count = 0;
+#pragma unroll
+        for (int r = 0; r < INLINE_SEQS / 32; ++r) {
+            const int i = 32 * r + lane;
+            if (i < n) {
+                const long long len = (long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i];
+                count += len > 0 ? (int)((len + 63) / 64) : 0;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) count += __shfl_xor_sync(0xffffffffu, count, off);
+        first_chunk = count;
+    } else {
+        first_chunk = chunk_offsets[n];
+    }
+    const long long packed_end = (long long)cu_seqlens[gridDim.z];  // o's rows from here on belong to no sequence
 #else
     bos = (long long)n * T;
     seq_len = T;
@@ -360,6 +382,19 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
         }
     }
 
+#if IS_VARLEN
+    {
+        // the rows of o past the last sequence (tokens of no sequence) read 0, as in the reference: CTA n zeroes its
+        // value columns of rows last + n, last + n + N, ... (none in the usual call)
+        const int N = gridDim.z;
+        const long long last = max(0LL, packed_end);
+        const long long rows = last + n < T ? (T - last - n + N - 1) / N : 0;
+        for (long long i = tid; i < rows * (BV / 8); i += NTHREADS) {
+            const long long row = last + n + (i / (BV / 8)) * N;
+            *reinterpret_cast<uint4*>(O + row * v_row + hv * VD + v0 + 8 * (i % (BV / 8))) = make_uint4(0, 0, 0, 0);
+        }
+    }
+#endif
 #if STORE_HT
     float* ht = HT + ((long long)n * HV + hv) * KD * VD + v0 + wc + gid;
 #pragma unroll
@@ -394,7 +429,7 @@ def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, 
         "CU_T": cu_dtype, "IS_VARLEN": int(varlen), "HAS_H0": int(has_h0), "STORE_HT": int(store_ht),
         "ROW_FACTORS": int(row_factors), "FACT_OFF": fact_off(block_v),
         "W_OFF": W_OFF, "QG_OFF": QG_OFF, "KD_OFF": KD_OFF, "A_OFF": A_OFF, "DECAY_OFF": DECAY_OFF,
-        "U_OFF": U_OFF, "STAGE_BYTES": stage_bytes(block_v, row_factors),
+        "U_OFF": U_OFF, "STAGE_BYTES": stage_bytes(block_v, row_factors), "INLINE_SEQS": INLINE_SEQS,
     }
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
     return head + _BODY

@@ -3,14 +3,15 @@
 An eager ``chunk_kda`` call through the ordinary path checks its arguments, chooses a backend and kernels, plans
 the chunks of packed sequences, allocates a dozen tensors and builds each kernel's ctypes argument list: about
 540 Python calls, 250 us of host time on an H100 (idle GPU, 1 x 2048 x 32), where the kernels take 170 us. Here a
-*plan* keeps, per call signature, what that work decided: the loaded prepare and scan kernels (and, for packed
-sequences, ``cuda_chunk_plan``'s kernel, which replaces the planning ops and the zero fill of the output), their
+*plan* keeps, per call signature, what that work decided: the loaded prepare and scan kernels (and, for more than
+``INLINE_SEQS`` packed sequences, ``cuda_chunk_plan``'s kernel, which replaces the planning ops; with fewer the
+two kernels find their chunks from ``cu_seqlens`` alone), their
 grids and argument blocks with the scalars filled in, and the byte layout of one workspace holding every
 intermediate. A call whose signature has a plan then allocates three tensors (``o``, the final state, the
 workspace), writes the pointers of its tensors into the argument blocks (one ``struct.pack_into`` each) and
-launches 2 kernels (3 with ``cu_seqlens``) on the current stream through prepared launches (ctypes values made
-once: ``_nvrtc.PreparedLaunch``), the prepare kernel before the outputs are allocated: no device synchronisation,
-no host-to-device copy, so it can be captured in a CUDA graph.
+launches 2 kernels (3 with more than ``INLINE_SEQS`` packed sequences) on the current stream through prepared
+launches (ctypes values made once: ``_nvrtc.PreparedLaunch``), the prepare kernel before the outputs are allocated:
+no device synchronisation, no host-to-device copy, so it can be captured in a CUDA graph.
 
 The signature holds everything the argument checks and the kernel choice read: every input's shape, dtype,
 device and contiguity, the initial state's strides, every option, the kernel switches of the environment
@@ -28,7 +29,7 @@ call (``cu_seqlens_cpu``'s offsets). At most ``MAX_PLANS`` signatures are kept (
 
 GDN (``chunk_gated_delta_rule``) runs the same two kernels with the prepare compiled for the scalar gate
 (``scalar_gate``) in their ``row_factors`` form (the prepare writes the rows' q / k factors, the scan reads the raw
-q / k: ``triton_chunk.row_factors_served``, which the ordinary path takes for every call a plan can serve): its
+q / k: ``triton_chunk.cuda_pair_served``, which the ordinary path takes for every call a plan can serve): its
 calls learn plans the same way, with the gate's form in the signature's options and the GDN backend choice asked by
 its caller (``served_by_our_kernels``), so nothing here imports GDN.
 
@@ -127,7 +128,7 @@ class _Layout:
 
 def _layout(tokens: int, HV: int, slots: int, num_seqs: int, row_factors: bool = False) -> _Layout:
     """``row_factors``: the ``qg`` region holds the rows' q / k factors ``[slots, HV, 2, 64]`` fp32 and there is no
-    ``kd`` (the scalar-gate kernel pair, ``triton_chunk.row_factors_served``)."""
+    ``kd`` (the scalar-gate kernel pair, ``triton_chunk.cuda_pair_served``)."""
     tile = tokens * HV * HEAD_DIM * 2
     sizes = {"w": tile, "u": tile, "qg": slots * HV * 2 * CHUNK * 4 if row_factors else tile,
              "kd": 0 if row_factors else tile, "a_qk": tokens * HV * CHUNK * 2, "decay": slots * HV * HEAD_DIM * 4,
@@ -144,7 +145,7 @@ class Plan:
 
     def __init__(self, *, device_index, o_shape, final_shape, state_v_first, layout, prepare, prepare_grid, scan,
                  scan_grid, scan_threads, planner, planner_grid, has_a_log, has_dt_bias, has_h0, varlen, scale,
-                 beta_scale, lower_bound, T, N, H, HV, h0_strides, row_words, row_factors=False):
+                 beta_scale, lower_bound, T, N, H, HV, h0_strides, row_factors=False):
         self.device_index, self.layout = device_index, layout
         self.o_shape = o_shape
         # the final state is allocated in the layout the caller gets: the kernel writes [N, HV, K, V] contiguously,
@@ -162,7 +163,8 @@ class Plan:
                                                f32(lower_bound)])
         self.scan_args = ArgumentBlock(12, [i32(T), i32(HV), i32(H if row_factors else HV)]
                                        + [i64(s) for s in h0_strides])
-        self.planner_args = ArgumentBlock(3, [i32(N), i64(T), i64(row_words)]) if varlen else None
+        # the chunk plan's kernel: more than INLINE_SEQS packed sequences (fewer: the kernels read cu_seqlens alone)
+        self.planner_args = ArgumentBlock(2, [i32(N)]) if planner is not None else None
         # (chunk plan or None, prepare, scan): launched with the argument blocks above on the caller's stream
         self._launches = tuple(
             None if block is None else kernel.launcher(grid, threads, block)
@@ -175,8 +177,7 @@ class Plan:
         """``(o, final state or None)``, the final state in the caller's layout; ``initial_state`` as the caller
         passed it (only its address is read: the plan holds the strides of its kernel view). The prepare kernel
         needs only the inputs and the workspace, so it is launched before the outputs are allocated: their host
-        time then runs beside it instead of before it (packed sequences allocate ``o`` first, for the chunk plan's
-        zero fill)."""
+        time then runs beside it instead of before it."""
         workspace = q.new_empty(self.layout.size, dtype=torch.uint8)
         at, lay = workspace.data_ptr(), self.layout
         w, u, qg, kd, a_qk, decay = (at + lay.w, at + lay.u, at + lay.qg, at + lay.kd, at + lay.a_qk, at + lay.decay)
@@ -184,22 +185,20 @@ class Plan:
         varlen = self.varlen
         cu = cu_seqlens.data_ptr() if varlen else qp
         offsets = at + lay.chunk_offsets if varlen else qp
-        o = q.new_empty(self.o_shape) if varlen else None
         index = self.device_index
         with self._lock, on_device(index):
             ensure_thread_context(index)
             stream = current_raw_stream(index)
             planner, prepare, scan = self._launches
-            if varlen:
-                self.planner_args.set_pointers((cu, offsets, o.data_ptr()))
+            if self.planner_args is not None:
+                self.planner_args.set_pointers((cu, offsets))
                 planner(stream)
             self.prepare_args.set_pointers((
                 qp, kp, v.data_ptr(), g.data_ptr(), beta.data_ptr(),
                 A_log.data_ptr() if self.has_a_log else w, dt_bias.data_ptr() if self.has_dt_bias else w,
                 w, u, qg, w if self.row_factors else kd, a_qk, decay, w, cu, offsets))
             prepare(stream)
-            if o is None:
-                o = q.new_empty(self.o_shape)
+            o = q.new_empty(self.o_shape)
             final = None if self.final_size is None else q.new_empty_strided(self.final_size, self.final_stride,
                                                                                dtype=torch.float32)
             # row factors: the prepare wrote the factors where qg would be; the scan reads them with the raw q / k
@@ -292,23 +291,24 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     cu_dtype = cu_seqlens.dtype if varlen else None
     flags = (varlen, l2norm, A_log is not None, dt_bias is not None, beta_sigmoid, False)
     softplus, wide = (False, False) if scalar_gate else cuda_prepare.channel_gate_form(lower_bound)
+    planned = varlen and N > prepare_src.INLINE_SEQS  # a chunk plan launched before the kernels (else none)
     with on_device(index):
         ensure_thread_context(index)
         prepare = cuda_prepare.prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, flags, scalar_gate=scalar_gate,
-                                              row_factors=scalar_gate, softplus_gate=softplus, wide_blocks=wide)
+                                              row_factors=scalar_gate, softplus_gate=softplus, wide_blocks=wide,
+                                              inline_offsets=varlen and not planned)
         scan = cuda_scan.scan_kernel(index, cu_dtype, h0 is not None, output_final_state, block_v,
                                      row_factors=scalar_gate)
-        planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if varlen else None
-    row_words = HV * V // 2
+        planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if planned else None
     return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
                 state_v_first=state_v_first, layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate),
                 prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
-                planner_grid=(1 + cuda_chunk_plan.zero_blocks(T, row_words), 1, 1), has_a_log=A_log is not None,
+                planner_grid=(1, 1, 1), has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
                 beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if lower_bound is None else lower_bound,
                 T=T, N=N, H=H, HV=HV,
-                h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0), row_words=row_words,
+                h0_strides=h0.stride() if h0 is not None else (0, 0, 0, 0),
                 row_factors=scalar_gate)
 
 

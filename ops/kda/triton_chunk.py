@@ -7,7 +7,7 @@ launches (three when the scan is split into segments):
 
 1. prepare, grid (chunks, HV): q/k L2 norm, gate, beta sigmoid, chunk cumsum, the intra-chunk
    ``A`` blocks and their triangular inverse on chip; writes ``w, u, qg, kd, A_qk, decay`` (with the scalar gate
-   and both CUDA kernels, the rows' q / k factors instead of ``qg, kd``: ``row_factors_served``);
+   and both CUDA kernels, the rows' q / k factors instead of ``qg, kd``: ``cuda_pair_served``);
 2. (segments only) summaries ``[M | C]`` of every segment but the last, grid (columns, HV, N, P - 1);
 3. scan, grid (V blocks, HV, N, P): the fp32 state walks the chunks and writes ``o`` and the final state.
 
@@ -35,11 +35,13 @@ import triton
 
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.kda.cuda_prepare import (choose_prepare_kernel, launch_prepare, prepare_flags, prepare_kernel,
-                                              run_or_fall_back)
+from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, launch_prepare, run_or_fall_back
+from kda_compile.ops.kda.cuda_prepare import kernel_for as prepare_kernel_for
+from kda_compile.ops.kda.cuda_prepare_source import INLINE_SEQS
 from kda_compile.ops.kda.cuda_scan import STEP_COST as CUDA_STEP_COST
 from kda_compile.ops.kda.cuda_scan import block_v_for as cuda_block_v
 from kda_compile.ops.kda.cuda_scan import choose_scan_kernel, launch_scan_cuda, scan_kernel, scan_waves
+from kda_compile.ops.kda.cuda_scan import outside_design as scan_outside_design
 from kda_compile.ops.kda.cuda_scan import run_or_fall_back as run_scan_cuda
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
@@ -274,30 +276,32 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
         STORE_STATES=h is not None, **common, **fixed)
 
 
-def row_factors_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: int, segments: int | None,
-                       output_final_state: bool, prepare_args: dict) -> bool:
-    """Whether a scalar-gate (GDN) call whose prepare runs on the CUDA kernel can take the ``row_factors`` pair:
-    the CUDA scan is the scan it would run (``choose_scan_kernel``, same cost model) and both kernels of the pair
-    load. The prepare then writes each row's q / k factors instead of the ``qg`` / ``kd`` tiles (two of its five
-    ``[T, HV, 128]`` outputs) and the scan reads the raw q / k, which the value heads of one q/k head share.
-    ``prepare_args``: the prepare's launch keywords. A kernel that cannot be built answers False (the ordinary pair
-    then runs, or records its own fallback)."""
+def cuda_pair_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: int, segments: int | None,
+                     output_final_state: bool, prepare_args: dict) -> bool:
+    """Whether a call whose prepare runs on the CUDA kernel (launch keywords ``prepare_args``) runs the CUDA scan
+    after it: the scan it would choose (``choose_scan_kernel``, same cost model), with both kernels loaded. A kernel
+    that cannot be built answers False (the ordinary pair then runs, or records its own fallback). The CUDA scan
+    zeroes ``o``'s rows past the last sequence itself. With a scalar
+    gate (GDN) the pair is asked in its ``row_factors`` form (``ROW_FACTORS`` in ``prepare_args``): the prepare
+    writes each row's q / k factors instead of the ``qg`` / ``kd`` tiles (two of its five ``[T, HV, 128]`` outputs)
+    and the scan reads the raw q / k, which the value heads of one q/k head share."""
     HV, K, V = v.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens.numel() > 0
     segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))
+    design = dict(num_seqs=N, gate_cumsum=False, writes_chunk_states=False, writes_o=True)
+    if scan_outside_design(q, v, initial_state, cu_seqlens, **design) is not None:
+        return False  # (a forced CUDA scan records its fallback once, in launch_scan)
     choice = choose_scan_kernel(
-        q, v, initial_state, cu_seqlens, num_seqs=N, gate_cumsum=False, writes_chunk_states=False, writes_o=True,
-        segments_asked=segments_asked,
+        q, v, initial_state, cu_seqlens, **design, segments_asked=segments_asked,
         cuda_faster=lambda: cuda_scan_is_faster(q.device, N, HV, K, V, T, varlen, initial_state is not None))
     if choice != "cuda":
         return False
     index = cuda_index(q.device)
     cu_dtype = cu_seqlens.dtype if varlen else None
     try:
-        prepare_kernel(index, g.dtype, beta.dtype, cu_dtype, prepare_flags(prepare_args), scalar_gate=True,
-                       row_factors=True)
+        prepare_kernel_for(index, g.dtype, beta.dtype, cu_dtype, prepare_args)
         scan_kernel(index, cu_dtype, initial_state is not None, output_final_state,
-                    cuda_block_v(N * HV, _device_sms(q.device)), row_factors=True)
+                    cuda_block_v(N * HV, _device_sms(q.device)), row_factors=bool(prepare_args.get("ROW_FACTORS")))
     except NvrtcUnavailable:
         return False
     return True
@@ -374,16 +378,15 @@ def chunk_kda_prefill(
         return q.new_empty(B, T, HV, V), final, (empty if save_residuals else None)
     varlen = cu_seqlens is not None
     tokens_past_last = varlen  # tokens after cu_seqlens[-1] belong to no sequence: o must be zeroed there
+    planned = None  # the chunk plan made on the host from cu_seqlens_cpu
     if varlen and cu_seqlens_cpu is not None and not _capturing(q.device):
         planned = _chunk_offsets(cu_seqlens_cpu)
-        chunk_offsets = planned.to(cu_seqlens.device, non_blocking=True)
         slots = max(int(planned[-1]), 1)  # a program with no chunk exits at once
         tokens_past_last = int(cu_seqlens_cpu[-1]) < T
     elif varlen:
-        chunk_offsets = _chunk_offsets(cu_seqlens)
         slots = triton.cdiv(T, CHUNK) + N  # an upper bound on the total chunk count: no host sync
     else:
-        chunk_offsets = cu_seqlens = q.new_empty(0, dtype=torch.int32)
+        cu_seqlens = q.new_empty(0, dtype=torch.int32)
         slots = B * triton.cdiv(T, CHUNK)
     dot_bf16, dot_precision, solve_precision, _ = _precisions(dtype)
 
@@ -413,20 +416,37 @@ def chunk_kda_prefill(
     )
     use_cuda = choose_prepare_kernel(q, k, v, g, beta, cu_seqlens if varlen else None, gate != int(GATE_PRECOMPUTED),
                                      lower_bound, scalar_gate=scalar_gate, op=op) == "cuda"
+    # Both CUDA kernels (loaded): with a scalar gate in their row-factor form; with at most INLINE_SEQS packed
+    # sequences they find their chunks from cu_seqlens alone (no chunk plan before them); the scan zeroes o past
+    # the last sequence
+    inline_offsets = varlen and N <= INLINE_SEQS
+    pair_args = {**prepare_args, "ROW_FACTORS": scalar_gate, "INLINE_OFFSETS": inline_offsets}
+    cuda_pair = use_cuda and cuda_pair_served(
+        q, v, g, beta, initial_state, cu_seqlens, T=T, N=N, segments=segments, output_final_state=output_final_state,
+        prepare_args=pair_args)
+    inline_offsets = inline_offsets and cuda_pair
+    if not varlen:
+        chunk_offsets = cu_seqlens
+    elif inline_offsets:
+        chunk_offsets = cu_seqlens  # (not read)
+    elif planned is not None:
+        chunk_offsets = planned.to(cu_seqlens.device, non_blocking=True)
+    else:
+        chunk_offsets = _chunk_offsets(cu_seqlens)
     factors = None
-    if use_cuda and scalar_gate and row_factors_served(q, v, g, beta, initial_state, cu_seqlens, T=T, N=N,
-                                                       segments=segments, output_final_state=output_final_state,
-                                                       prepare_args=prepare_args):
-        # the rows' q / k factors instead of the qg / kd tiles (row_factors_served); both kernels are loaded
+    if cuda_pair and scalar_gate:
+        # the rows' q / k factors instead of the qg / kd tiles; both kernels are loaded
         factors = q.new_empty(max(slots, 1), HV, 2, CHUNK, dtype=torch.float32)
         launch_prepare((q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, factors, w, a_qk, decay, a_kk, g_cumsum,
-                        cu_seqlens, chunk_offsets), slots, {**prepare_args, "ROW_FACTORS": True})
+                        cu_seqlens, chunk_offsets), slots, pair_args)
     else:
         qg = q.new_empty(TT, HV, K)
         kd = q.new_empty(TT, HV, K)
         prepare_tensors = (q, k, v, g, beta, A_log_arg, dt_bias_arg, w, u, qg, kd, a_qk, decay, a_kk, g_cumsum,
                            cu_seqlens, chunk_offsets)
-        if use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args, op=op):
+        if cuda_pair:
+            launch_prepare(prepare_tensors, slots, pair_args)  # (loaded: no fallback left to take)
+        elif use_cuda and run_or_fall_back(prepare_tensors, slots, prepare_args, op=op):
             pass  # the CUDA prepare kernel ran (cuda_prepare.py)
         elif _interpreted():
             kda_prepare_kernel[(slots, HV)](*prepare_tensors, **prepare_args, BKC=min(64, _pow2(K)),
@@ -436,11 +456,12 @@ def chunk_kda_prefill(
 
     # ---- the recurrence ---------------------------------------------------------------------------
     # Tokens past cu_seqlens[-1] belong to no sequence and read 0 (as in the reference); which tokens
-    # those are is on the device, so varlen output starts zeroed.
-    o = q.new_zeros(B, T, HV, V) if tokens_past_last else q.new_empty(B, T, HV, V)
+    # those are is on the device, so varlen output starts zeroed, except for the CUDA scan, which zeroes them.
+    o = q.new_zeros(B, T, HV, V) if tokens_past_last and not cuda_pair else q.new_empty(B, T, HV, V)
     final = q.new_empty(N, HV, K, V, dtype=torch.float32) if output_final_state else None
-    if factors is not None:  # the CUDA scan's row-factor form, on the raw q / k
-        launch_scan_cuda(w, u, q, k, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, T=T, N=N,
+    if cuda_pair:  # with a scalar gate the CUDA scan's row-factor form, on the raw q / k
+        launch_scan_cuda(w, u, q if factors is not None else qg, k if factors is not None else kd, a_qk, decay, o,
+                         initial_state, final, cu_seqlens, chunk_offsets, T=T, N=N,
                          block_v=cuda_block_v(N * HV, _device_sms(q.device)), factors=factors)
     else:
         launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offsets, T=T, N=N, segments=segments,

@@ -101,7 +101,7 @@ def test_cuda_prepare_matches_triton_prepare_and_the_recurrence(case):
 @pytest.mark.parametrize("case", CASES)
 def test_row_factor_pair_matches_the_tile_pair_and_the_recurrence(case):
     """With the CUDA prepare and scan, the prepare writes each row's q / k factors and the scan scales the raw q / k
-    (``triton_chunk.row_factors_served``): the same forward as the prepare's ``qg`` / ``kd`` tiles through the Triton
+    (``triton_chunk.cuda_pair_served``): the same forward as the prepare's ``qg`` / ``kd`` tiles through the Triton
     scan, within the intermediates' tolerance, and as close to the fp64 recurrence."""
     from kda_compile.ops.kda import triton_chunk as tc
 

@@ -159,15 +159,18 @@ def _run(kernel, x, *, l2norm=True, sigmoid=True, use_a_log=True, use_dt=True, s
     """chunk_kda_prefill with one prepare kernel; its outputs and the prepare kernel's intermediates."""
     from kda_compile.ops.kda import triton_chunk as tc
 
-    captured, original = {}, tc.launch_scan
+    captured, original, original_cuda = {}, tc.launch_scan, tc.launch_scan_cuda
 
-    def capture(w, u, qg, kd, a_qk, decay, *args, **kwargs):
-        captured.update(w=w.clone(), u=u.clone(), qg=qg.clone(), kd=kd.clone(), a_qk=a_qk.clone(), decay=decay.clone())
-        return original(w, u, qg, kd, a_qk, decay, *args, **kwargs)
+    def capturing(scan):
+        def capture(w, u, qg, kd, a_qk, decay, *args, **kwargs):
+            captured.update(w=w.clone(), u=u.clone(), qg=qg.clone(), kd=kd.clone(), a_qk=a_qk.clone(),
+                            decay=decay.clone())
+            return scan(w, u, qg, kd, a_qk, decay, *args, **kwargs)
+        return capture
 
     previous = os.environ.get(cuda_prepare.KERNEL_ENV)
     os.environ[cuda_prepare.KERNEL_ENV] = kernel
-    tc.launch_scan = capture
+    tc.launch_scan, tc.launch_scan_cuda = capturing(original), capturing(original_cuda)  # (the CUDA pair: the second)
     try:
         o, final, residuals = tc.chunk_kda_prefill(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"] if use_a_log else None,
@@ -175,7 +178,7 @@ def _run(kernel, x, *, l2norm=True, sigmoid=True, use_a_log=True, use_dt=True, s
             use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=sigmoid,
             lower_bound=lower_bound, save_residuals=save)
     finally:
-        tc.launch_scan = original
+        tc.launch_scan, tc.launch_scan_cuda = original, original_cuda
         if previous is None:
             os.environ.pop(cuda_prepare.KERNEL_ENV)
         else:

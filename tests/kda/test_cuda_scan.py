@@ -149,8 +149,9 @@ def _force_block_v(monkeypatch, block_v):
 def _record_launches(monkeypatch) -> list[int]:
     """The block width of every CUDA scan launch from now on (the launches still run)."""
     launched, real = [], cuda_scan.launch_scan_cuda
-    monkeypatch.setattr(cuda_scan, "launch_scan_cuda",
-                        lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw)))
+    spy = lambda *a, **kw: (launched.append(kw["block_v"]), real(*a, **kw))  # noqa: E731
+    monkeypatch.setattr(cuda_scan, "launch_scan_cuda", spy)  # (the scan chosen after the prepare)
+    monkeypatch.setattr(triton_chunk, "launch_scan_cuda", spy)  # (the CUDA pair, chosen before the prepare)
     return launched
 
 

@@ -8,6 +8,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kda_compile.ops import chunk_kda
 from kda_compile.ops.kda import cuda_prepare, fast_path, triton_chunk
@@ -96,6 +98,31 @@ def test_the_prepare_without_a_chunk_plan_returns_what_it_returns_with_one(case,
     monkeypatch.setattr(triton_chunk, "INLINE_SEQS", 0)  # the prepare's chunk-plan form for any count
     o_plan, final_plan, _ = _forward(x, lower_bound=lower_bound, scalar_gate=scalar_gate)
     assert seen == [True, False]
+    assert not o.isnan().any() and torch.equal(o, o_plan) and torch.equal(final, final_plan)
+    assert torch.all(o[:, offsets[-1]:] == 0)
+
+
+@cuda
+@settings(deadline=None, max_examples=40)
+@given(lengths=st.lists(st.sampled_from([0, 1, 2, 63, 64, 65, 127, 128, 129, 200]) | st.integers(0, 300),
+                        min_size=1, max_size=LIMIT + 12),
+       tail=st.sampled_from([0, 0, 1, 63, 64, 130]), gate=st.sampled_from(["lower_bound", "softplus", "gdn"]),
+       int64=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_drawn_packings_equal_the_chunk_plan_form(lengths, tail, gate, int64, seed):
+    """Drawn sequence counts (1 to INLINE_SEQS + 12, empty ones and a tail of no sequence included) and lengths
+    around the chunk size: the default call equals the chunk-plan form bitwise, rows of no sequence read 0."""
+    offsets = _offsets(lengths)
+    scalar_gate = gate == "gdn"
+    x = _inputs(offsets, tail, scalar_gate=scalar_gate, cu_dtype=torch.int64 if int64 else torch.int32, seed=seed)
+    lower_bound = LB if gate == "lower_bound" else None
+    _poison_free_memory(x["v"].numel() * 2 * 8)
+    o, final, _ = _forward(x, lower_bound=lower_bound, scalar_gate=scalar_gate)
+    limit = triton_chunk.INLINE_SEQS
+    triton_chunk.INLINE_SEQS = 0  # the prepare's chunk-plan form for any count
+    try:
+        o_plan, final_plan, _ = _forward(x, lower_bound=lower_bound, scalar_gate=scalar_gate)
+    finally:
+        triton_chunk.INLINE_SEQS = limit
     assert not o.isnan().any() and torch.equal(o, o_plan) and torch.equal(final, final_plan)
     assert torch.all(o[:, offsets[-1]:] == 0)
 

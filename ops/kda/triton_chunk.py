@@ -281,10 +281,10 @@ def cuda_pair_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: int
     """Whether a call whose prepare runs on the CUDA kernel (launch keywords ``prepare_args``) runs the CUDA scan
     after it: the scan it would choose (``choose_scan_kernel``, same cost model), with both kernels loaded. A kernel
     that cannot be built answers False (the ordinary pair then runs, or records its own fallback). The CUDA scan
-    zeroes ``o``'s rows past the last sequence itself. With a scalar
-    gate (GDN) the pair is asked in its ``row_factors`` form (``ROW_FACTORS`` in ``prepare_args``): the prepare
-    writes each row's q / k factors instead of the ``qg`` / ``kd`` tiles (two of its five ``[T, HV, 128]`` outputs)
-    and the scan reads the raw q / k, which the value heads of one q/k head share."""
+    zeroes ``o``'s rows past the last sequence itself. With a scalar gate (GDN) the pair is asked in its
+    ``row_factors`` form (``ROW_FACTORS`` in ``prepare_args``): the prepare writes each row's q / k factors instead
+    of the ``qg`` / ``kd`` tiles (two of its five ``[T, HV, 128]`` outputs) and the scan reads the raw q / k, which
+    the value heads of one q/k head share."""
     HV, K, V = v.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens.numel() > 0
     segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))

@@ -38,11 +38,10 @@ import logging
 
 import torch
 
-from kda_compile.ops.dsa.reference import BLOCK_BYTES
+from kda_compile.ops.dsa.reference import BLOCK_BYTES, ORDER_INDEX_MASK
 
 logger = logging.getLogger("kda_compile.ops.dsa.pooled")
 
-_LOW31 = (1 << 31) - 1
 POOL_BLOCK = 1024  # pools scored per step of the running top-k (tests lower it to exercise the merge)
 QUERY_BLOCK = 1 << 30  # an upper bound on the query block (the byte budget decides; tests lower it)
 
@@ -100,7 +99,7 @@ def _order_keys(scores: torch.Tensor, visible: torch.Tensor, start: int) -> torc
     unsigned = bits & 0xFFFFFFFF
     ordered = torch.where(bits >= 0, unsigned | 0x80000000, unsigned ^ 0xFFFFFFFF)
     index = torch.arange(start, start + s.shape[-1], device=s.device, dtype=torch.int64)
-    key = (ordered << 31) | (_LOW31 - index)
+    key = (ordered << 31) | (ORDER_INDEX_MASK - index)
     return torch.where(visible, key, torch.full_like(key, -1))
 
 
@@ -176,7 +175,7 @@ def merge_best(best, keys: torch.Tensor, slots: int) -> torch.Tensor:
 def write_pools(out: torch.Tensor, start: int, stop: int, best: torch.Tensor, first: torch.Tensor, pool: int):
     """Expand the chosen pools' order keys ``best`` [B, stop - start, slots] into their tokens in ``out``."""
     slots = best.shape[-1]
-    chosen = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, -1))
+    chosen = torch.where(best >= 0, ORDER_INDEX_MASK - (best & ORDER_INDEX_MASK), torch.full_like(best, -1))
     tokens = first[:, None, None, None] + chosen[..., None] * pool + torch.arange(pool, device=best.device)
     tokens = torch.where(chosen[..., None] >= 0, tokens, torch.full_like(tokens, -1))
     out[:, start:stop, :slots * pool] = tokens.flatten(-2).to(torch.int32)

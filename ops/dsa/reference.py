@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 BLOCK_BYTES = 64 << 20  # temporaries of one query block (CPU path); the kernels bound their own tiles
-_LOW31 = (1 << 31) - 1
+ORDER_INDEX_MASK = (1 << 31) - 1  # an order key's low 31 bits: the inverted key (or pool) index
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -80,7 +80,7 @@ def order_keys(scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     unsigned = bits & 0xFFFFFFFF
     ordered = torch.where(bits >= 0, unsigned | 0x80000000, unsigned ^ 0xFFFFFFFF)
     index = torch.arange(s.shape[-1], device=s.device, dtype=torch.int64)
-    key = (ordered << 31) | (_LOW31 - index)
+    key = (ordered << 31) | (ORDER_INDEX_MASK - index)
     return torch.where(visible, key, torch.full_like(key, -1))
 
 
@@ -89,8 +89,9 @@ def topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
     then -1 (invisible keys are never chosen; rows with fewer visible keys pad)."""
     width = min(topk, keys.shape[-1])
     best = torch.topk(keys, width, dim=-1, sorted=False).values
-    idx = torch.where(best >= 0, _LOW31 - (best & _LOW31), torch.full_like(best, _LOW31)).sort(dim=-1).values
-    idx = torch.where(idx < _LOW31, idx, torch.full_like(idx, -1)).to(torch.int32)
+    idx = torch.where(best >= 0, ORDER_INDEX_MASK - (best & ORDER_INDEX_MASK),
+                      torch.full_like(best, ORDER_INDEX_MASK)).sort(dim=-1).values
+    idx = torch.where(idx < ORDER_INDEX_MASK, idx, torch.full_like(idx, -1)).to(torch.int32)
     if width < topk:
         idx = torch.nn.functional.pad(idx, (0, topk - width), value=-1)
     return idx

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import next_power_of_2
+from kda_compile.ops.dsa.reference import ORDER_INDEX_MASK
 from kda_compile.ops.dsa.triton_indexer import interpreted
 
 BLOCK_COLUMNS = 1024  # columns a program writes per step of its row
@@ -36,8 +37,8 @@ def pool_rows_kernel(
     stride_vb, stride_vt,
     stride_mb, stride_ms,
     row0, width, slots, T, q_offset,
-    POOL: tl.constexpr, HAS_BEST: tl.constexpr, HAS_TAIL: tl.constexpr, HAS_KEY_VALID: tl.constexpr,
-    HAS_QUERY_MASK: tl.constexpr, BLOCK: tl.constexpr,
+    POOL: tl.constexpr, ORDER_INDEX_MASK: tl.constexpr, HAS_BEST: tl.constexpr, HAS_TAIL: tl.constexpr,
+    HAS_KEY_VALID: tl.constexpr, HAS_QUERY_MASK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Row ``row0 + local`` of batch row ``b`` (grid (rows, B)); Best [B, rows, slots] int64 holds the block's rows
     from its first (``local``); Count [B, S] int64, KeyValid [B, T] uint8, QueryMask [B, S] uint8, NSel a 0-dim
@@ -62,7 +63,7 @@ def pool_rows_kernel(
             slot = c // POOL
             in_slots = in_row & (slot < slots)
             key = tl.load(Best + b * stride_bb + local * stride_bs + slot * stride_bk, mask=in_slots, other=-1)
-            pool = tl.where(key >= 0, 2147483647 - (key & 2147483647), -1)
+            pool = tl.where(key >= 0, ORDER_INDEX_MASK - (key & ORDER_INDEX_MASK), -1)
             value = tl.where(in_slots & (pool >= 0), first + pool * POOL + c % POOL, value)
         if HAS_TAIL:
             j = c - n_sel * POOL
@@ -99,6 +100,7 @@ def write_rows(out, start: int, stop: int, best, first, n_sel, count, key_valid,
         out, best_t, first, n_sel, count_t, valid_u8, mask_u8,
         *out.stride(), *strides(best_t, 3), *strides(count_t, 2), *strides(valid_u8, 2), *strides(mask_u8, 2),
         start, width, best.shape[-1] if best is not None else 0, t_len, q_offset,
-        POOL=pool, HAS_BEST=best is not None, HAS_TAIL=count is not None, HAS_KEY_VALID=key_valid is not None,
-        HAS_QUERY_MASK=query_mask is not None, BLOCK=block, num_warps=1 if on_interpreter else 4,
+        POOL=pool, ORDER_INDEX_MASK=ORDER_INDEX_MASK, HAS_BEST=best is not None, HAS_TAIL=count is not None,
+        HAS_KEY_VALID=key_valid is not None, HAS_QUERY_MASK=query_mask is not None, BLOCK=block,
+        num_warps=1 if on_interpreter else 4,
     )

@@ -144,7 +144,7 @@ class Plan:
     """One signature's kernels, grids, argument blocks and workspace layout; calling it runs the forward."""
 
     def __init__(self, *, device_index, o_shape, final_shape, state_v_first, layout, prepare, prepare_grid, scan,
-                 scan_grid, scan_threads, planner, planner_grid, has_a_log, has_dt_bias, has_h0, varlen, scale,
+                 scan_grid, scan_threads, planner, has_a_log, has_dt_bias, has_h0, varlen, scale,
                  beta_scale, lower_bound, T, N, H, HV, h0_strides, row_factors=False):
         self.device_index, self.layout = device_index, layout
         self.o_shape = o_shape
@@ -168,7 +168,7 @@ class Plan:
         # (chunk plan or None, prepare, scan): launched with the argument blocks above on the caller's stream
         self._launches = tuple(
             None if block is None else kernel.launcher(grid, threads, block)
-            for kernel, grid, threads, block in ((planner, planner_grid, cuda_chunk_plan.THREADS, self.planner_args),
+            for kernel, grid, threads, block in ((planner, (1, 1, 1), cuda_chunk_plan.THREADS, self.planner_args),
                                                  (prepare, prepare_grid, prepare_src.THREADS, self.prepare_args),
                                                  (scan, scan_grid, scan_threads, self.scan_args)))
         self._lock = threading.Lock()
@@ -304,7 +304,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
                 state_v_first=state_v_first, layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate),
                 prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
                 scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
-                planner_grid=(1, 1, 1), has_a_log=A_log is not None,
+                has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
                 beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if lower_bound is None else lower_bound,
                 T=T, N=N, H=H, HV=HV,

@@ -425,10 +425,8 @@ def chunk_kda_prefill(
         q, v, g, beta, initial_state, cu_seqlens, T=T, N=N, segments=segments, output_final_state=output_final_state,
         prepare_args=pair_args)
     inline_offsets = inline_offsets and cuda_pair
-    if not varlen:
-        chunk_offsets = cu_seqlens
-    elif inline_offsets:
-        chunk_offsets = cu_seqlens  # (not read)
+    if not varlen or inline_offsets:
+        chunk_offsets = cu_seqlens  # (empty, or not read)
     elif planned is not None:
         chunk_offsets = planned.to(cu_seqlens.device, non_blocking=True)
     else:

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from kda_compile.ops import _nvrtc
+from kda_compile.ops.dsa import cuda_pool_keys_source as dsa_pool_rows
 from kda_compile.ops.dsa import cuda_topk
 from kda_compile.ops.dsa import wgmma_indexer_source as dsa_indexer
 from kda_compile.ops.dsa import wgmma_sparse_source as dsa_sparse
@@ -215,3 +216,25 @@ def test_dsa_indexer_source_options_are_checked():
         dsa_indexer.kernel_source(elem="bf16", has_key_mask=False, stages=1)
     with pytest.raises(ValueError, match="elem must be 'bf16' or 'f16'"):
         dsa_indexer.kernel_source(elem="f32", has_key_mask=False)
+
+
+@pytest.mark.parametrize("elem, spans, has_mask, channels, pool",
+                         [(e, s, m, 128, 16) for e, s, m in itertools.product(("bf16", "f16"), (1, 2), (False, True))]
+                         + [("bf16", 1, True, 256, 32), ("f16", 2, True, 96, 3), ("bf16", 1, False, 32, 1)])
+def test_dsa_pool_rows_kernel_compiles_without_spills(elem, spans, has_mask, channels, pool, caplog):
+    """glm5_next's pool-forming kernel over whole token rows: every width and pool size it takes compiles for
+    sm_80 and sm_90a without spills (wide pools read the position bias through the L1 instead of registers)."""
+    source = dsa_pool_rows.kernel_source(elem=elem, pool=pool, channels=channels, spans=spans, has_mask=has_mask)
+    for arch in ("80", "90a"):
+        assert _compile(source, dsa_pool_rows.KERNEL_NAME, arch, caplog) == {"stores": 0, "loads": 0}
+
+
+def test_dsa_pool_rows_source_options_are_checked():
+    with pytest.raises(ValueError, match="elem='f32'"):
+        dsa_pool_rows.kernel_source(elem="f32", pool=16, channels=128, spans=1, has_mask=True)
+    with pytest.raises(ValueError, match="pool=33"):
+        dsa_pool_rows.kernel_source(elem="bf16", pool=33, channels=128, spans=1, has_mask=True)
+    with pytest.raises(ValueError, match="channels=100"):
+        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=100, spans=1, has_mask=True)
+    with pytest.raises(ValueError, match="spans=3"):
+        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=128, spans=3, has_mask=True)

@@ -3,7 +3,9 @@
 Widths: ``deepseek_v32`` (128 heads, latent 512 + rope 64 = d_qk 576, d_v 512 in the absorbed MQA form;
 indexer 64 heads x 128; top-k 2048), ``glm5`` (GLM-MoE-DSA-like: 64 heads, the same latent widths, indexer
 32 heads x 128, top-k 2048) and ``glm5_next`` (its pooled indexer: 32 heads x 128 over pools of 16 keys, top-k
-2048 tokens = 128 pools plus the 15-slot visible tail; attention 64 heads over latent 512, no rope). Shapes:
+2048 tokens = 128 pools plus the 15-slot visible tail; attention 64 heads over latent 512, no rope; its keys,
+gates and key flags are views of one ``[B, T, 2D + 1]`` tensor, as HF's cache holds them, and each call makes
+the key mask from the flags and passes HF's options, as the rewritten model does). Shapes:
 prefill of one sequence of 4k / 16k / 32k / 64k tokens (causal) and decode (one query) at batch 1 / 64 against
 8k / 32k cached tokens; bf16 inputs, fp32 indexer weights.
 
@@ -102,11 +104,18 @@ def make_inputs(w: Widths, case: Case, device, dtype=torch.bfloat16, seed: int =
             make(b, s, w.heads, d_qk), make(b, t, 1, d_qk))
 
 
-def pooled_inputs(w: Widths, case: Case, device, dtype=torch.bfloat16, seed: int = 1):
-    """(gate [B, T, D], ape [P, D] fp32): the pooled indexer's gate scores and per-position bias."""
+def pooled_inputs(w: Widths, case: Case, k_index, seed: int = 1):
+    """(k, gate, flags, ape): the pooled indexer's keys, gate scores and key flags as views of one
+    ``[B, T, 2D + 1]`` tensor, laid out as HF's glm5_next cache keeps them (``cat([k, gate, valid])``: rows of 514
+    bytes at D = 128, no 16-byte aligned row starts), every key valid; and the per-position bias ``ape`` [P, D]
+    fp32."""
+    device, dtype = k_index.device, k_index.dtype
     gen = torch.Generator(device=device).manual_seed(seed)
     gate = torch.randn(case.batch, case.keys, w.indexer_dim, generator=gen, device=device).to(dtype)
-    return gate, torch.randn(w.pool, w.indexer_dim, generator=gen, device=device)
+    flags = torch.ones(case.batch, case.keys, 1, device=device, dtype=dtype)
+    rows = torch.cat([k_index, gate, flags], dim=-1)
+    d = w.indexer_dim
+    return rows[..., :d], rows[..., d:2 * d], rows[..., 2 * d], torch.randn(w.pool, d, generator=gen, device=device)
 
 
 def visible_pairs(case: Case, pool: int = 1) -> int:
@@ -255,9 +264,14 @@ def bench_case(model: str, w: Widths, case: Case, modes, dense: bool, device, sm
     qi, ki, weights, q, kv = make_inputs(w, case, device, dtype)
     iscale, scale = w.indexer_dim ** -0.5, (w.latent + w.rope) ** -0.5 * 1.3
     if w.pool:
-        gate, ape = pooled_inputs(w, case, device, dtype)
+        ki, gate, flags, ape = pooled_inputs(w, case, ki)
+        queries = torch.ones(case.batch, case.queries, dtype=torch.bool, device=device)
         index_op = "dsa_pooled_indexer"
-        indexer = lambda: dsa_pooled_indexer_topk(qi, ki, weights, gate, ape, w.topk, scale=iscale)  # noqa: E731
+
+        def indexer():  # what the rewritten model passes: the cache's views, its flags as a mask, HF's options
+            return dsa_pooled_indexer_topk(qi, ki, weights, gate, ape, w.topk, scale=iscale, key_valid=flags.bool(),
+                                           query_mask=queries, q_offset=case.keys - case.queries, select_tail=True)
+
         dense_index = lambda: dense_pooled_indexer(qi, ki, weights, gate, ape, w.topk, iscale)  # noqa: E731
     else:
         index_op = "dsa_indexer"

@@ -1,8 +1,9 @@
 """Triton kernels for glm5_next's pooled DSA indexer: fused pool scores, written as exact top-k sort keys.
 
 Kernels and launcher only (no torch.compile, no dispatch). The pooled keys ``pk [B, NP, D]`` and which pools
-are complete and valid come from ``pooled.prepare`` with the pools formed by one kernel
-(``triton_pool_keys.py``: the CPU path's math in one pass over the key cache). For a tile of BLOCK_M queries x
+are complete and valid come from ``pooled.prepare`` with the pools formed by one kernel (the CPU path's math in
+one pass over the key cache: ``cuda_pool_keys.py``, which copies whole token rows, for 16-bit keys on sm_80+, else
+``triton_pool_keys.py``). For a tile of BLOCK_M queries x
 BLOCK_N pools the kernel loads the pool-key tile once, loops over the H_I indexer heads (one
 ``[BLOCK_M, D] x [D, BLOCK_N]`` dot each) and accumulates ``w[i, h] * relu(scale * q[i, h] . pk[p])`` in
 float32: the ``[S, H_I, NP]`` logits never exist. It writes, instead of the score, the int64 order key of
@@ -31,6 +32,8 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.dsa import cuda_pool_keys
 from kda_compile.ops.dsa.pooled import merge_best, output_width, pool_reach, prepare, visible_count
 from kda_compile.ops.dsa.triton_pool_layout import write_rows
 from kda_compile.ops.dsa.triton_indexer import SHORT_QUERIES, interpreted
@@ -38,6 +41,17 @@ from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton
 
 KEY_BUFFER_BYTES = 256 << 20  # one [B, S_blk, p_blk] int64 key buffer (plus the running top-k it merges into)
 POOL_BLOCK = 16384  # pools scored per merge step (T = 256k tokens at P = 16 in one step; tests lower it)
+
+
+def form_pools(k, gate, key_valid, ape, first):
+    """The pool keys and validity (``pooled.pooled_keys``' contract) from the CUDA kernel that reads whole token
+    rows (``cuda_pool_keys.py``) where it serves the call, else from the Triton kernel."""
+    if cuda_pool_keys.choose_kernel(k, gate, ape.shape[0]) == "cuda":
+        try:
+            return cuda_pool_keys.pooled_keys_cuda(k, gate, key_valid, ape, first)
+        except NvrtcUnavailable as exc:
+            cuda_pool_keys.record_unavailable(exc)
+    return pooled_keys_triton(k, gate, key_valid, ape, first)
 
 
 @triton.jit
@@ -172,7 +186,7 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
     if b == 0 or s_len == 0:
         return out
     key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset,
-                                                                  form_pools=pooled_keys_triton)
+                                                                  form_pools=form_pools)
     n_pools = k.shape[1] // pool  # the pools that can be complete (pooled.pool_slots)
     # every row is written whole by write_rows (triton_pool_layout.py): pools, tail, padding
     count = visible_count(key_valid, pos, q_offset, b, k.shape[1]) if select_tail and pool > 1 else None

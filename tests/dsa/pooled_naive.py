@@ -120,8 +120,9 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     the layout (same tail and padding slots, the same number of pools per row, each pool's P consecutive
     tokens), ``got``'s pools are distinct, complete, valid and visible, in score order, and no visible pool
     left out scores above a chosen one, up to ``rtol`` of the row's largest score (float64 scores over the
-    pool keys ``got``'s path formed: ``pooled.pooled_keys`` on the CPU, the pool-forming kernel on CUDA, which
-    may round a pool key's last bit differently; tests/dsa/test_triton_pool_keys.py bounds that).
+    pool keys ``got``'s path formed: ``pooled.pooled_keys`` on the CPU, the op's pool-forming kernel on CUDA, which
+    may round a pool key's last bit differently; tests/dsa/test_triton_pool_keys.py and test_cuda_pool_keys.py bound
+    that).
 
     HF's rule, as checked here: a pool is a candidate for query ``i`` when it is valid and its last token
     ``first + p * P + P - 1 <= pos_i``; HF fills the other pools' scores with ``finfo.min`` before its top-k
@@ -138,8 +139,8 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     if key_valid is None:
         key_valid = torch.ones(b, t_len, dtype=torch.bool, device=got.device)
     first = first_valid(key_valid)
-    if got.is_cuda:
-        from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton as pooled_keys  # noqa: F811
+    if got.is_cuda:  # the pools the op's CUDA path formed (CUDA or Triton pool kernel, as it chose)
+        from kda_compile.ops.dsa.triton_pooled import form_pools as pooled_keys  # noqa: F811
     pk, pool_valid = pooled_keys(a["k"], a["gate"], key_valid, a["ape"], first)
     n_pools = pool_valid.shape[1]
     n_sel = min(topk // pool, int(pool_valid.any(0).sum()))

@@ -113,8 +113,8 @@ def read_pooled(nodes: list[torch.fx.Node]) -> dict:
 def replace_pooled(graph: torch.fx.Graph, site: dict, op) -> dict:
     """Insert the op before HF's output, reroute its users, erase what only HF's selection used."""
     out = site["out"]
+    # the flags as they lie in the cache rows (the op reads nonzero as valid, as HF's .bool() does)
     valid = insert_call(graph, out, "squeeze", (site["split"][2], -1), meta_from=out)
-    valid = insert_call(graph, out, "bool", (valid,), meta_from=out)
     kwargs = dict(scale=site["scale"], key_valid=valid, query_mask=site["query_mask"], q_offset=site["q_offset"],
                   select_tail=site["select_tail"])
     new = insert_call(graph, out, op, (site["q"], site["split"][0], site["weights"], site["split"][1], site["ape"],

@@ -218,23 +218,36 @@ def test_dsa_indexer_source_options_are_checked():
         dsa_indexer.kernel_source(elem="f32", has_key_mask=False)
 
 
-@pytest.mark.parametrize("elem, spans, has_mask, channels, pool",
-                         [(e, s, m, 128, 16) for e, s, m in itertools.product(("bf16", "f16"), (1, 2), (False, True))]
-                         + [("bf16", 1, True, 256, 32), ("f16", 2, True, 96, 3), ("bf16", 1, False, 32, 1)])
-def test_dsa_pool_rows_kernel_compiles_without_spills(elem, spans, has_mask, channels, pool, caplog):
-    """glm5_next's pool-forming kernel over whole token rows: every width and pool size it takes compiles for
+POOL_ROWS_FORMS = [(e, s, m, 128, 16, True) for e in ("bf16", "f16")
+                   for s, m in ((1, 0), (1, 1), (1, 2), (2, 0), (2, 1))]
+
+
+@pytest.mark.parametrize("elem, spans, mask, channels, pool, pairs",
+                         POOL_ROWS_FORMS + [("bf16", 1, 2, 128, 16, False), ("bf16", 1, 2, 256, 32, False),
+                                            ("bf16", 1, 2, 256, 16, True),
+                                            ("f16", 2, 1, 96, 3, False), ("bf16", 1, 0, 32, 1, False)])
+def test_dsa_pool_rows_kernel_compiles_without_spills(elem, spans, mask, channels, pool, pairs, caplog):
+    """glm5_next's pool-forming kernels over whole token rows: every width and pool size they take compiles for
     sm_80 and sm_90a without spills (wide pools read the position bias through the L1 instead of registers)."""
-    source = dsa_pool_rows.kernel_source(elem=elem, pool=pool, channels=channels, spans=spans, has_mask=has_mask)
+    source = dsa_pool_rows.kernel_source(elem=elem, pool=pool, channels=channels, spans=spans, mask=mask,
+                                         pairs=pairs)
+    names = (dsa_pool_rows.KERNEL_NAME, dsa_pool_rows.FIRST_NAME) if mask == dsa_pool_rows.MASK_FLAGS else \
+        (dsa_pool_rows.KERNEL_NAME,)
     for arch in ("80", "90a"):
-        assert _compile(source, dsa_pool_rows.KERNEL_NAME, arch, caplog) == {"stores": 0, "loads": 0}
+        for name in names:
+            assert _compile(source, name, arch, caplog) == {"stores": 0, "loads": 0}
 
 
 def test_dsa_pool_rows_source_options_are_checked():
     with pytest.raises(ValueError, match="elem='f32'"):
-        dsa_pool_rows.kernel_source(elem="f32", pool=16, channels=128, spans=1, has_mask=True)
+        dsa_pool_rows.kernel_source(elem="f32", pool=16, channels=128, spans=1, mask=1)
     with pytest.raises(ValueError, match="pool=33"):
-        dsa_pool_rows.kernel_source(elem="bf16", pool=33, channels=128, spans=1, has_mask=True)
+        dsa_pool_rows.kernel_source(elem="bf16", pool=33, channels=128, spans=1, mask=1)
     with pytest.raises(ValueError, match="channels=100"):
-        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=100, spans=1, has_mask=True)
+        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=100, spans=1, mask=1)
     with pytest.raises(ValueError, match="spans=3"):
-        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=128, spans=3, has_mask=True)
+        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=128, spans=3, mask=1)
+    with pytest.raises(ValueError, match="pairs with channels=96"):
+        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=96, spans=1, mask=1, pairs=True)
+    with pytest.raises(ValueError, match="mask=2 with spans=2"):
+        dsa_pool_rows.kernel_source(elem="bf16", pool=16, channels=128, spans=2, mask=2)

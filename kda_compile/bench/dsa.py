@@ -4,8 +4,8 @@ Widths: ``deepseek_v32`` (128 heads, latent 512 + rope 64 = d_qk 576, d_v 512 in
 indexer 64 heads x 128; top-k 2048), ``glm5`` (GLM-MoE-DSA-like: 64 heads, the same latent widths, indexer
 32 heads x 128, top-k 2048) and ``glm5_next`` (its pooled indexer: 32 heads x 128 over pools of 16 keys, top-k
 2048 tokens = 128 pools plus the 15-slot visible tail; attention 64 heads over latent 512, no rope; its keys,
-gates and key flags are views of one ``[B, T, 2D + 1]`` tensor, as HF's cache holds them, and each call makes
-the key mask from the flags and passes HF's options, as the rewritten model does). Shapes:
+gates and key flags are views of one ``[B, T, 2D + 1]`` tensor, as HF's cache holds them, passed with HF's options
+as the rewritten model passes them). Shapes:
 prefill of one sequence of 4k / 16k / 32k / 64k tokens (causal) and decode (one query) at batch 1 / 64 against
 8k / 32k cached tokens; bf16 inputs, fp32 indexer weights.
 
@@ -268,8 +268,8 @@ def bench_case(model: str, w: Widths, case: Case, modes, dense: bool, device, sm
         queries = torch.ones(case.batch, case.queries, dtype=torch.bool, device=device)
         index_op = "dsa_pooled_indexer"
 
-        def indexer():  # what the rewritten model passes: the cache's views, its flags as a mask, HF's options
-            return dsa_pooled_indexer_topk(qi, ki, weights, gate, ape, w.topk, scale=iscale, key_valid=flags.bool(),
+        def indexer():  # what the rewritten model passes: the cache's views (its flags too) and HF's options
+            return dsa_pooled_indexer_topk(qi, ki, weights, gate, ape, w.topk, scale=iscale, key_valid=flags,
                                            query_mask=queries, q_offset=case.keys - case.queries, select_tail=True)
 
         dense_index = lambda: dense_pooled_indexer(qi, ki, weights, gate, ape, w.topk, iscale)  # noqa: E731

@@ -121,7 +121,10 @@ def dsa_pooled_indexer_topk(
         ape: [P, D] the per-position gate bias ``index_kpool_compress_ape``, P >= 1; floating.
         topk: HF's ``index_topk`` (tokens), >= 1; ``topk // P`` pools are selected.
         scale: multiplies the dot product inside the ReLU (HF: ``head_dim ** -0.5``).
-        key_valid: None (all valid) or bool [B, T], HF's cached padding channel.
+        key_valid: None (all valid), a bool [B, T] mask, or floating [B, T] flags whose nonzero entries (NaN
+            included, as ``Tensor.bool`` reads them) mark the valid keys: HF's cached padding channel as it lies
+            in the cache, the last element of each ``cat([k, gate, valid])`` row, which the CUDA path then reads
+            in the rows it copies instead of making the mask in a separate pass.
         query_mask: None or bool [B, S]; False rows (padded queries) come back all -1.
         q_offset: position of query 0 (query i sees keys ``s <= q_offset + i``); default ``T - S`` (HF:
             ``current_length - S``; a static cache passes its filled length).
@@ -159,9 +162,11 @@ def dsa_pooled_indexer_topk(
     scale = _check_topk_and_scale(topk, scale)
     _check_bool("select_tail", select_tail)
     if key_valid is not None:
-        check_tensor("key_valid", key_valid, ndim=2, dtypes=(torch.bool,))
+        check_tensor("key_valid", key_valid, ndim=2)
+        if not (key_valid.dtype == torch.bool or key_valid.is_floating_point()):
+            raise arg_error("key_valid", describe(key_valid), "None, a bool mask or floating flags", kind=TypeError)
         if key_valid.shape[0] != b or key_valid.shape[1] != t_len:
-            raise arg_error("key_valid", describe(key_valid), f"None or bool [B, T] = [{b}, {t_len}]")
+            raise arg_error("key_valid", describe(key_valid), f"None or [B, T] = [{b}, {t_len}]")
     if query_mask is not None:
         check_tensor("query_mask", query_mask, ndim=2, dtypes=(torch.bool,))
         if query_mask.shape[0] != b or query_mask.shape[1] != s_len:

@@ -2,11 +2,13 @@
 token rows, for the cache layout Hugging Face keeps (keys, gates and the validity flag side by side in one ``[B, T, 2D +
 1]`` tensor) and for separate key and gate tensors with contiguous rows.
 
-Same contract as ``triton_pool_keys.pooled_keys_triton``. ``choose_kernel`` picks the kernel of a call
-(``KDA_COMPILE_POOL_KERNEL`` = auto | triton | cuda): this one for keys and gates in one row (HF's layout; separate
-tensors only when forced: the Triton kernel is faster on them), float16 / bfloat16 (one dtype, as in HF's cache) of at
-most 256 channels in pools of at most 32 tokens on an sm_80+ GPU, laid out as ``row_layout`` accepts; else the Triton
-kernel, recorded as a fallback when the call was one this kernel is written for or ``cuda`` was forced.
+``pooled_keys_cuda`` has the contract of ``triton_pool_keys.pooled_keys_triton``; ``pools_from_rows`` also reads the key
+flags where they lie in the copied rows (the op's ``key_valid`` given as HF's cache column) and returns the bool mask
+and each row's first valid key with the pools, so no separate pass over the flags makes them. ``choose_kernel`` picks
+the kernel of a call (``KDA_COMPILE_POOL_KERNEL`` = auto | triton | cuda): this one for keys and gates in one row (HF's
+layout; separate tensors only when forced: the Triton kernel is faster on them), float16 / bfloat16 (one dtype, as in
+HF's cache) of at most 256 channels in pools of at most 32 tokens on an sm_80+ GPU, laid out as ``row_layout`` accepts;
+else the Triton kernel, recorded as a fallback when the call was one this kernel is written for or ``cuda`` was forced.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class RowLayout:
     widths: tuple[int, int]  # bytes read per token
     k_off: int  # bytes from the key span's start to k[b, t, 0]
     g_off: int  # bytes from the gate span's start to gate[b, t, 0]
+    v_off: int = -1  # bytes from span 0's start to the flag element of the token (-1: the flags are not in it)
 
     @property
     def spans(self) -> int:
@@ -51,8 +54,10 @@ def _batch_stride(t: torch.Tensor) -> int:
     return t.stride(0) * t.element_size() if t.shape[0] > 1 else 0
 
 
-def row_layout(k: torch.Tensor, gate: torch.Tensor) -> RowLayout | str:
-    """The spans of k / gate [B, T, D] (channels contiguous), or why the kernel cannot read them as rows."""
+def row_layout(k: torch.Tensor, gate: torch.Tensor, flags: torch.Tensor | None = None) -> RowLayout | str:
+    """The spans of k / gate [B, T, D] (channels contiguous), or why the kernel cannot read them as rows. ``flags``
+    [B, T] (the key flags, k's dtype): the one span also holds each token's flag element where it lies in the same
+    row (``v_off``; HF's ``cat([k, gate, valid])``)."""
     es = k.element_size()
     if k.stride(-1) != 1 or gate.stride(-1) != 1:
         return f"k / gate channels are not contiguous (strides {tuple(k.stride())} / {tuple(gate.stride())})"
@@ -62,7 +67,13 @@ def row_layout(k: torch.Tensor, gate: torch.Tensor) -> RowLayout | str:
     if kst == gst and _batch_stride(k) == _batch_stride(gate) and abs(kp - gp) < kst:
         lo, hi = min(kp, gp), max(kp, gp) + width  # both in one row: one span
         if kst <= 2 * width + MAX_GAP:
-            return RowLayout((lo, 0), (_batch_stride(k), 0), (kst, 0), (hi - lo, 0), kp - lo, gp - lo)
+            v_off = -1
+            if flags is not None and flags.dtype == k.dtype and flags.stride(1) * es == kst \
+                    and _batch_stride(flags) == _batch_stride(k) and abs(flags.data_ptr() - lo) < kst:
+                vp = flags.data_ptr()
+                lo, hi = min(lo, vp), max(hi, vp + es)
+                v_off = vp - lo
+            return RowLayout((lo, 0), (_batch_stride(k), 0), (kst, 0), (hi - lo, 0), kp - lo, gp - lo, v_off)
     if kst <= width + MAX_GAP and gst <= width + MAX_GAP:
         return RowLayout((kp, gp), (_batch_stride(k), _batch_stride(gate)), (kst, gst), (width, width), 0, 0)
     return (f"k / gate rows are {kst} / {gst} bytes apart for {width}-byte rows (the kernel copies whole rows: at "
@@ -121,8 +132,11 @@ def choose_kernel(k, gate, pool: int) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _source(elem: str, pool: int, channels: int, spans: int, has_mask: bool) -> str:
-    return src.kernel_source(elem=elem, pool=pool, channels=channels, spans=spans, has_mask=has_mask)
+def _source(elem: str, pool: int, d: int, spans: int, mask: int) -> str:
+    """The kernels for keys of ``d`` channels: products in 16-bit pairs where D is a multiple of 64 and pools hold
+    at most 16 tokens (two channels' weights stay in registers)."""
+    return src.kernel_source(elem=elem, pool=pool, channels=32 * cdiv(d, 32), spans=spans, mask=mask,
+                             pairs=d % 64 == 0 and pool <= 16)
 
 
 def _stage_bytes(layout: RowLayout, pool: int) -> tuple[int, int]:
@@ -132,9 +146,47 @@ def _stage_bytes(layout: RowLayout, pool: int) -> tuple[int, int]:
     return first + second, first
 
 
+def flags_in_rows(k, gate, flags) -> bool:
+    """Whether the key flags ``flags`` (a [B, T] tensor of k's dtype) lie in the rows the kernel copies, so that
+    ``pools_from_rows`` reads them there (HF's cache layout)."""
+    layout = row_layout(k, gate, flags)
+    return not isinstance(layout, str) and layout.v_off >= 0
+
+
 def pooled_keys_cuda(k, gate, key_valid, ape, first):
     """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``triton_pool_keys.pooled_keys_triton``'s result
-    from this kernel. The caller checked ``choose_kernel`` is "cuda". Raises NvrtcUnavailable."""
+    from this kernel, ``key_valid`` None or bool [B, T]. The caller checked ``choose_kernel`` is "cuda". Raises
+    NvrtcUnavailable."""
+    mode = src.MASK_NONE if key_valid is None else src.MASK_INPUT
+    return _launch(k, gate, row_layout(k, gate), key_valid, ape, first, mode)
+
+
+def pools_from_rows(k, gate, flags, ape):
+    """(key_valid bool [B, T], first int64 [B], pk, pool_valid) with the keys' validity read from ``flags`` where
+    ``flags_in_rows`` says they lie in the copied rows: the first-key kernel, then the pool kernel, which writes the
+    mask as it reads the flags (no separate pass over the flags). Raises NvrtcUnavailable."""
+    b, t_len, _ = k.shape
+    key_valid = torch.empty((b, t_len), dtype=torch.bool, device=k.device)
+    first = torch.empty(b, dtype=torch.long, device=k.device)
+    layout = row_layout(k, gate, flags)
+    if b == 0:
+        return (key_valid, first, *_launch(k, gate, layout, key_valid, ape, first, src.MASK_FLAGS))
+    index = cuda_index(k.device)
+    with on_device(index):
+        source = _source(_ELEM[k.dtype], ape.shape[0], k.shape[-1], 1, src.MASK_FLAGS)
+        kernel = load_kernel(source, src.FIRST_NAME, index, arch=_arch(index), shared_bytes=0)
+        kernel.launch((b, 1, 1), src.FIRST_THREADS, [
+            ctypes.c_void_p(flags.data_ptr()), ctypes.c_void_p(key_valid.data_ptr()), ctypes.c_void_p(first.data_ptr()),
+            ctypes.c_longlong(layout.batch_strides[0]), ctypes.c_longlong(layout.token_strides[0]),
+            ctypes.c_int(t_len)])
+    return (key_valid, first, *_launch(k, gate, layout, key_valid, ape, first, src.MASK_FLAGS))
+
+
+def _arch(index: int) -> str:
+    return "".join(map(str, device_capability(index)))
+
+
+def _launch(k, gate, layout: RowLayout, key_valid, ape, first, mode: int):
     b, t_len, d = k.shape
     pool = ape.shape[0]
     n_pools = cdiv(t_len, pool)
@@ -142,22 +194,20 @@ def pooled_keys_cuda(k, gate, key_valid, ape, first):
     pool_valid = torch.empty((b, n_pools), dtype=torch.bool, device=k.device)
     if b * n_pools == 0:
         return pk, pool_valid
-    layout = row_layout(k, gate)
     stage, span1_at = _stage_bytes(layout, pool)
-    channels = 32 * cdiv(d, 32)
     mask = key_valid.view(torch.uint8) if key_valid is not None else pool_valid.view(torch.uint8)  # (unread)
     ape32 = ape.to(torch.float32).contiguous()
     index = cuda_index(k.device)
     warps = warps_per_cta(layout, pool, index)
     with on_device(index):
-        source = _source(_ELEM[k.dtype], pool, channels, layout.spans, key_valid is not None)
-        kernel = load_kernel(source, src.KERNEL_NAME, index, arch="".join(map(str, device_capability(index))),
+        source = _source(_ELEM[k.dtype], pool, d, layout.spans, mode)
+        kernel = load_kernel(source, src.KERNEL_NAME, index, arch=_arch(index),
                              shared_bytes=src.shared_bytes(stage, warps))
         ptr = ctypes.c_void_p
         longs = [ctypes.c_longlong(v) for v in (layout.batch_strides[0], layout.token_strides[0],
                                                 layout.batch_strides[1], layout.token_strides[1], *mask.stride())]
-        ints = [ctypes.c_int(v) for v in (*layout.widths, layout.k_off, layout.g_off, b, t_len, n_pools, d, stage,
-                                          span1_at)]
+        ints = [ctypes.c_int(v) for v in (*layout.widths, layout.k_off, layout.g_off, max(layout.v_off, 0), b, t_len,
+                                          n_pools, d, stage, span1_at)]
         args = [ptr(layout.bases[0]), ptr(layout.bases[1] or layout.bases[0]), ptr(mask.data_ptr()),
                 ptr(ape32.data_ptr()), ptr(first.data_ptr()), ptr(pk.data_ptr()), ptr(pool_valid.data_ptr()),
                 *longs, *ints]

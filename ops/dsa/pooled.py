@@ -60,6 +60,29 @@ def first_valid(key_valid: torch.Tensor) -> torch.Tensor:
     return torch.where(key_valid.gather(1, first[:, None])[:, 0], first, t_len)
 
 
+def as_mask(key_valid):
+    """The bool key mask of ``key_valid``: None (every key valid) and bool masks as they are; floating flags (HF's
+    cache column) as ``!= 0``, which is ``Tensor.bool``'s reading (NaN counts as valid)."""
+    if key_valid is None or key_valid.dtype == torch.bool:
+        return key_valid
+    return key_valid != 0
+
+
+def mask_and_first(key_valid, batch: int, device):
+    """(the bool mask or None, int64 [B] first valid keys: zeros without a mask)."""
+    key_valid = as_mask(key_valid)
+    if key_valid is None:
+        return None, torch.zeros(batch, dtype=torch.long, device=device)
+    return key_valid, first_valid(key_valid)
+
+
+def form_pools_torch(k, gate, key_valid, ape):
+    """(key_valid bool or None, first [B], pk, pool_valid): the mask, each row's first valid key and the pools of
+    ``pooled_keys``, in torch."""
+    key_valid, first = mask_and_first(key_valid, k.shape[0], k.device)
+    return (key_valid, first, *pooled_keys(k, gate, key_valid, ape, first))
+
+
 def pooled_keys(k, gate, key_valid, ape, first):
     """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring);
     ``key_valid`` None: every key is valid (``first`` is then zeros).
@@ -140,15 +163,15 @@ def pool_slots(topk: int, pool: int, t_len: int) -> int:
 
 def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int, form_pools=None):
     """What both implementations start from: (key_valid, first [B], pos [S], pk [B, NP, D], pool_valid [B, NP],
-    slots, n_sel); ``key_valid`` None stays None (every key valid, ``first`` zeros: no [B, T] mask is made).
-    ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's ``min(topk // P, n_kept)`` is an int64 0-dim
-    tensor on the device (it places the tail; never read on the host). ``form_pools``: the function forming the
-    pools (default ``pooled_keys``; the CUDA path passes its kernel's)."""
+    slots, n_sel); ``key_valid`` comes back as a bool mask (``as_mask``), None staying None (every key valid,
+    ``first`` zeros: no [B, T] mask is made). ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's
+    ``min(topk // P, n_kept)`` is an int64 0-dim tensor on the device (it places the tail; never read on the host).
+    ``form_pools(k, gate, key_valid, ape)``: what makes the mask, the first valid keys and the pools (default
+    ``form_pools_torch``; the CUDA path passes its kernels')."""
     b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
-    first = torch.zeros(b, dtype=torch.long, device=q.device) if key_valid is None else first_valid(key_valid)
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
-    pk, pool_valid = (form_pools or pooled_keys)(k, gate, key_valid, ape, first)
+    key_valid, first, pk, pool_valid = (form_pools or form_pools_torch)(k, gate, key_valid, ape)
     n_sel = pool_valid.any(0).sum().clamp(max=topk // pool)  # HF drops pools no row has, then tops k
     return key_valid, first, pos, pk, pool_valid, pool_slots(topk, pool, t_len), n_sel
 

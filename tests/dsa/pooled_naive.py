@@ -136,12 +136,17 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     b, s_len, _ = got.shape
     t_len, pool = a["k"].shape[1], a["ape"].shape[0]
     key_valid = a["key_valid"]
+    if key_valid is not None:
+        key_valid = key_valid != 0  # (bool masks and floating flags alike)
     if key_valid is None:
         key_valid = torch.ones(b, t_len, dtype=torch.bool, device=got.device)
     first = first_valid(key_valid)
     if got.is_cuda:  # the pools the op's CUDA path formed (CUDA or Triton pool kernel, as it chose)
-        from kda_compile.ops.dsa.triton_pooled import form_pools as pooled_keys  # noqa: F811
-    pk, pool_valid = pooled_keys(a["k"], a["gate"], key_valid, a["ape"], first)
+        from kda_compile.ops.dsa.triton_pooled import form_pools
+
+        pk, pool_valid = form_pools(a["k"], a["gate"], a["key_valid"], a["ape"])[2:]
+    else:
+        pk, pool_valid = pooled_keys(a["k"], a["gate"], key_valid, a["ape"], first)
     n_pools = pool_valid.shape[1]
     n_sel = min(topk // pool, int(pool_valid.any(0).sum()))
     assert torch.equal(got[..., n_sel * pool:], want[..., n_sel * pool:])

@@ -4,6 +4,8 @@ and on separate key / gate tensors, against the torch reference ``pooled.pooled_
 keys within rounding, as the Triton kernel's test bounds them) and against the Triton kernel; the op end to end on
 HF's layout (exact selections on quantised inputs, no fallback, a CUDA-graph decode step). The layout rules run on
 CPU tensors (no GPU needed)."""
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 
 from kda_compile.ops import dsa_pooled_indexer_topk
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.dsa import cuda_pool_keys
+from kda_compile.ops.dsa import cuda_pool_keys, cuda_pool_keys_source
 from kda_compile.ops.dsa.pooled import first_valid, pooled_indexer_topk_reference, pooled_keys
 from kda_compile.testing import assert_rel_close
 
@@ -54,6 +56,18 @@ def test_row_layout_refuses_rows_it_cannot_copy_whole():
     assert isinstance(why, str) and "1024" in why and "gap" in why
     strided = torch.zeros(2, 10, 256, dtype=torch.bfloat16)[..., ::2]
     assert "not contiguous" in cuda_pool_keys.row_layout(strided, strided)
+
+
+def test_row_layout_finds_the_flags_in_hf_rows():
+    k = torch.zeros(2, 10, 64, dtype=torch.bfloat16)
+    kv, gv, flags = hf_rows(k, k.clone(), None)
+    layout = cuda_pool_keys.row_layout(kv, gv, flags)
+    assert layout.spans == 1 and layout.v_off == 256 and layout.widths == (258, 0)
+    assert cuda_pool_keys.flags_in_rows(kv, gv, flags)
+    elsewhere = torch.ones(2, 10, dtype=torch.bfloat16)
+    assert cuda_pool_keys.row_layout(kv, gv, elsewhere).v_off == -1
+    assert not cuda_pool_keys.flags_in_rows(kv, gv, elsewhere)
+    assert not cuda_pool_keys.flags_in_rows(kv, gv, flags.float())  # not k's dtype: not read in the rows
 
 
 @st.composite
@@ -124,6 +138,52 @@ def test_nan_in_an_excluded_token_takes_no_part():
     assert torch.isnan(pk[0, 1]).any()
 
 
+@cuda
+@pytest.mark.parametrize("t", [0, 5, 16, 17, 3000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_flags_in_the_rows_give_the_mask_first_keys_and_pools(t, dtype):
+    """``pools_from_rows`` (the first-key kernel, then the pool kernel reading the flags it copies): the mask is
+    ``flags != 0`` (NaN valid, -0.0 not), the first keys ``first_valid``'s, the pools bit for bit those of the pool
+    kernel given that mask. Rows: unpadded, left padding past a whole first round (1100 tokens), holes, none valid,
+    odd flag values."""
+    g = torch.Generator().manual_seed(t)
+    b, d = 5, 128
+    k = torch.randn(b, t, d, generator=g).to(dtype)
+    gate = torch.randn(b, t, d, generator=g).to(dtype)
+    flags = torch.ones(b, t)
+    flags[1, :1100] = 0
+    flags[2] = (torch.rand(t, generator=g) > 0.3).float()
+    flags[3] = 0
+    if t > 4:
+        flags[4, :4] = torch.tensor([-0.0, float("nan"), 0.5, -2.0])
+    ape = torch.randn(16, d, generator=g).cuda()
+    kv, gv, fv = hf_rows(k.cuda(), gate.cuda(), None)
+    fv.copy_(flags.to(dtype))
+    assert cuda_pool_keys.flags_in_rows(kv, gv, fv)
+    mask, first, pk, pool_valid = cuda_pool_keys.pools_from_rows(kv, gv, fv, ape)
+    want_mask = fv != 0
+    assert torch.equal(mask, want_mask) and torch.equal(first, first_valid(want_mask))
+    want_pk, want_valid = cuda_pool_keys.pooled_keys_cuda(kv, gv, want_mask, ape, first)
+    assert torch.equal(pk, want_pk) and torch.equal(pool_valid, want_valid)
+
+
+@cuda
+def test_pair_products_equal_the_per_channel_form(monkeypatch):
+    """D a multiple of 64: two channels' products in one 16-bit pair multiply round exactly as one at a time."""
+    g = torch.Generator().manual_seed(11)
+    k = (torch.randn(3, 700, 128, generator=g) * 4).to(torch.bfloat16).cuda()
+    gate = (torch.randn(3, 700, 128, generator=g) * 3).to(torch.bfloat16).cuda()
+    ape = torch.randn(16, 128, generator=g).cuda()
+    kv, gv, fv = hf_rows(k, gate, (torch.rand(3, 700, generator=g) > 0.1).cuda())
+    paired = cuda_pool_keys.pools_from_rows(kv, gv, fv, ape)
+    one_by_one = functools.lru_cache(None)(lambda *a: cuda_pool_keys_source.kernel_source(
+        elem=a[0], pool=a[1], channels=32 * -(-a[2] // 32), spans=a[3], mask=a[4], pairs=False))
+    monkeypatch.setattr(cuda_pool_keys, "_source", one_by_one)
+    single = cuda_pool_keys.pools_from_rows(kv, gv, fv, ape)
+    for x, y in zip(paired, single):
+        assert torch.equal(x, y)
+
+
 def _hf_layout(a):
     k, gate, _ = hf_rows(a["k"], a["gate"], a["key_valid"])
     return {**a, "k": k, "gate": gate}
@@ -140,7 +200,8 @@ def _op(a, topk, tail):
 @pytest.mark.parametrize("mode", [(2, 700, 3000, None), (2, 64, 6000, 4500), (8, 1, 20000, None)],
                          ids=["chunk-padding", "static-cache", "decode"])
 def test_op_on_hf_rows_is_exact_on_quantised_scores(mode, dtype):
-    """The op over HF's row layout (the CUDA pool kernel, no fallback) selects what the torch path selects."""
+    """The op over HF's row layout (the CUDA pool kernel, no fallback) selects what the torch path selects, given
+    a bool mask or the cache's flag column."""
     clear_fallback_events()
     b, s, t, length = mode
     a = _hf_layout(quantised_pooled_inputs(b, s, t, 32, 128, 16, device="cuda", dtype=dtype, seed=s, length=length))
@@ -149,6 +210,10 @@ def test_op_on_hf_rows_is_exact_on_quantised_scores(mode, dtype):
     want = pooled_indexer_topk_reference(a["q"], a["k"], a["gate"], a["weights"], a["key_valid"], a["ape"],
                                          a["query_mask"], 2048, 0.5, a["q_offset"], True)
     assert torch.equal(got, want)
+    flags = hf_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
+    with_flags = {**a, "k": flags[0], "gate": flags[1], "key_valid": flags[2]}  # HF's cache column, as rewritten
+    assert cuda_pool_keys.flags_in_rows(flags[0], flags[1], flags[2])
+    assert torch.equal(_op(with_flags, 2048, True), want)
     assert {e: n for e, n in fallback_events().items() if e.op.startswith("dsa_")} == {}
 
 
@@ -157,7 +222,7 @@ def test_decode_on_hf_rows_replays_from_a_cuda_graph():
     a = _hf_layout(quantised_pooled_inputs(4, 1, 5000, 32, 128, 16, device="cuda", dtype=torch.bfloat16, seed=2))
     b = _hf_layout(quantised_pooled_inputs(4, 1, 5000, 32, 128, 16, device="cuda", dtype=torch.bfloat16, seed=9))
     live = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in a.items()}
-    live["k"], live["gate"], _ = hf_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
+    live["k"], live["gate"], live["key_valid"] = hf_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

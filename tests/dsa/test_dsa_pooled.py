@@ -290,6 +290,19 @@ def test_no_host_reads_catches_a_host_read(monkeypatch):
             read()
 
 
+def test_floating_key_flags_read_as_the_mask():
+    """HF's cache column (floating flags, nonzero = valid, NaN too) selects what the bool mask selects."""
+    a = quantised_pooled_inputs(2, 5, 40, 2, 8, 4, device="cpu", seed=4)
+    call = lambda valid: dsa_pooled_indexer_topk(a["q"], a["k"], a["weights"], a["gate"], a["ape"], 8, scale=0.5,  # noqa
+                                                 key_valid=valid, query_mask=a["query_mask"], q_offset=a["q_offset"])
+    flags = a["key_valid"].to(torch.bfloat16) * torch.tensor([1.0, -3.5]).repeat(20)
+    flags[0, 30] = float("nan")
+    flags[1, 3] = -0.0
+    mask = a["key_valid"].clone()
+    mask[0, 30], mask[1, 3] = True, False
+    assert torch.equal(call(flags), call(mask))
+
+
 def test_validation_names_the_argument():
     q, k, w = torch.randn(1, 3, 2, 4), torch.randn(1, 5, 4), torch.randn(1, 3, 2)
     gate, ape = torch.randn(1, 5, 4), torch.randn(2, 4)
@@ -299,8 +312,10 @@ def test_validation_names_the_argument():
         dsa_pooled_indexer_topk(q, k, w, gate, ape[:, :3], 4, scale=1.0)
     with pytest.raises(ValueError, match="topk must be an int >= 1"):
         dsa_pooled_indexer_topk(q, k, w, gate, ape, 0, scale=1.0)
-    with pytest.raises(TypeError, match="key_valid must be"):
-        dsa_pooled_indexer_topk(q, k, w, gate, ape, 4, scale=1.0, key_valid=torch.ones(1, 5))
+    with pytest.raises(TypeError, match="key_valid must be None, a bool mask or floating flags"):
+        dsa_pooled_indexer_topk(q, k, w, gate, ape, 4, scale=1.0, key_valid=torch.ones(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="key_valid must be"):
+        dsa_pooled_indexer_topk(q, k, w, gate, ape, 4, scale=1.0, key_valid=torch.ones(1, 4))
     with pytest.raises(TypeError, match="k must be"):
         dsa_pooled_indexer_topk(q, k.double(), w, gate, ape, 4, scale=1.0)
 

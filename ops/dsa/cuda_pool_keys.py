@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_switch, on_device, record_fallback,
-                                    sm_count)
+from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_choice, kernel_switch, on_device,
+                                    record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa import cuda_pool_keys_source as src
+from kda_compile.ops.dsa.pooled import empty_pools
 
 KERNEL_ENV = "KDA_COMPILE_POOL_KERNEL"
 KERNELS = ("auto", "triton", "cuda")
@@ -124,11 +125,7 @@ def choose_kernel(k, gate, pool: int) -> str:
     if why is None and warps_per_cta(layout, pool, cuda_index(k.device)) == 0:
         why = (f"two stages of a pool's rows ({2 * _stage_bytes(layout, pool)[0]} bytes) exceed the GPU's shared "
                f"memory per block")
-    if why is None:
-        return "cuda"
-    if requested == "cuda" or design is None:
-        record_fallback(_OP, "Triton pool-forming kernel", f"the CUDA pool-forming kernel cannot run this call: {why}")
-    return "triton"
+    return kernel_choice(requested, design, why, _OP, "Triton pool-forming kernel", "CUDA pool-forming kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -187,13 +184,11 @@ def _arch(index: int) -> str:
 
 
 def _launch(k, gate, layout: RowLayout, key_valid, ape, first, mode: int):
-    b, t_len, d = k.shape
     pool = ape.shape[0]
-    n_pools = cdiv(t_len, pool)
-    pk = k.new_empty((b, n_pools, d))
-    pool_valid = torch.empty((b, n_pools), dtype=torch.bool, device=k.device)
-    if b * n_pools == 0:
+    pk, pool_valid = empty_pools(k, pool)
+    if pool_valid.numel() == 0:
         return pk, pool_valid
+    (b, n_pools), (t_len, d) = pool_valid.shape, k.shape[1:]
     stage, span1_at = _stage_bytes(layout, pool)
     mask = key_valid.view(torch.uint8) if key_valid is not None else pool_valid.view(torch.uint8)  # (unread)
     ape32 = ape.to(torch.float32).contiguous()

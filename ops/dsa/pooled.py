@@ -83,6 +83,14 @@ def form_pools_torch(k, gate, key_valid, ape):
     return (key_valid, first, *pooled_keys(k, gate, key_valid, ape, first))
 
 
+def empty_pools(k, pool: int):
+    """(pk [B, NP, D] of k's dtype, pool_valid bool [B, NP]), uninitialised, NP = ceil(T / pool): what every way of
+    forming the pools fills."""
+    b, t_len, d = k.shape
+    n_pools = (t_len + pool - 1) // pool
+    return k.new_empty((b, n_pools, d)), torch.empty((b, n_pools), dtype=torch.bool, device=k.device)
+
+
 def pooled_keys(k, gate, key_valid, ape, first):
     """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): the softmax-gated pools (module docstring);
     ``key_valid`` None: every key is valid (``first`` is then zeros).
@@ -92,9 +100,8 @@ def pooled_keys(k, gate, key_valid, ape, first):
     formed on its own, so the blocks do not change a bit of the result."""
     b, t_len, d = k.shape
     pool = ape.shape[0]
-    n_pools = (t_len + pool - 1) // pool
-    pk = k.new_empty((b, n_pools, d))
-    pool_valid = torch.empty((b, n_pools), dtype=torch.bool, device=k.device)
+    pk, pool_valid = empty_pools(k, pool)
+    n_pools = pk.shape[1]
     per_pool = b * pool * (d * (2 * k.element_size() + 12) + 64)  # keys, product, gates (fp32 x3), indices
     step = max(1, BLOCK_BYTES // max(1, per_pool))
     b_ix = torch.arange(b, device=k.device)[:, None, None]

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops.dsa.pooled import empty_pools
 from kda_compile.ops.dsa.triton_indexer import interpreted
 
 
@@ -86,9 +87,8 @@ def pooled_keys_triton(k, gate, key_valid, ape, first):
     token 0 and ``first``, zeros, is not read), ape [P, D], first int64 [B]."""
     b, t_len, d = k.shape
     pool = ape.shape[0]
-    n_pools = cdiv(t_len, pool)
-    pk = k.new_empty((b, n_pools, d))
-    pool_valid = torch.empty((b, n_pools), dtype=torch.bool, device=k.device)
+    pk, pool_valid = empty_pools(k, pool)
+    n_pools = pk.shape[1]
     if b * n_pools == 0:
         return pk, pool_valid
     block_d = max(16, next_power_of_2(d))

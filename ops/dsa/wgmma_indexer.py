@@ -13,8 +13,8 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_switch, on_device,
-                                    record_fallback, sm_count)
+from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice, kernel_switch,
+                                    on_device, record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
 from kda_compile.ops.dsa import wgmma_indexer_source as src
 
@@ -57,11 +57,7 @@ def choose_kernel(q, k) -> str:
         return "triton"
     design = outside_design(q, k)
     why = design or layout_problem(q, k)
-    if why is None:
-        return "cuda"
-    if requested == "cuda" or design is None:
-        record_fallback(_OP, "Triton indexer kernel", f"the wgmma indexer kernel cannot run this call: {why}")
-    return "triton"
+    return kernel_choice(requested, design, why, _OP, "Triton indexer kernel", "wgmma indexer kernel")
 
 
 @functools.lru_cache(maxsize=None)

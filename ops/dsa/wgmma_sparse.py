@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_switch, on_device,
-                                    record_fallback, sm_count)
+from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice, kernel_switch,
+                                    on_device, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa import wgmma_sparse_source as src
 
@@ -62,12 +62,7 @@ def choose_kernel(q, k, v, indices, d_v: int) -> str:
         return "triton"
     design = outside_design(q, k, v, d_v)
     why = design or layout_problem(q, k, indices)
-    if why is None:
-        return "cuda"
-    if requested == "cuda" or design is None:
-        record_fallback(_OP, "Triton sparse attention kernel", f"the wgmma sparse attention kernel cannot run this "
-                        f"call: {why}")
-    return "triton"
+    return kernel_choice(requested, design, why, _OP, "Triton sparse attention kernel", "wgmma sparse attention kernel")
 
 
 @functools.lru_cache(maxsize=None)

@@ -88,6 +88,23 @@ def hf_inputs(module, hidden, q_resid):
     return q, k, gate, weights
 
 
+KEY_MASK_FORMS = ("all", "left padding", "holes", "none")
+
+
+def drawn_key_mask(form: str, b: int, t: int, g: torch.Generator) -> torch.Tensor:
+    """A bool [B, T] key mask of one of ``KEY_MASK_FORMS``: every key, random left padding per row, random holes
+    (80% valid), no valid key."""
+    valid = torch.ones(b, t, dtype=torch.bool)
+    if form == "left padding":
+        for row in range(b):
+            valid[row, :int(torch.randint(0, t + 1, (1,), generator=g))] = False
+    elif form == "holes":
+        valid = torch.rand(b, t, generator=g) > 0.2
+    elif form == "none":
+        valid[:] = False
+    return valid
+
+
 def quantised_pooled_inputs(b, s, t, heads, dim, pool, *, device, dtype=torch.float32, seed=0, length=None,
                             pad=True):
     """Pooled indexer inputs whose float32 pool scores are exact on any device and in any summation order

@@ -17,7 +17,7 @@ from kda_compile.ops.dsa import cuda_pool_keys, cuda_pool_keys_source
 from kda_compile.ops.dsa.pooled import first_valid, pooled_indexer_topk_reference, pooled_keys
 from kda_compile.testing import assert_rel_close
 
-from .pooled_naive import quantised_pooled_inputs
+from .pooled_naive import KEY_MASK_FORMS, drawn_key_mask, quantised_pooled_inputs
 
 cuda = pytest.mark.cuda  # (skipped without a GPU: tests/conftest.py)
 TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}  # one unit in the last place of the rounded products and sums
@@ -81,17 +81,10 @@ def pool_cases(draw):
     k = torch.randn(b, t, d, generator=g).to(dtype)
     gate = (torch.randn(b, t, d, generator=g) * 3).to(dtype)
     ape = torch.randn(pool, d, generator=g)
-    valid = torch.ones(b, t, dtype=torch.bool)
-    form = draw(st.sampled_from(["all", "left padding", "holes", "none", "no mask"]))
-    if form == "left padding":
-        for row in range(b):
-            valid[row, :int(torch.randint(0, t + 1, (1,), generator=g))] = False
-    elif form == "holes":
-        valid = torch.rand(b, t, generator=g) > 0.2
-    elif form == "none":
-        valid[:] = False
+    form = draw(st.sampled_from((*KEY_MASK_FORMS, "no mask")))
+    valid = None if form == "no mask" else drawn_key_mask(form, b, t, g)
     layout = draw(st.sampled_from(["hf rows", "hf rows, shifted", "separate"]))
-    return k, gate, (None if form == "no mask" else valid), ape, layout
+    return k, gate, valid, ape, layout
 
 
 @cuda

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from kda_compile.ops.dsa.pooled import first_valid, pooled_keys
 from kda_compile.testing import assert_rel_close
 
+from .pooled_naive import KEY_MASK_FORMS, drawn_key_mask
+
 from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the DSA pool-forming kernel")
@@ -32,16 +34,7 @@ def pool_cases(draw):
     k = torch.randn(b, t, d, generator=g).to(dtype)
     gate = (torch.randn(b, t, d, generator=g) * 3).to(dtype)
     ape = torch.randn(pool, d, generator=g).to(dtype)
-    valid = torch.ones(b, t, dtype=torch.bool)
-    form = draw(st.sampled_from(["all", "left padding", "holes", "none"]))
-    if form == "left padding" and t:
-        for row in range(b):
-            valid[row, :int(torch.randint(0, t + 1, (1,), generator=g))] = False
-    elif form == "holes":
-        valid = torch.rand(b, t, generator=g) > 0.2
-    elif form == "none":
-        valid[:] = False
-    return k, gate, valid, ape
+    return k, gate, drawn_key_mask(draw(st.sampled_from(KEY_MASK_FORMS)), b, t, g), ape
 
 
 @settings(max_examples=25, deadline=None)

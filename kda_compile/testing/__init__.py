@@ -57,7 +57,10 @@ DeepSeek Sparse Attention (``kda_compile.ops.dsa_indexer_topk`` / ``dsa_sparse_a
 ``topk`` above T, quantised inputs with exact ties), ``dsa_attention_inputs`` a sparse attention call
 (absorbed ``v=None`` or GQA heads, -1 holes, empty rows); building blocks ``dsa_indexer_cases`` /
 ``DSAIndexerCase`` / ``make_dsa_indexer_args`` and ``dsa_attention_cases`` / ``DSAAttentionCase`` /
-``make_dsa_attention_args``.
+``make_dsa_attention_args``. glm5_next's pooled indexer (``dsa_pooled_indexer_topk``): ``dsa_pooled_inputs``
+draws a call (prefill, chunk, decode, a static cache; pools of 1 to 16 around T's edges; left padding, holes,
+padded queries; the key flags as None, a bool mask or HF's cache rows; quantised inputs with exact ties);
+building blocks ``dsa_pooled_cases`` / ``DSAPooledCase`` / ``make_dsa_pooled_args``.
 
 Needs ``hypothesis``: ``pip install "kda-compile[testing]"``.
 """
@@ -92,6 +95,15 @@ from kda_compile.testing.dsa_strategies import (
     dsa_indexer_inputs,
     make_dsa_attention_args,
     make_dsa_indexer_args,
+)
+from kda_compile.testing.dsa_pooled_strategies import (
+    DSA_POOLED_QUERY_KINDS,
+    KEY_FLAG_FORMS,
+    DSAPooledArgs,
+    DSAPooledCase,
+    dsa_pooled_cases,
+    dsa_pooled_inputs,
+    make_dsa_pooled_args,
 )
 from kda_compile.testing.mla_strategies import (
     MLA_MASK_KINDS,
@@ -136,6 +148,13 @@ __all__ = [
     "dsa_indexer_inputs",
     "make_dsa_attention_args",
     "make_dsa_indexer_args",
+    "DSA_POOLED_QUERY_KINDS",
+    "KEY_FLAG_FORMS",
+    "DSAPooledArgs",
+    "DSAPooledCase",
+    "dsa_pooled_cases",
+    "dsa_pooled_inputs",
+    "make_dsa_pooled_args",
     "MLA_MASK_KINDS",
     "MLA_MASK_SHAPES",
     "MLAArgs",

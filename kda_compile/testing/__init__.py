@@ -60,7 +60,7 @@ DeepSeek Sparse Attention (``kda_compile.ops.dsa_indexer_topk`` / ``dsa_sparse_a
 ``make_dsa_attention_args``. glm5_next's pooled indexer (``dsa_pooled_indexer_topk``): ``dsa_pooled_inputs``
 draws a call (prefill, chunk, decode, a static cache; pools of 1 to 16 around T's edges; left padding, holes,
 padded queries; the key flags as None, a bool mask or HF's cache rows; quantised inputs with exact ties);
-building blocks ``dsa_pooled_cases`` / ``DSAPooledCase`` / ``make_dsa_pooled_args``.
+building blocks ``dsa_pooled_cases`` / ``DSAPooledCase`` / ``make_dsa_pooled_args`` / ``hf_cache_rows``.
 
 Needs ``hypothesis``: ``pip install "kda-compile[testing]"``.
 """
@@ -103,6 +103,7 @@ from kda_compile.testing.dsa_pooled_strategies import (
     DSAPooledCase,
     dsa_pooled_cases,
     dsa_pooled_inputs,
+    hf_cache_rows,
     make_dsa_pooled_args,
 )
 from kda_compile.testing.mla_strategies import (
@@ -154,6 +155,7 @@ __all__ = [
     "DSAPooledCase",
     "dsa_pooled_cases",
     "dsa_pooled_inputs",
+    "hf_cache_rows",
     "make_dsa_pooled_args",
     "MLA_MASK_KINDS",
     "MLA_MASK_SHAPES",

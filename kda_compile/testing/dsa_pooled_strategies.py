@@ -7,7 +7,7 @@ and holes among the keys; padded queries; ``topk`` above the number of pools; th
 or HF's cache layout (keys, gates and floating flags as views of one ``cat([k, gate, valid])`` tensor, the flags
 nonzero values of either sign); quantised inputs whose pool keys and fp32 scores are exact (a gate whose softmax
 picks one token per channel), so ties are frequent and the tie rule is exercised. ``make_dsa_pooled_args`` builds
-the keyword arguments of one call; ``dsa_pooled_inputs`` draws both.
+the keyword arguments of one call (``hf_cache_rows`` the cache's views); ``dsa_pooled_inputs`` draws both.
 """
 from __future__ import annotations
 
@@ -62,6 +62,18 @@ class DSAPooledArgs(dict):
         return f"DSAPooledArgs({self.case}, dtype={self['q'].dtype}, seed={self.seed})"
 
 
+def hf_cache_rows(k: torch.Tensor, gate: torch.Tensor, flags: torch.Tensor | None,
+                  lead: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k, gate, flags) as views of one ``cat([k, gate, flags])`` tensor in k's dtype, the rows HF's glm5_next cache
+    keeps (``flags`` [B, T] of any dtype, None: every key valid); ``lead`` extra columns in front of the keys move
+    every row's alignment."""
+    b, t, d = k.shape
+    flags = torch.ones(b, t, device=k.device) if flags is None else flags
+    parts = [k.new_zeros(b, t, lead)] if lead else []
+    rows = torch.cat(parts + [k, gate.to(k.dtype), flags.to(k.dtype)[..., None]], dim=-1)
+    return rows[..., lead:lead + d], rows[..., lead + d:lead + 2 * d], rows[..., lead + 2 * d]
+
+
 def make_dsa_pooled_args(case: DSAPooledCase, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                          seed: int = 0, requires_grad: bool = False) -> DSAPooledArgs:
     """The tensors of one pooled indexer call for ``case`` (drawn on CPU from ``seed``, then moved); weights and
@@ -97,8 +109,7 @@ def make_dsa_pooled_args(case: DSAPooledCase, dtype: torch.dtype = torch.float32
     key_valid = None if case.key_flags == "none" else valid
     if case.key_flags == "hf rows":  # nonzero flags of either sign, as any HF cache column may hold
         flags = valid.to(dtype) * torch.where(torch.rand(b, t, generator=gen) > 0.5, 1.0, -0.5).to(dtype)
-        rows = torch.cat([k, gate, flags[..., None]], dim=-1).to(device)
-        k, gate, key_valid = rows[..., :d], rows[..., d:2 * d], rows[..., 2 * d]
+        k, gate, key_valid = hf_cache_rows(k.to(device), gate.to(device), flags.to(device))
     move = (lambda x: x) if case.key_flags == "hf rows" else (lambda x: x.to(device))  # noqa: E731
     args = DSAPooledArgs(
         q=q.to(device=device, dtype=dtype), k=move(k), weights=w.to(device), gate=move(gate), ape=ape.to(device),

@@ -68,19 +68,16 @@ def as_mask(key_valid):
     return key_valid != 0
 
 
-def mask_and_first(key_valid, batch: int, device):
-    """(the bool mask or None, int64 [B] first valid keys: zeros without a mask)."""
+def mask_first_and_pools(k, gate, key_valid, ape, pools=None):
+    """(key_valid bool or None, first [B], pk, pool_valid): the key mask (``as_mask``), each row's first valid key
+    (zeros without a mask) and the pools that ``pools(k, gate, mask, ape, first)`` forms (default ``pooled_keys``,
+    in torch; the CUDA path passes its kernels')."""
     key_valid = as_mask(key_valid)
     if key_valid is None:
-        return None, torch.zeros(batch, dtype=torch.long, device=device)
-    return key_valid, first_valid(key_valid)
-
-
-def form_pools_torch(k, gate, key_valid, ape):
-    """(key_valid bool or None, first [B], pk, pool_valid): the mask, each row's first valid key and the pools of
-    ``pooled_keys``, in torch."""
-    key_valid, first = mask_and_first(key_valid, k.shape[0], k.device)
-    return (key_valid, first, *pooled_keys(k, gate, key_valid, ape, first))
+        first = torch.zeros(k.shape[0], dtype=torch.long, device=k.device)
+    else:
+        first = first_valid(key_valid)
+    return (key_valid, first, *(pools or pooled_keys)(k, gate, key_valid, ape, first))
 
 
 def empty_pools(k, pool: int):
@@ -174,11 +171,11 @@ def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int, form_pools=Non
     ``first`` zeros: no [B, T] mask is made). ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's
     ``min(topk // P, n_kept)`` is an int64 0-dim tensor on the device (it places the tail; never read on the host).
     ``form_pools(k, gate, key_valid, ape)``: what makes the mask, the first valid keys and the pools (default
-    ``form_pools_torch``; the CUDA path passes its kernels')."""
+    ``mask_first_and_pools``; the CUDA path passes its own, ``triton_pooled.form_pools``)."""
     b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)
-    key_valid, first, pk, pool_valid = (form_pools or form_pools_torch)(k, gate, key_valid, ape)
+    key_valid, first, pk, pool_valid = (form_pools or mask_first_and_pools)(k, gate, key_valid, ape)
     n_sel = pool_valid.any(0).sum().clamp(max=topk // pool)  # HF drops pools no row has, then tops k
     return key_valid, first, pos, pk, pool_valid, pool_slots(topk, pool, t_len), n_sel
 

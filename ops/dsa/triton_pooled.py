@@ -34,7 +34,7 @@ import triton.language as tl
 from kda_compile.ops._common import cdiv, next_power_of_2
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.dsa import cuda_pool_keys
-from kda_compile.ops.dsa.pooled import (mask_and_first, merge_best, output_width, pool_reach, prepare,
+from kda_compile.ops.dsa.pooled import (mask_first_and_pools, merge_best, output_width, pool_reach, prepare,
                                         visible_count)
 from kda_compile.ops.dsa.triton_pool_layout import write_rows
 from kda_compile.ops.dsa.triton_indexer import SHORT_QUERIES, interpreted
@@ -45,7 +45,7 @@ POOL_BLOCK = 16384  # pools scored per merge step (T = 256k tokens at P = 16 in 
 
 
 def form_pools(k, gate, key_valid, ape):
-    """(key_valid bool or None, first [B], pk, pool_valid): ``pooled.form_pools_torch``'s contract from the CUDA
+    """(key_valid bool or None, first [B], pk, pool_valid): ``pooled.mask_first_and_pools``'s contract from the CUDA
     kernels that read whole token rows (``cuda_pool_keys.py``) where they serve the call, else from the Triton
     kernel. Floating key flags that lie in the copied rows (HF's cache) are read there: no separate pass makes
     the mask."""
@@ -54,12 +54,10 @@ def form_pools(k, gate, key_valid, ape):
             if key_valid is not None and key_valid.dtype != torch.bool \
                     and cuda_pool_keys.flags_in_rows(k, gate, key_valid):
                 return cuda_pool_keys.pools_from_rows(k, gate, key_valid, ape)
-            mask, first = mask_and_first(key_valid, k.shape[0], k.device)
-            return (mask, first, *cuda_pool_keys.pooled_keys_cuda(k, gate, mask, ape, first))
+            return mask_first_and_pools(k, gate, key_valid, ape, cuda_pool_keys.pooled_keys_cuda)
         except NvrtcUnavailable as exc:
             cuda_pool_keys.record_unavailable(exc)
-    mask, first = mask_and_first(key_valid, k.shape[0], k.device)
-    return (mask, first, *pooled_keys_triton(k, gate, mask, ape, first))
+    return mask_first_and_pools(k, gate, key_valid, ape, pooled_keys_triton)
 
 
 @triton.jit

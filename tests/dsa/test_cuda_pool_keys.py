@@ -15,7 +15,7 @@ from kda_compile.ops import dsa_pooled_indexer_topk
 from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.ops.dsa import cuda_pool_keys, cuda_pool_keys_source
 from kda_compile.ops.dsa.pooled import first_valid, pooled_indexer_topk_reference, pooled_keys
-from kda_compile.testing import assert_rel_close
+from kda_compile.testing import assert_rel_close, hf_cache_rows
 
 from .pooled_naive import KEY_MASK_FORMS, drawn_key_mask, quantised_pooled_inputs
 
@@ -23,19 +23,9 @@ cuda = pytest.mark.cuda  # (skipped without a GPU: tests/conftest.py)
 TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3}  # one unit in the last place of the rounded products and sums
 
 
-def hf_rows(k, gate, key_valid, lead: int = 0):
-    """k, gate and the flag column as HF's cache holds them: views of one ``cat([k, gate, valid])`` tensor (with
-    ``lead`` extra columns in front, which moves every row's alignment)."""
-    b, t, d = k.shape
-    flag = (key_valid if key_valid is not None else torch.ones(b, t, dtype=torch.bool, device=k.device))
-    parts = [k.new_zeros(b, t, lead)] if lead else []
-    packed = torch.cat(parts + [k, gate.to(k.dtype), flag.to(k.dtype)[..., None]], dim=-1)
-    return packed[..., lead:lead + d], packed[..., lead + d:lead + 2 * d], packed[..., lead + 2 * d]
-
-
 def test_row_layout_reads_hf_rows_as_one_span():
     k, gate = torch.zeros(2, 10, 64, dtype=torch.bfloat16), torch.zeros(2, 10, 64, dtype=torch.bfloat16)
-    kv, gv, _ = hf_rows(k, gate, None, lead=3)
+    kv, gv, _ = hf_cache_rows(k, gate, None, lead=3)
     layout = cuda_pool_keys.row_layout(kv, gv)
     assert layout.spans == 1 and layout.widths == (256, 0) and layout.token_strides == (2 * 132, 0)
     assert (layout.k_off, layout.g_off, layout.bases[0]) == (0, 128, kv.data_ptr())
@@ -60,7 +50,7 @@ def test_row_layout_refuses_rows_it_cannot_copy_whole():
 
 def test_row_layout_finds_the_flags_in_hf_rows():
     k = torch.zeros(2, 10, 64, dtype=torch.bfloat16)
-    kv, gv, flags = hf_rows(k, k.clone(), None)
+    kv, gv, flags = hf_cache_rows(k, k.clone(), None)
     layout = cuda_pool_keys.row_layout(kv, gv, flags)
     assert layout.spans == 1 and layout.v_off == 256 and layout.widths == (258, 0)
     assert cuda_pool_keys.flags_in_rows(kv, gv, flags)
@@ -99,7 +89,7 @@ def test_pool_keys_match_the_reference_and_the_triton_kernel(case):
     dev = lambda x: None if x is None else x.cuda()  # noqa: E731
     kc, gc = k.cuda(), gate.cuda()
     if layout != "separate":
-        kc, gc, _ = hf_rows(kc, gc, dev(valid), lead=1 if layout.endswith("shifted") else 0)
+        kc, gc, _ = hf_cache_rows(kc, gc, dev(valid), lead=1 if layout.endswith("shifted") else 0)
     assert cuda_pool_keys.choose_kernel(kc, gc, ape.shape[0]) == ("triton" if layout == "separate" else "cuda")
     pk, pool_valid = cuda_pool_keys.pooled_keys_cuda(kc, gc, dev(valid), dev(ape), dev(first))
     assert pk.dtype == k.dtype and pk.shape == ref_pk.shape
@@ -123,7 +113,7 @@ def test_nan_in_an_excluded_token_takes_no_part():
     k[0, 20, 5] = float("nan")
     gate[0, 20, 7] = float("nan")
     ape = torch.randn(16, 128, generator=g)
-    kc, gc, _ = hf_rows(k.cuda(), gate.cuda(), valid.cuda())
+    kc, gc, _ = hf_cache_rows(k.cuda(), gate.cuda(), valid.cuda())
     pk, pool_valid = cuda_pool_keys.pooled_keys_cuda(kc, gc, valid.cuda(), ape.cuda(), first_valid(valid).cuda())
     assert not torch.isnan(pk).any() and pool_valid.tolist() == [[True, False]]
     valid[0, 20] = True
@@ -150,7 +140,7 @@ def test_flags_in_the_rows_give_the_mask_first_keys_and_pools(t, dtype):
     if t > 4:
         flags[4, :4] = torch.tensor([-0.0, float("nan"), 0.5, -2.0])
     ape = torch.randn(16, d, generator=g).cuda()
-    kv, gv, fv = hf_rows(k.cuda(), gate.cuda(), None)
+    kv, gv, fv = hf_cache_rows(k.cuda(), gate.cuda(), None)
     fv.copy_(flags.to(dtype))
     assert cuda_pool_keys.flags_in_rows(kv, gv, fv)
     mask, first, pk, pool_valid = cuda_pool_keys.pools_from_rows(kv, gv, fv, ape)
@@ -167,7 +157,7 @@ def test_pair_products_equal_the_per_channel_form(monkeypatch):
     k = (torch.randn(3, 700, 128, generator=g) * 4).to(torch.bfloat16).cuda()
     gate = (torch.randn(3, 700, 128, generator=g) * 3).to(torch.bfloat16).cuda()
     ape = torch.randn(16, 128, generator=g).cuda()
-    kv, gv, fv = hf_rows(k, gate, (torch.rand(3, 700, generator=g) > 0.1).cuda())
+    kv, gv, fv = hf_cache_rows(k, gate, (torch.rand(3, 700, generator=g) > 0.1).cuda())
     paired = cuda_pool_keys.pools_from_rows(kv, gv, fv, ape)
     one_by_one = functools.lru_cache(None)(lambda *a: cuda_pool_keys_source.kernel_source(
         elem=a[0], pool=a[1], channels=32 * -(-a[2] // 32), spans=a[3], mask=a[4], pairs=False))
@@ -178,7 +168,7 @@ def test_pair_products_equal_the_per_channel_form(monkeypatch):
 
 
 def _hf_layout(a):
-    k, gate, _ = hf_rows(a["k"], a["gate"], a["key_valid"])
+    k, gate, _ = hf_cache_rows(a["k"], a["gate"], a["key_valid"])
     return {**a, "k": k, "gate": gate}
 
 
@@ -203,7 +193,7 @@ def test_op_on_hf_rows_is_exact_on_quantised_scores(mode, dtype):
     want = pooled_indexer_topk_reference(a["q"], a["k"], a["gate"], a["weights"], a["key_valid"], a["ape"],
                                          a["query_mask"], 2048, 0.5, a["q_offset"], True)
     assert torch.equal(got, want)
-    flags = hf_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
+    flags = hf_cache_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
     with_flags = {**a, "k": flags[0], "gate": flags[1], "key_valid": flags[2]}  # HF's cache column, as rewritten
     assert cuda_pool_keys.flags_in_rows(flags[0], flags[1], flags[2])
     assert torch.equal(_op(with_flags, 2048, True), want)
@@ -215,7 +205,8 @@ def test_decode_on_hf_rows_replays_from_a_cuda_graph():
     a = _hf_layout(quantised_pooled_inputs(4, 1, 5000, 32, 128, 16, device="cuda", dtype=torch.bfloat16, seed=2))
     b = _hf_layout(quantised_pooled_inputs(4, 1, 5000, 32, 128, 16, device="cuda", dtype=torch.bfloat16, seed=9))
     live = {n: (v.clone() if torch.is_tensor(v) else v) for n, v in a.items()}
-    live["k"], live["gate"], live["key_valid"] = hf_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
+    live["k"], live["gate"], live["key_valid"] = hf_cache_rows(a["k"].contiguous(), a["gate"].contiguous(),
+                                                               a["key_valid"])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

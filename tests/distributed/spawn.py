@@ -8,7 +8,10 @@ process fails the caller with that process's traceback.
 Rendezvous: the parent opens a ``TCPStore`` on a port the operating system picks (port 0) and keeps it open
 while the children run, so parallel test workers (pytest-xdist) never race for a port. Collectives time out
 after ``timeout_s`` (a rank that never joins a collective fails the test instead of hanging it); at 3/4 of it a
-rank still running prints its threads' stacks.
+rank still running prints its threads' stacks, and a rank that crashes in native code (an abort, a segfault) prints
+them as it dies. A rank whose function returned and whose process group was destroyed leaves with ``os._exit(0)``:
+the result is decided by then, and the interpreter's teardown of native threads (gloo's, the compiler's) can abort
+a process under load ("terminate called without an active exception"), which would fail a test that passed.
 
 gloo runs on CPU tensors; ``backend="nccl"`` gives each rank the GPU of its index (``cuda:<rank>``) and the test
 runner's one-config Triton autotuning.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -55,8 +59,13 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, backend: str, ti
     # A rank still running at 3/4 of the collective timeout prints every thread's stack (stderr), so a hang
     # says where it is before the timeout turns it into a failure.
     faulthandler.dump_traceback_later(max(10.0, 0.75 * timeout_s), exit=False)
+    faulthandler.enable(all_threads=True)
     try:
         fn(rank, world_size, *args)
     finally:
         faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
+    # reached only when fn returned: an exception above is reported by torch.multiprocessing as usual
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

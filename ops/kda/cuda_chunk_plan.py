@@ -2,7 +2,7 @@
 
 From ``cu_seqlens`` (``[N + 1]`` int32 / int64, on the device) it writes ``chunk_offsets`` (``[N + 1]`` int32:
 the first 64-token chunk slot of each sequence, ``chunk_offsets[i + 1] - chunk_offsets[i] = ceil(len_i / 64)``,
-what ``triton_chunk._chunk_offsets`` computes with five small PyTorch kernels): one block of 1024 threads scans the
+what ``chunks.first_chunk_slots`` computes with five small PyTorch kernels): one block of 1024 threads scans the
 lengths a tile at a time, so any N. Launch plans run it before our CUDA prepare and scan with more than
 ``cuda_prepare_source.INLINE_SEQS`` sequences (with fewer the two kernels find their chunks from ``cu_seqlens``
 alone). Offsets are not checked here (negative lengths count as empty; ``chunk_kda``'s
@@ -18,11 +18,11 @@ import torch
 
 from kda_compile.ops._common import device_capability
 from kda_compile.ops._nvrtc import load_kernel
+from kda_compile.ops.kda.chunks import CUDA_CHUNK_COUNT
 from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 
 KERNEL_NAME = "kda_chunk_plan"
 THREADS = 1024
-CHUNK = 64
 
 _BODY = r"""
 extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, int* __restrict__ chunk_offsets, int N)
@@ -36,8 +36,7 @@ extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, i
         const int i = base + tid;
         int x = 0;
         if (i < N) {
-            const long long len = (long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i];
-            x = len > 0 ? (int)((len + CHUNK - 1) / CHUNK) : 0;
+            x = chunk_count((long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i]);
         }
         for (int off = 1; off < 32; off <<= 1) {  // inclusive scan in the warp
             const int y = __shfl_up_sync(0xffffffffu, x, off);
@@ -66,7 +65,7 @@ extern "C" __global__ void kda_chunk_plan(const CU_T* __restrict__ cu_seqlens, i
 
 @functools.lru_cache(maxsize=None)
 def _source(cu_type: str) -> str:
-    return f"#define CU_T {cu_type}\n#define CHUNK {CHUNK}\n" + _BODY
+    return f"#define CU_T {cu_type}\n" + CUDA_CHUNK_COUNT + _BODY
 
 
 def chunk_plan_kernel(device_index: int, cu_dtype: torch.dtype):

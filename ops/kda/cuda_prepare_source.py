@@ -41,13 +41,13 @@ Outputs, all in the Triton kernel's layouts: ``w, qg, kd`` ``[TT, HV, 128]``, ``
 from __future__ import annotations
 
 from kda_compile.ops.kda import cuda_prepare_channel, cuda_prepare_scalar
+from kda_compile.ops.kda.chunks import CHUNK, CUDA_CHUNK_COUNT
 from kda_compile.ops.kda.cuda_prepare_device import HELPERS
 from kda_compile.ops.kda.cuda_prepare_solve import SOLVE_AND_PASS2
 
 KERNEL_NAME = "kda_prepare_mma"
 THREADS = 128
 HEAD_DIM = 128
-CHUNK = 64
 
 # Shared memory (bytes): x and v tiles (bf16 [64, 128], 16-byte chunks XOR-swizzled by row), beta, then one
 # region that pass 1 uses for the key tiles and block sums and the solve reuses for T, L and a scratch tile.
@@ -106,7 +106,7 @@ _PROLOGUE = r"""extern "C" __global__ void __launch_bounds__(128, 3) kda_prepare
             if (base + lane < N) {
                 b0 = (int)cu_seqlens[base + lane];
                 b1 = (int)cu_seqlens[base + lane + 1];
-                count = b1 > b0 ? (b1 - b0 + 63) / 64 : 0;
+                count = chunk_count(b1 - b0);
             }
             int x = count;
 #pragma unroll
@@ -285,4 +285,4 @@ def kernel_source(*, g_dtype: str, beta_dtype: str, cu_dtype: str, varlen: bool,
         body = _PROLOGUE + _PROLOGUE_TAIL + cuda_prepare_scalar.PASS1
     else:
         body = _PROLOGUE + cuda_prepare_channel.ISSUE_SLICES + _PROLOGUE_TAIL + cuda_prepare_channel.PASS1
-    return head + HELPERS + body + SOLVE_AND_PASS2
+    return head + CUDA_CHUNK_COUNT + HELPERS + body + SOLVE_AND_PASS2

@@ -49,11 +49,11 @@ register moves and address arithmetic; now about 880). What is left is latency w
 """
 from __future__ import annotations
 
+from kda_compile.ops.kda.chunks import CHUNK, CUDA_CHUNK_COUNT
 from kda_compile.ops.kda.cuda_prepare_source import INLINE_SEQS
 
 KERNEL_NAME = "kda_scan_mma"
 HEAD_DIM = 128
-CHUNK = 64
 BLOCK_VS = (32, 64, 128)
 
 # Shared memory (bytes) of one stage: the chunk's tiles.
@@ -171,8 +171,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, 1) kda_scan_mma(
         for (int r = 0; r < INLINE_SEQS / 32; ++r) {
             const int i = 32 * r + lane;
             if (i < n) {
-                const long long len = (long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i];
-                count += len > 0 ? (int)((len + 63) / 64) : 0;
+                count += chunk_count((long long)cu_seqlens[i + 1] - (long long)cu_seqlens[i]);
             }
         }
 #pragma unroll
@@ -432,4 +431,4 @@ def kernel_source(*, cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, 
         "U_OFF": U_OFF, "STAGE_BYTES": stage_bytes(block_v, row_factors), "INLINE_SEQS": INLINE_SEQS,
     }
     head = "".join(f"#define {key} {value}\n" for key, value in defines.items())
-    return head + _BODY
+    return head + CUDA_CHUNK_COUNT + _BODY

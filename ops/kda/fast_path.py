@@ -50,6 +50,7 @@ from kda_compile.ops._common import cuda_index, on_device
 from kda_compile.ops._nvrtc import ArgumentBlock, NvrtcUnavailable, current_raw_stream, ensure_thread_context
 from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare_src
+from kda_compile.ops.kda.chunks import CHUNK, chunks_in, packed_slot_bound
 from kda_compile.ops.kda.backends import KDAOptions, restricted_to, select_backend
 from kda_compile.ops._common import CHECK_INPUTS_ENV
 
@@ -57,7 +58,6 @@ logger = logging.getLogger("kda_compile.ops.kda")
 
 MAX_PLANS = 256
 HEAD_DIM = 128
-CHUNK = 64
 ALIGN = 256  # bytes between workspace regions
 SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"  # triton_chunk.SEGMENTS_ENV (that module needs triton to import)
 PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary path (debugging, measuring)
@@ -287,7 +287,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
         return None
     index = cuda_index(q.device)
     block_v = cuda_scan.block_v_for(N * HV, _device_sms(q.device))
-    slots = -(-T // CHUNK) + N if varlen else B * -(-T // CHUNK)
+    slots = packed_slot_bound(T, N) if varlen else B * chunks_in(T)
     cu_dtype = cu_seqlens.dtype if varlen else None
     flags = (varlen, l2norm, A_log is not None, dt_bias is not None, beta_sigmoid, False)
     softplus, wide = (False, False) if scalar_gate else cuda_prepare.channel_gate_form(lower_bound)

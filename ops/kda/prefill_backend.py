@@ -47,6 +47,7 @@ from kda_compile.ops._common import (
     triton_compile_errors,
 )
 from kda_compile.ops.kda.backends import REFERENCE, KDAOptions, register_backend
+from kda_compile.ops.kda.chunks import CHUNK  # our prepare's chunk, hence that of the FLA residuals it can write
 from kda_compile.ops.kda.fla_backend import FLABackend, glue_kernels
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -54,7 +55,6 @@ logger = logging.getLogger("kda_compile.ops.kda")
 KERNEL_MODULE = "kda_compile.ops.kda.triton_chunk"
 PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # the scan keeps a [next_pow2(K), BV] fp32 state tile on chip
-CHUNK = 64  # the chunk of our prepare kernel, hence of the FLA residuals it can write
 
 OWN_RESIDUALS, FLA_FORWARD, REFERENCE_BACKWARD = "own", "fla", "reference"
 # |lower_bound| (nats per step) up to which a block's decay range stays within the prepare kernel's

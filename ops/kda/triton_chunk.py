@@ -35,6 +35,7 @@ import triton
 
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
+from kda_compile.ops.kda.chunks import CHUNK, chunks_in, first_chunk_slots, packed_slot_bound
 from kda_compile.ops.kda.cuda_prepare import choose_prepare_kernel, launch_prepare, run_or_fall_back
 from kda_compile.ops.kda.cuda_prepare import kernel_for as prepare_kernel_for
 from kda_compile.ops.kda.cuda_prepare_source import INLINE_SEQS
@@ -47,7 +48,6 @@ from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED
 from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_prepare_kernel
 from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
 
-CHUNK = 64  # BT: fixed by the prepare kernel (four 16-row sub-blocks)
 MAX_HEAD_DIM = 256
 SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
 # Programs of the scan / summary kernel counted per SM by the segment cost model: an effective value fitted to
@@ -311,14 +311,6 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def _chunk_offsets(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """``[N + 1]`` int32: the first chunk slot of each sequence (its chunks are numbered densely)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    offsets = torch.zeros(cu_seqlens.shape[0], dtype=torch.int32, device=cu_seqlens.device)
-    torch.cumsum((lengths + CHUNK - 1) // CHUNK, 0, out=offsets[1:])
-    return offsets
-
-
 def chunk_kda_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, initial_state: torch.Tensor | None,
@@ -380,14 +372,14 @@ def chunk_kda_prefill(
     tokens_past_last = varlen  # tokens after cu_seqlens[-1] belong to no sequence: o must be zeroed there
     planned = None  # the chunk plan made on the host from cu_seqlens_cpu
     if varlen and cu_seqlens_cpu is not None and not _capturing(q.device):
-        planned = _chunk_offsets(cu_seqlens_cpu)
+        planned = first_chunk_slots(cu_seqlens_cpu)
         slots = max(int(planned[-1]), 1)  # a program with no chunk exits at once
         tokens_past_last = int(cu_seqlens_cpu[-1]) < T
     elif varlen:
-        slots = triton.cdiv(T, CHUNK) + N  # an upper bound on the total chunk count: no host sync
+        slots = packed_slot_bound(T, N)  # no host sync
     else:
         cu_seqlens = q.new_empty(0, dtype=torch.int32)
-        slots = B * triton.cdiv(T, CHUNK)
+        slots = B * chunks_in(T)
     dot_bf16, dot_precision, solve_precision, _ = _precisions(dtype)
 
     w = q.new_empty(TT, HV, K)
@@ -430,7 +422,7 @@ def chunk_kda_prefill(
     elif planned is not None:
         chunk_offsets = planned.to(cu_seqlens.device, non_blocking=True)
     else:
-        chunk_offsets = _chunk_offsets(cu_seqlens)
+        chunk_offsets = first_chunk_slots(cu_seqlens)
     factors = None
     if cuda_pair and scalar_gate:
         # the rows' q / k factors instead of the qg / kd tiles; both kernels are loaded

@@ -18,9 +18,9 @@ Device-agnostic like ``triton_chunk.py`` (CUDA, or CPU tensors under ``TRITON_IN
 from __future__ import annotations
 
 import torch
-import triton
 
-from kda_compile.ops.kda.triton_chunk import CHUNK, MAX_HEAD_DIM, _chunk_offsets, launch_scan
+from kda_compile.ops.kda.chunks import chunks_in, first_chunk_slots, packed_slot_bound
+from kda_compile.ops.kda.triton_chunk import MAX_HEAD_DIM, launch_scan
 
 
 def scan_fla_intermediates(
@@ -59,11 +59,11 @@ def scan_fla_intermediates(
     varlen = cu_seqlens is not None
     N = B if not varlen else cu_seqlens.shape[0] - 1
     if varlen:
-        chunk_offsets = _chunk_offsets(cu_seqlens)
-        slots = triton.cdiv(T, CHUNK) + N  # an upper bound on the total chunk count: no host sync
+        chunk_offsets = first_chunk_slots(cu_seqlens)
+        slots = packed_slot_bound(T, N)  # no host sync
     else:
         chunk_offsets = cu_seqlens = w.new_empty(0, dtype=torch.int32)
-        slots = triton.cdiv(T, CHUNK)
+        slots = chunks_in(T)
     o = h = v_new = final = None
     if store_o:
         o = w.new_zeros(B, T, HV, V) if varlen else w.new_empty(B, T, HV, V)

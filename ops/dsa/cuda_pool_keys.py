@@ -4,8 +4,9 @@ token rows, for the cache layout Hugging Face keeps (keys, gates and the validit
 
 ``pooled_keys_cuda`` has the contract of ``triton_pool_keys.pooled_keys_triton``; ``pools_from_rows`` also reads the key
 flags where they lie in the copied rows (the op's ``key_valid`` given as HF's cache column) and returns the bool mask
-and each row's first valid key with the pools, so no separate pass over the flags makes them. ``choose_kernel`` picks
-the kernel of a call (``KDA_COMPILE_POOL_KERNEL`` = auto | triton | cuda): this one for keys and gates in one row (HF's
+and each row's first valid key with the pools, so no separate pass over the flags makes them. ``serving_layout`` picks
+the kernel of a call and works out its row layout, once, for the launch (``choose_kernel`` says only which kernel;
+``KDA_COMPILE_POOL_KERNEL`` = auto | triton | cuda): this one for keys and gates in one row (HF's
 layout; separate tensors only when forced: the Triton kernel is faster on them), float16 / bfloat16 (one dtype, as in
 HF's cache) of at most 256 channels in pools of at most 32 tokens on an sm_80+ GPU, laid out as ``row_layout`` accepts;
 else the Triton kernel, recorded as a fallback when the call was one this kernel is written for or ``cuda`` was forced.
@@ -104,28 +105,39 @@ def _shared_limit(index: int) -> int:
 def warps_per_cta(layout: RowLayout, pool: int, index: int) -> int:
     """Warps a CTA holds: up to ``MAX_WARPS``, as many as two stages each of their spans fit the device's shared
     memory (0: not even one)."""
-    stage, _ = _stage_bytes(layout, pool)
+    return _warps_for(_stage_bytes(layout, pool)[0], index)
+
+
+def _warps_for(stage: int, index: int) -> int:
     return min(src.MAX_WARPS, _shared_limit(index) // (2 * stage))
 
 
-def choose_kernel(k, gate, pool: int) -> str:
-    """"cuda" (this kernel) or "triton" for forming the pools of a call."""
+def serving_layout(k, gate, pool: int, flags=None) -> RowLayout | None:
+    """The row layout this kernel forms a call's pools with, or None where the Triton kernel forms them (recorded
+    as a fallback as ``kernel_choice`` says). ``flags``: the key flags (``row_layout``); the layout then says in
+    ``v_off`` whether ``pools_from_rows`` reads them in the rows. Computed once per call and passed to the launch."""
     requested = kernel_switch(KERNEL_ENV, KERNELS)
     if requested == "triton":
-        return "triton"
+        return None
     design = outside_design(k, gate, pool)
-    why = design
+    why, layout = design, None
     if why is None:
-        layout = row_layout(k, gate)
+        layout = row_layout(k, gate, flags)
         why = layout if isinstance(layout, str) else None
         if why is None and layout.spans == 2 and requested == "auto":
             # separate key and gate tensors with 16-byte aligned rows: the Triton kernel's own vector loads are
             # faster there (H200, batch 64 x 32k: 465 us against 705 us for this kernel's two spans)
-            return "triton"
+            return None
     if why is None and warps_per_cta(layout, pool, cuda_index(k.device)) == 0:
         why = (f"two stages of a pool's rows ({2 * _stage_bytes(layout, pool)[0]} bytes) exceed the GPU's shared "
                f"memory per block")
-    return kernel_choice(requested, design, why, _OP, "Triton pool-forming kernel", "CUDA pool-forming kernel")
+    choice = kernel_choice(requested, design, why, _OP, "Triton pool-forming kernel", "CUDA pool-forming kernel")
+    return layout if choice == "cuda" else None
+
+
+def choose_kernel(k, gate, pool: int) -> str:
+    """"cuda" (this kernel) or "triton" for forming the pools of a call."""
+    return "triton" if serving_layout(k, gate, pool) is None else "cuda"
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,22 +162,23 @@ def flags_in_rows(k, gate, flags) -> bool:
     return not isinstance(layout, str) and layout.v_off >= 0
 
 
-def pooled_keys_cuda(k, gate, key_valid, ape, first):
+def pooled_keys_cuda(k, gate, key_valid, ape, first, layout: RowLayout | None = None):
     """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``triton_pool_keys.pooled_keys_triton``'s result
-    from this kernel, ``key_valid`` None or bool [B, T]. The caller checked ``choose_kernel`` is "cuda". Raises
-    NvrtcUnavailable."""
+    from this kernel, ``key_valid`` None or bool [B, T]. The caller checked ``choose_kernel`` is "cuda" (``layout``:
+    the one ``serving_layout`` gave, else worked out here). Raises NvrtcUnavailable."""
     mode = src.MASK_NONE if key_valid is None else src.MASK_INPUT
-    return _launch(k, gate, row_layout(k, gate), key_valid, ape, first, mode)
+    return _launch(k, gate, layout or row_layout(k, gate), key_valid, ape, first, mode)
 
 
-def pools_from_rows(k, gate, flags, ape):
+def pools_from_rows(k, gate, flags, ape, layout: RowLayout | None = None):
     """(key_valid bool [B, T], first int64 [B], pk, pool_valid) with the keys' validity read from ``flags`` where
     ``flags_in_rows`` says they lie in the copied rows: the first-key kernel, then the pool kernel, which writes the
-    mask as it reads the flags (no separate pass over the flags). Raises NvrtcUnavailable."""
+    mask as it reads the flags (no separate pass over the flags). ``layout``: ``serving_layout``'s with these flags,
+    else worked out here. Raises NvrtcUnavailable."""
     b, t_len, _ = k.shape
     key_valid = torch.empty((b, t_len), dtype=torch.bool, device=k.device)
     first = torch.empty(b, dtype=torch.long, device=k.device)
-    layout = row_layout(k, gate, flags)
+    layout = layout or row_layout(k, gate, flags)
     if b == 0:
         return (key_valid, first, *_launch(k, gate, layout, key_valid, ape, first, src.MASK_FLAGS))
     index = cuda_index(k.device)
@@ -193,7 +206,7 @@ def _launch(k, gate, layout: RowLayout, key_valid, ape, first, mode: int):
     mask = key_valid.view(torch.uint8) if key_valid is not None else pool_valid.view(torch.uint8)  # (unread)
     ape32 = ape.to(torch.float32).contiguous()
     index = cuda_index(k.device)
-    warps = warps_per_cta(layout, pool, index)
+    warps = _warps_for(stage, index)
     with on_device(index):
         source = _source(_ELEM[k.dtype], pool, d, layout.spans, mode)
         kernel = load_kernel(source, src.KERNEL_NAME, index, arch=_arch(index),

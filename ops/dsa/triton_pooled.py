@@ -27,6 +27,8 @@ on CPU tensors (fp32 / fp16).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -49,12 +51,14 @@ def form_pools(k, gate, key_valid, ape):
     kernels that read whole token rows (``cuda_pool_keys.py``) where they serve the call, else from the Triton
     kernel. Floating key flags that lie in the copied rows (HF's cache) are read there: no separate pass makes
     the mask."""
-    if cuda_pool_keys.choose_kernel(k, gate, ape.shape[0]) == "cuda":
+    flags = key_valid if key_valid is not None and key_valid.dtype != torch.bool else None
+    layout = cuda_pool_keys.serving_layout(k, gate, ape.shape[0], flags)  # once per call (host time)
+    if layout is not None:
         try:
-            if key_valid is not None and key_valid.dtype != torch.bool \
-                    and cuda_pool_keys.flags_in_rows(k, gate, key_valid):
-                return cuda_pool_keys.pools_from_rows(k, gate, key_valid, ape)
-            return mask_first_and_pools(k, gate, key_valid, ape, cuda_pool_keys.pooled_keys_cuda)
+            if layout.v_off >= 0:
+                return cuda_pool_keys.pools_from_rows(k, gate, key_valid, ape, layout)
+            return mask_first_and_pools(k, gate, key_valid, ape,
+                                        functools.partial(cuda_pool_keys.pooled_keys_cuda, layout=layout))
         except NvrtcUnavailable as exc:
             cuda_pool_keys.record_unavailable(exc)
     return mask_first_and_pools(k, gate, key_valid, ape, pooled_keys_triton)

@@ -3,7 +3,8 @@ cache layout (keys, gates and the validity flag as views of one ``[B, T, 2 D + 1
 and on separate key / gate tensors, against the torch reference ``pooled.pooled_keys`` (validity bits equal, pool
 keys within rounding, as the Triton kernel's test bounds them) and against the Triton kernel; the op end to end on
 HF's layout (exact selections on quantised inputs, no fallback, a CUDA-graph decode step). The layout rules run on
-CPU tensors (no GPU needed)."""
+CPU tensors (no GPU needed), and so does the CUDA branch's plumbing, with recording stand-ins for the device."""
+import contextlib
 import functools
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 
 from kda_compile.ops import dsa_pooled_indexer_topk
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.dsa import cuda_pool_keys, cuda_pool_keys_source
+from kda_compile.ops.dsa import cuda_pool_keys, cuda_pool_keys_source, triton_pooled
 from kda_compile.ops.dsa.pooled import first_valid, pooled_indexer_topk_reference, pooled_keys
 from kda_compile.testing import assert_rel_close, hf_cache_rows
 
@@ -244,3 +245,50 @@ def test_forced_kernel_outside_its_layout_is_recorded(monkeypatch):
     monkeypatch.setenv(cuda_pool_keys.KERNEL_ENV, "triton")
     clear_fallback_events()
     assert cuda_pool_keys.choose_kernel(k, k, 16) == "triton" and not fallback_events()
+
+
+class _RecordedKernel:
+    """Stands in for a compiled kernel on CPU tensors: records (kernel name, launch arguments as ints)."""
+
+    def __init__(self, launches: list, name: str):
+        self.launches, self.name = launches, name
+
+    def launch(self, grid, block, args):
+        self.launches.append((self.name, [a.value for a in args]))
+
+
+def _fake_device(monkeypatch) -> tuple[list, list]:
+    """The CUDA pool formers' device calls replaced on CPU tensors: (launches, row_layout's calls)."""
+    launches, layouts = [], []
+    row_layout = cuda_pool_keys.row_layout
+    monkeypatch.setattr(cuda_pool_keys, "outside_design", lambda k, gate, pool: None)
+    monkeypatch.setattr(cuda_pool_keys, "cuda_index", lambda device: 0)
+    monkeypatch.setattr(cuda_pool_keys, "_shared_limit", lambda index: 227 * 1024)
+    monkeypatch.setattr(cuda_pool_keys, "sm_count", lambda index: 132)
+    monkeypatch.setattr(cuda_pool_keys, "_arch", lambda index: "90")
+    monkeypatch.setattr(cuda_pool_keys, "on_device", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_pool_keys, "load_kernel", lambda source, name, *a, **kw: _RecordedKernel(launches, name))
+    monkeypatch.setattr(cuda_pool_keys, "row_layout", lambda *a: layouts.append(a) or row_layout(*a))
+    return launches, layouts
+
+
+@pytest.mark.parametrize("flags_form", ["in_rows", "bool", "none"])
+def test_cuda_branch_works_out_the_layout_once_and_launches_with_it(monkeypatch, flags_form):
+    """The CUDA branch of ``triton_pooled.form_pools``, run on CPU with recording stand-ins for the device: one
+    ``row_layout`` per call, and the launches carry that layout's spans (the flags' offset where they are read in
+    the rows: the first-key kernel, then the pool kernel in its flags mode)."""
+    launches, layouts = _fake_device(monkeypatch)
+    k, gate = torch.randn(2, 40, 128).bfloat16(), torch.randn(2, 40, 128).bfloat16()
+    flags = torch.ones(2, 40, dtype=torch.bfloat16)
+    kv, gv, fv = hf_cache_rows(k, gate, flags)
+    key_valid = {"in_rows": fv, "bool": fv != 0, "none": None}[flags_form]
+    triton_pooled.form_pools(kv, gv, key_valid, torch.randn(16, 128))
+    assert len(layouts) == 1
+    layout = cuda_pool_keys.row_layout(kv, gv, fv if flags_form == "in_rows" else None)
+    names = [name for name, _ in launches]
+    assert names == ([cuda_pool_keys_source.FIRST_NAME] if flags_form == "in_rows" else []) + [
+        cuda_pool_keys_source.KERNEL_NAME]
+    args = launches[-1][1]
+    assert args[0] == layout.bases[0] and args[7:9] == [layout.batch_strides[0], layout.token_strides[0]]
+    assert args[13:17] == [*layout.widths, layout.k_off, layout.g_off]
+    assert args[17] == max(layout.v_off, 0) and (layout.v_off >= 0) == (flags_form == "in_rows")

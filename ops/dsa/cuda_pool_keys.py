@@ -155,13 +155,6 @@ def _stage_bytes(layout: RowLayout, pool: int) -> tuple[int, int]:
     return first + second, first
 
 
-def flags_in_rows(k, gate, flags) -> bool:
-    """Whether the key flags ``flags`` (a [B, T] tensor of k's dtype) lie in the rows the kernel copies, so that
-    ``pools_from_rows`` reads them there (HF's cache layout)."""
-    layout = row_layout(k, gate, flags)
-    return not isinstance(layout, str) and layout.v_off >= 0
-
-
 def pooled_keys_cuda(k, gate, key_valid, ape, first, layout: RowLayout | None = None):
     """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``triton_pool_keys.pooled_keys_triton``'s result
     from this kernel, ``key_valid`` None or bool [B, T]. The caller checked ``choose_kernel`` is "cuda" (``layout``:
@@ -172,9 +165,9 @@ def pooled_keys_cuda(k, gate, key_valid, ape, first, layout: RowLayout | None = 
 
 def pools_from_rows(k, gate, flags, ape, layout: RowLayout | None = None):
     """(key_valid bool [B, T], first int64 [B], pk, pool_valid) with the keys' validity read from ``flags`` where
-    ``flags_in_rows`` says they lie in the copied rows: the first-key kernel, then the pool kernel, which writes the
-    mask as it reads the flags (no separate pass over the flags). ``layout``: ``serving_layout``'s with these flags,
-    else worked out here. Raises NvrtcUnavailable."""
+    the layout says they lie in the copied rows (``v_off >= 0``): the first-key kernel, then the pool kernel, which
+    writes the mask as it reads the flags (no separate pass over the flags). ``layout``: ``serving_layout``'s with
+    these flags, else worked out here. Raises NvrtcUnavailable."""
     b, t_len, _ = k.shape
     key_valid = torch.empty((b, t_len), dtype=torch.bool, device=k.device)
     first = torch.empty(b, dtype=torch.long, device=k.device)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kda_compile.ops._common import cdiv
+
 CHUNK = 64
 
 CUDA_CHUNK_COUNT = f"""
@@ -27,7 +29,7 @@ __device__ __forceinline__ int chunk_count(int len) {{
 
 def chunks_in(tokens: int) -> int:
     """Chunks of one sequence of ``tokens`` tokens."""
-    return -(-tokens // CHUNK)
+    return cdiv(tokens, CHUNK)
 
 
 def packed_slot_bound(T: int, N: int) -> int:

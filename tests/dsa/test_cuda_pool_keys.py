@@ -54,11 +54,9 @@ def test_row_layout_finds_the_flags_in_hf_rows():
     kv, gv, flags = hf_cache_rows(k, k.clone(), None)
     layout = cuda_pool_keys.row_layout(kv, gv, flags)
     assert layout.spans == 1 and layout.v_off == 256 and layout.widths == (258, 0)
-    assert cuda_pool_keys.flags_in_rows(kv, gv, flags)
     elsewhere = torch.ones(2, 10, dtype=torch.bfloat16)
     assert cuda_pool_keys.row_layout(kv, gv, elsewhere).v_off == -1
-    assert not cuda_pool_keys.flags_in_rows(kv, gv, elsewhere)
-    assert not cuda_pool_keys.flags_in_rows(kv, gv, flags.float())  # not k's dtype: not read in the rows
+    assert cuda_pool_keys.row_layout(kv, gv, flags.float()).v_off == -1  # not k's dtype: not read in the rows
 
 
 @st.composite
@@ -143,7 +141,7 @@ def test_flags_in_the_rows_give_the_mask_first_keys_and_pools(t, dtype):
     ape = torch.randn(16, d, generator=g).cuda()
     kv, gv, fv = hf_cache_rows(k.cuda(), gate.cuda(), None)
     fv.copy_(flags.to(dtype))
-    assert cuda_pool_keys.flags_in_rows(kv, gv, fv)
+    assert cuda_pool_keys.serving_layout(kv, gv, 16, fv).v_off >= 0
     mask, first, pk, pool_valid = cuda_pool_keys.pools_from_rows(kv, gv, fv, ape)
     want_mask = fv != 0
     assert torch.equal(mask, want_mask) and torch.equal(first, first_valid(want_mask))
@@ -196,7 +194,7 @@ def test_op_on_hf_rows_is_exact_on_quantised_scores(mode, dtype):
     assert torch.equal(got, want)
     flags = hf_cache_rows(a["k"].contiguous(), a["gate"].contiguous(), a["key_valid"])
     with_flags = {**a, "k": flags[0], "gate": flags[1], "key_valid": flags[2]}  # HF's cache column, as rewritten
-    assert cuda_pool_keys.flags_in_rows(flags[0], flags[1], flags[2])
+    assert cuda_pool_keys.serving_layout(flags[0], flags[1], 16, flags[2]).v_off >= 0
     assert torch.equal(_op(with_flags, 2048, True), want)
     assert {e: n for e, n in fallback_events().items() if e.op.startswith("dsa_")} == {}
 

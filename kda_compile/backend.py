@@ -4,10 +4,14 @@
 package (the ``torch_dynamo_backends`` entry point in pyproject.toml names
 :func:`kda_compile_backend`). Each graph Dynamo captures goes through the pass manager (the
 rewrites enabled by the :class:`~kda_compile.config.Config`), is recorded in the rewrite report,
-and is handed to Inductor (``compile_fx``) with torch.compile's ``mode`` and ``options``.
+and is handed to Inductor (``compile_fx``) with torch.compile's ``mode`` and ``options``. With CUDA
+graphs requested (``mode="reduce-overhead"``) each graph first gets a CUDA-graph plan: decode graphs are
+captured with their cache tensors as static addresses, prefill graphs and graphs with symbolic sizes run
+without CUDA graphs (:mod:`kda_compile.cuda_graphs`).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -15,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 
+from kda_compile import cuda_graphs
 from kda_compile.config import Config
 from kda_compile.passes import GraphReport, PassManager
 from kda_compile.report import record_graph
@@ -47,7 +52,8 @@ def inductor_config_patches(mode: str | None, options: dict | None) -> dict[str,
     return patches
 
 
-def _compile_rewritten(gm: torch.fx.GraphModule, example_inputs, compiler: str, mode, options) -> Callable:
+def _compile_rewritten(gm: torch.fx.GraphModule, example_inputs, compiler: str,
+                       patches: dict[str, Any]) -> Callable:
     if compiler == "eager":
         return gm.forward
     if compiler == "aot_eager":
@@ -56,7 +62,20 @@ def _compile_rewritten(gm: torch.fx.GraphModule, example_inputs, compiler: str, 
         return lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(mode, options))
+    with cuda_graphs.listening_for_skips():
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def cuda_graph_plan(gm: torch.fx.GraphModule, example_inputs, compiler: str,
+                    patches: dict[str, Any]) -> cuda_graphs.CudaGraphPlan | None:
+    """The CUDA-graph plan of a graph Inductor compiles with CUDA graphs requested (``patches`` then
+    switch them off for a graph left out), None when they are not requested (kda_compile.cuda_graphs)."""
+    if compiler != "inductor" or not cuda_graphs.cudagraphs_requested(patches):
+        return None
+    plan = cuda_graphs.plan(gm, example_inputs, cuda_graphs.current_phase())
+    if not plan.capture:
+        patches[cuda_graphs.CUDAGRAPHS_OPTION] = False
+    return plan
 
 
 def _compile_id() -> tuple[str, Any]:
@@ -98,6 +117,11 @@ class KdaCompileBackend:
                  options: dict | None = None) -> Callable:
         label, key = _compile_id()
         report = PassManager(self.config).run(gm, graph=label or f"#{next(self._ids)}")
+        patches = inductor_config_patches(mode, options) if self.config.compiler == "inductor" else {}
+        plan = cuda_graph_plan(gm, example_inputs, self.config.compiler, patches)
+        if plan is not None:
+            cuda_graphs.log_plan(report.graph, plan)
+            report = dataclasses.replace(report, cuda_graphs=plan.summary())
         with self._lock:
             if key is not None and self._last_key == key:
                 self.reports[-1] = report
@@ -105,7 +129,7 @@ class KdaCompileBackend:
                 self.reports.append(report)
             self._last_key = key
         record_graph(report, key)
-        return _compile_rewritten(gm, example_inputs, self.config.compiler, mode, options)
+        return _compile_rewritten(gm, example_inputs, self.config.compiler, patches)
 
 
 _default_backend = KdaCompileBackend()

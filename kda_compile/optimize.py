@@ -51,6 +51,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+from kda_compile import cuda_graphs
 from kda_compile.backend import KdaCompileBackend
 from kda_compile.config import Config
 from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler
@@ -73,12 +74,14 @@ def recompile_limit() -> int:
     return max(torch._dynamo.config.recompile_limit, ENTRIES_PER_OPTIMIZE * _made[0])
 
 
-def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend) -> Callable[..., Any]:
+def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
+                  cudagraphs_requested: bool = False) -> Callable[..., Any]:
     """``compiled`` run with the recompile budget raised for the call and Dynamo's eager-fallback
     warnings attributed to ``backend``'s report. On every call's path: reading or setting a
     Dynamo config value costs microseconds, so this reads one and sets it only to raise it."""
 
     capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
+    static_caches = cudagraphs_requested  # mark the caches static for CUDA-graph decode (kda_compile.cuda_graphs)
 
     @functools.wraps(compiled)  # keeps _torchdynamo_orig_callable and the signature (generate reads it)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -101,7 +104,22 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend) -> C
         for name in switched_on:
             setattr(dynamo, name, True)
         try:
-            return compiled(*args, **kwargs)
+            phase = cuda_graphs.phase_of_call(args, kwargs)
+            # A decode step into a static cache compiles with static shapes: a new batch size is a new graph
+            # (captured), not a dynamic one (which CUDA graphs would record per size).
+            static_decode = (static_caches and phase == cuda_graphs.DECODE and dynamo.automatic_dynamic_shapes
+                             and cuda_graphs.is_static_cache(cuda_graphs.cache_of_call(kwargs, None)))
+            if static_decode:
+                dynamo.automatic_dynamic_shapes = False
+            try:
+                with cuda_graphs.call_phase(phase), cuda_graphs.listening_for_skips():
+                    result = compiled(*args, **kwargs)
+            finally:
+                if static_decode:
+                    dynamo.automatic_dynamic_shapes = True
+            if phase == cuda_graphs.PREFILL and static_caches:  # the prefill allocated the cache: decode captures it
+                cuda_graphs.mark_cache_static(cuda_graphs.cache_of_call(kwargs, result))
+            return result
         except GuardOnDataDependentSymNode as exc:
             if capture:  # Dynamo raises, instead of breaking the graph, where an op's result shape needs the data
                 exc.add_note("kda_compile.optimize traced this call with torch._dynamo.config.capture_scalar_outputs "
@@ -116,6 +134,32 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend) -> C
             exit_calls_of()
 
     return run
+
+
+def _keep_generate_from_compiling_again(module: Any) -> None:
+    """Hugging Face's ``generate`` compiles the model's ``__call__`` itself (plain Inductor, CUDA graphs)
+    whenever it decodes into a static cache on a GPU, unless ``generation_config.disable_compile``. Around an
+    ``optimize()``'d forward that second compile traces through ours and replaces it: the decode graph then
+    runs none of our rewrites and misses the static cache marking (Inductor skips its CUDA graphs). The forward
+    is compiled already, so that auto-compile is switched off for this model (logged)."""
+    config = getattr(module, "generation_config", None)
+    if config is None or not hasattr(config, "disable_compile") or config.disable_compile:
+        return
+    config.disable_compile = True
+    logger.info("kda_compile.optimize: %s.generation_config.disable_compile set to True: the forward is compiled "
+                "by kda_compile, and generate() would otherwise compile it again with plain Inductor for decoding "
+                "into a static cache (docs/cuda-graphs.md)", type(module).__name__)
+
+
+def _asks_for_cuda_graphs(compile_kwargs: dict) -> bool:
+    """Whether torch.compile's ``mode`` / ``options`` turn Inductor's CUDA graphs on."""
+    from kda_compile.backend import inductor_config_patches
+
+    mode, options = compile_kwargs.get("mode"), compile_kwargs.get("options")
+    try:
+        return cuda_graphs.cudagraphs_requested(inductor_config_patches(mode, options))
+    except (TypeError, ValueError):
+        return False  # torch.compile reports a bad mode or options itself
 
 
 def _already_compiled(model: Any) -> str | None:
@@ -175,13 +219,15 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
         raise TypeError(f"config must be a kda_compile.Config or None, got {type(config).__name__}")
     backend = KdaCompileBackend(config)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
+    graphs = _asks_for_cuda_graphs(compile_kwargs)
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward runs Dynamo
-        compiled.forward = _run_compiled(compiled.forward, backend)
+        compiled.forward = _run_compiled(compiled.forward, backend, graphs)
     else:
-        compiled = _run_compiled(compiled, backend)
+        compiled = _run_compiled(compiled, backend, graphs)
     with _made_lock:
         _made[0] += 1
     install_fallback_handler()
-    original = getattr(model, "__self__", None)  # a bound method's module also answers report()
+    original = getattr(model, "__self__", None)
+    _keep_generate_from_compiling_again(model if isinstance(model, torch.nn.Module) else original)  # a bound method's module also answers report()
     attach(compiled, backend, model, *([original] if original is not None else []))
     return compiled

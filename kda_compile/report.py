@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from kda_compile.cuda_graphs import clear_inductor_skips, inductor_skips
 from kda_compile.ops._common import FallbackEvent, fallback_events
 from kda_compile.passes.manager import GraphReport, LeftAlone, Rewritten
 
@@ -103,12 +104,24 @@ class Report:
         eager_fallbacks: the frames Dynamo ran eagerly instead of compiling during calls of this
             model (or, for ``report()``, of any ``optimize()`` result), one per code object and kind.
         graph_breaks: the graph breaks Dynamo made during those calls, one per location and reason.
+        inductor_cudagraph_skips: Inductor's own "skipping cudagraphs due to ..." messages seen while
+            our graphs compiled or ran, with their counts (process-wide, like ``fallbacks``).
     """
 
     graphs: tuple[GraphReport, ...]
     fallbacks: tuple[tuple[FallbackEvent, int], ...] = ()
     eager_fallbacks: tuple[EagerFallback, ...] = ()
     graph_breaks: tuple[GraphBreak, ...] = ()
+    inductor_cudagraph_skips: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def cuda_graph_fallbacks(self) -> tuple[str, ...]:
+        """Graphs compiled with CUDA graphs asked for that run without them for a reason other than
+        being a prefill (which is never captured, by design), and Inductor's own skips."""
+        left_out = tuple(f"graph {g.graph}: {g.cuda_graphs}" for g in self.graphs
+                         if g.cuda_graphs.startswith("cuda graphs: not captured")
+                         and "a prefill graph" not in g.cuda_graphs)
+        return left_out + tuple(f"Inductor ({count}x): {msg}" for msg, count in self.inductor_cudagraph_skips)
 
     @property
     def rewritten(self) -> tuple[Rewritten, ...]:
@@ -129,6 +142,7 @@ class Report:
         lines.extend(b.summary() for b in self.graph_breaks)
         for event, count in self.fallbacks:
             lines.append(f"fallback: {event.op} ran {event.chosen} ({count} calls): {event.reason}")
+        lines.extend(f"cuda graphs fallback: {entry}" for entry in self.cuda_graph_fallbacks)
         return "\n".join(lines)
 
 
@@ -162,7 +176,8 @@ def report(model: Any = None) -> Report:
     fallbacks = tuple(sorted(fallback_events().items(), key=lambda item: (item[0].op, item[0].chosen)))
     if model is None:
         with _history_lock:
-            return Report(tuple(_history), fallbacks, tuple(_all_eager.values()), tuple(_all_breaks.values()))
+            return Report(tuple(_history), fallbacks, tuple(_all_eager.values()), tuple(_all_breaks.values()),
+                          inductor_skips())
     backend = _sources.get(model) if _weakrefable(model) else None
     if backend is None:
         raise ValueError(
@@ -171,7 +186,7 @@ def report(model: Any = None) -> Report:
     with _history_lock:
         eager = tuple(_eager.get(backend, {}).values())
         breaks = tuple(_breaks.get(backend, {}).values())
-    return Report(tuple(backend.reports), fallbacks, eager, breaks)
+    return Report(tuple(backend.reports), fallbacks, eager, breaks, inductor_skips())
 
 
 def clear_reports() -> None:
@@ -183,6 +198,7 @@ def clear_reports() -> None:
         _all_eager.clear()
         _all_breaks.clear()
         _warned.clear()
+    clear_inductor_skips()
 
 
 # ---------------------------------------------------------------------------------------------

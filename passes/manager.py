@@ -68,6 +68,9 @@ class GraphReport:
     graph: str
     rewritten: tuple[Rewritten, ...] = ()
     left_alone: tuple[LeftAlone, ...] = ()
+    # Set by the backend when CUDA graphs were asked for (mode="reduce-overhead"): whether this graph is
+    # captured, or why not (kda_compile.cuda_graphs.CudaGraphPlan.summary()).
+    cuda_graphs: str = ""
 
     def sites(self) -> dict[str, list[Rewritten]]:
         """The rewritten entries grouped by site, in order of first appearance: one site can take
@@ -93,6 +96,8 @@ class GraphReport:
             lines.append(f"  rewritten   {site}, by {', '.join(e.rewrite for e in entries)}:")
             lines += [f"                {e.rewrite}: {e.change()}" for e in entries]
         lines += [f"  left alone  {c}" for c in self.left_alone]
+        if self.cuda_graphs:
+            lines.append(f"  {self.cuda_graphs}")
         return "\n".join(lines)
 
 

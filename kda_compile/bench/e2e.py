@@ -43,14 +43,16 @@ def add_arguments(parser) -> None:
                              "1024,4096)")
     parser.add_argument("--configs", default=None, help="comma-separated subset of the configurations (llama: " +
                         ", ".join(CONFIGURATIONS) + "; kimi_linear, qwen3_next: hf_eager_fla, "
-                        "hf_eager_torch, inductor, kda_compile)")
+                        "hf_eager_torch, inductor, kda_compile, kda_compile (cuda graphs))")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (llama: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA; "
                              "qwen3_next: 4 = 3 GDN + 1 attention)")
     parser.add_argument("--no-cache", action="store_true",
                         help="llama: forward with use_cache=False (training-style mask)")
     kimi = parser.add_argument_group("kimi_linear, qwen3_next")
-    kimi.add_argument("--decode-prompt", type=int, default=512, help="prompt before the timed decode loop")
+    kimi.add_argument("--decode-shapes", default="1x512,1x8192,64x512",
+                      help="comma-separated BATCHxPROMPT decode shapes: a PROMPT-token prefill per sequence, then the "
+                           "timed decode loop (default: %(default)s)")
     kimi.add_argument("--new-tokens", type=int, default=32, help="single-token forwards timed per decode loop")
     kimi.add_argument("--decode-repeats", type=int, default=5, help="decode loops timed (median reported)")
     kimi.add_argument("--torch-max-prompt", type=int, default=1024,

@@ -255,6 +255,15 @@ def test_optimize_keeps_generate_from_compiling_the_forward_again():
     assert model.generation_config.disable_compile is True
 
 
+def test_the_example_runs(capsys):
+    """examples/cuda_graph_decode.py, as the README shows it (CPU: aot_eager, no CUDA graphs)."""
+    import pathlib
+    import runpy
+
+    runpy.run_path(str(pathlib.Path(__file__).parents[2] / "examples" / "cuda_graph_decode.py"), run_name="__main__")
+    assert "tokens equal eager: True" in capsys.readouterr().out
+
+
 def test_phase_of_a_call():
     one, many = torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 5, dtype=torch.long)
     assert cuda_graphs.phase_of_call((), {"input_ids": one}) == cuda_graphs.DECODE

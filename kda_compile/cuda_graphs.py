@@ -49,6 +49,8 @@ CUDAGRAPHS_OPTION = "triton.cudagraphs"  # the Inductor config entry mode="reduc
 # cache tensor (its Dynamo source reads e.g. L['kwargs']['past_key_values'].layers[0].conv_states[0]).
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache_params")
 PREFILL, DECODE = "prefill", "decode"
+PREFILL_REASON = ("a prefill graph (more than one token per sequence): prompt lengths vary, so it runs without CUDA "
+                  "graphs and decode steps are captured")  # not captured by design: no fallback (report.py)
 
 _phase = threading.local()  # .value: PREFILL / DECODE while an optimize() result's call runs, else None
 
@@ -216,9 +218,8 @@ def symbolic_inputs(gm: torch.fx.GraphModule, example_inputs) -> list[str]:
         value = node.meta.get("example_value")
         if _is_symbolic(value):
             found.append(_source_name(node) or node.name)
-    for value in example_inputs:
-        if isinstance(value, torch.SymInt) and not found:
-            found.append("a symbolic size")
+    if not found and any(isinstance(value, torch.SymInt) and _is_symbolic(value) for value in example_inputs):
+        found.append("a symbolic size")
     return found
 
 
@@ -268,8 +269,7 @@ def plan(gm: torch.fx.GraphModule, example_inputs, phase: str | None) -> CudaGra
     if phase is None:
         phase = phase_of_graph(gm)
     if phase == PREFILL:
-        return CudaGraphPlan(False, "a prefill graph (more than one token per sequence): prompt lengths vary, "
-                                    "so it runs without CUDA graphs and decode steps are captured")
+        return CudaGraphPlan(False, PREFILL_REASON)
     symbolic = symbolic_inputs(gm, example_inputs)
     sliding = [name for name in symbolic if name.endswith(".cumulative_length_int")]
     if sliding:
@@ -287,7 +287,7 @@ def plan(gm: torch.fx.GraphModule, example_inputs, phase: str | None) -> CudaGra
 def log_plan(graph: str, result: CudaGraphPlan) -> None:
     if result.capture:
         logger.debug("graph %s: %s", graph, result.summary())
-    elif result.reason.startswith("a prefill graph"):
+    elif result.reason == PREFILL_REASON:
         logger.info("graph %s: %s", graph, result.summary())
     else:
         logger.warning("kda_compile: graph %s: %s; kda_compile.report() lists it", graph, result.summary())

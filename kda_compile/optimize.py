@@ -81,7 +81,6 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
     Dynamo config value costs microseconds, so this reads one and sets it only to raise it."""
 
     capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
-    static_caches = cudagraphs_requested  # mark the caches static for CUDA-graph decode (kda_compile.cuda_graphs)
 
     @functools.wraps(compiled)  # keeps _torchdynamo_orig_callable and the signature (generate reads it)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -104,22 +103,9 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
         for name in switched_on:
             setattr(dynamo, name, True)
         try:
-            phase = cuda_graphs.phase_of_call(args, kwargs)
-            # A decode step into a static cache compiles with static shapes: a new batch size is a new graph
-            # (captured), not a dynamic one (which CUDA graphs would record per size).
-            static_decode = (static_caches and phase == cuda_graphs.DECODE and dynamo.automatic_dynamic_shapes
-                             and cuda_graphs.is_static_cache(cuda_graphs.cache_of_call(kwargs, None)))
-            if static_decode:
-                dynamo.automatic_dynamic_shapes = False
-            try:
-                with cuda_graphs.call_phase(phase), cuda_graphs.listening_for_skips():
-                    result = compiled(*args, **kwargs)
-            finally:
-                if static_decode:
-                    dynamo.automatic_dynamic_shapes = True
-            if phase == cuda_graphs.PREFILL and static_caches:  # the prefill allocated the cache: decode captures it
-                cuda_graphs.mark_cache_static(cuda_graphs.cache_of_call(kwargs, result))
-            return result
+            if cudagraphs_requested:
+                return _run_for_cuda_graphs(compiled, args, kwargs)
+            return compiled(*args, **kwargs)
         except GuardOnDataDependentSymNode as exc:
             if capture:  # Dynamo raises, instead of breaking the graph, where an op's result shape needs the data
                 exc.add_note("kda_compile.optimize traced this call with torch._dynamo.config.capture_scalar_outputs "
@@ -134,6 +120,28 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
             exit_calls_of()
 
     return run
+
+
+def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """One call of an ``optimize()`` result compiled with CUDA graphs (kda_compile.cuda_graphs): its phase
+    told to the backend, a decode step into a static cache traced with static shapes (a new batch size is a
+    new captured graph, not a dynamic one that CUDA graphs would record per size), and after a prefill the
+    cache it allocated marked static for the decode graphs."""
+    dynamo = torch._dynamo.config
+    phase = cuda_graphs.phase_of_call(args, kwargs)
+    static_decode = (phase == cuda_graphs.DECODE and dynamo.automatic_dynamic_shapes
+                     and cuda_graphs.is_static_cache(cuda_graphs.cache_of_call(kwargs, None)))
+    if static_decode:
+        dynamo.automatic_dynamic_shapes = False
+    try:
+        with cuda_graphs.call_phase(phase), cuda_graphs.listening_for_skips():
+            result = compiled(*args, **kwargs)
+    finally:
+        if static_decode:
+            dynamo.automatic_dynamic_shapes = True
+    if phase == cuda_graphs.PREFILL:
+        cuda_graphs.mark_cache_static(cuda_graphs.cache_of_call(kwargs, result))
+    return result
 
 
 def _keep_generate_from_compiling_again(module: Any) -> None:
@@ -227,7 +235,7 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
     with _made_lock:
         _made[0] += 1
     install_fallback_handler()
-    original = getattr(model, "__self__", None)
-    _keep_generate_from_compiling_again(model if isinstance(model, torch.nn.Module) else original)  # a bound method's module also answers report()
+    original = getattr(model, "__self__", None)  # a bound method's module also answers report()
+    _keep_generate_from_compiling_again(model if isinstance(model, torch.nn.Module) else original)
     attach(compiled, backend, model, *([original] if original is not None else []))
     return compiled

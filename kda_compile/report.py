@@ -37,7 +37,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from kda_compile.cuda_graphs import clear_inductor_skips, inductor_skips
+from kda_compile.cuda_graphs import PREFILL_REASON, clear_inductor_skips, inductor_skips
 from kda_compile.ops._common import FallbackEvent, fallback_events
 from kda_compile.passes.manager import GraphReport, LeftAlone, Rewritten
 
@@ -120,7 +120,7 @@ class Report:
         being a prefill (which is never captured, by design), and Inductor's own skips."""
         left_out = tuple(f"graph {g.graph}: {g.cuda_graphs}" for g in self.graphs
                          if g.cuda_graphs.startswith("cuda graphs: not captured")
-                         and "a prefill graph" not in g.cuda_graphs)
+                         and PREFILL_REASON not in g.cuda_graphs)
         return left_out + tuple(f"Inductor ({count}x): {msg}" for msg, count in self.inductor_cudagraph_skips)
 
     @property

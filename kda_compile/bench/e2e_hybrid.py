@@ -182,7 +182,7 @@ def prefill(model, ids):
         return model(input_ids=ids, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def new_cache(model, name: str, batch: int, length: int):
+def new_cache(model, name: str, length: int):
     """The cache a configuration decodes into: HF's ``StaticCache`` (``length`` tokens) for CUDA graphs,
     None (the model makes its ``DynamicCache``) otherwise."""
     if name != CUDA_GRAPHS:
@@ -260,7 +260,7 @@ def _decode_rows(spec: HybridModel, name: str, opts: Options, model, decode_ids:
     for batch, prompt in shapes:
         ids = decode_ids[(batch, prompt)]
         shape = decode_shape_name(batch, prompt, opts.new_tokens)
-        cache = new_cache(model, name, batch, prompt + opts.new_tokens + 1)
+        cache = new_cache(model, name, prompt + opts.new_tokens + 1)
         decode_ms_per_token(model, ids, 2, opts.device, cache)  # compiles / records the decode graph
         per_token = []
         for _ in range(opts.repeats):

@@ -135,18 +135,25 @@ def cache_of_call(kwargs: dict, result: Any) -> Any:
     return getattr(result, "past_key_values", None)
 
 
-def is_static_cache(cache: Any) -> bool:
-    """Whether every layer of ``cache`` keeps fixed shapes (HF's criterion for compiling decode: a compileable
-    cache that is not a ``DynamicCache``, whose attention layers grow each step)."""
+def is_compileable_cache(cache: Any) -> bool:
+    """HF's criterion for compiling decode: a compileable cache that is not a ``DynamicCache`` (whose
+    attention layers grow each step)."""
     if cache is None or not getattr(cache, "is_compileable", False):
         return False
     from transformers import DynamicCache
 
-    if type(cache) is DynamicCache:
+    return type(cache) is not DynamicCache
+
+
+def is_static_cache(cache: Any) -> bool:
+    """Whether every layer of ``cache`` keeps fixed shapes in a compiled decode step."""
+    if not is_compileable_cache(cache):
         return False
     # HF's sliding-window static layers keep their length as a Python int read in the graph: with static
-    # shapes each value would be a new graph, so those caches keep automatic dynamic shapes (see plan())
-    return not any(hasattr(layer, "cumulative_length_int") for layer in getattr(cache, "layers", ()))
+    # shapes each value would be a new graph, so those caches keep automatic dynamic shapes (see plan()) unless
+    # their layers were made capturable (kda_compile.sliding_window_cache)
+    return not any(hasattr(layer, "cumulative_length_int") and not getattr(layer, "kda_compile_capturable", False)
+                   for layer in getattr(cache, "layers", ()))
 
 
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
@@ -275,7 +282,9 @@ def plan(gm: torch.fx.GraphModule, example_inputs, phase: str | None) -> CudaGra
     if sliding:
         return CudaGraphPlan(False, f"{sliding[0]}: Hugging Face's sliding-window static cache layers carry their "
                                     "length as a Python int that changes every step, which a CUDA graph would be "
-                                    "recorded for at each value")
+                                    "recorded for at each value; kda_compile.optimize(..., mode='reduce-overhead') "
+                                    "captures them when the step gets generate()'s precomputed attention masks "
+                                    "(docs/cuda-graphs.md)")
     if symbolic:
         shown = ", ".join(symbolic[:3]) + (f" and {len(symbolic) - 3} more" if len(symbolic) > 3 else "")
         return CudaGraphPlan(False, f"inputs with symbolic sizes ({shown}) would record a CUDA graph per size; "

@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from kda_compile import cuda_graphs
+from kda_compile import cache_checks, cuda_graphs, sliding_window_cache
 from kda_compile.backend import KdaCompileBackend
 from kda_compile.config import Config
 from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler
@@ -75,10 +75,12 @@ def recompile_limit() -> int:
 
 
 def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
-                  cudagraphs_requested: bool = False) -> Callable[..., Any]:
+                  cudagraphs_requested: bool = False, module: Any = None) -> Callable[..., Any]:
     """``compiled`` run with the recompile budget raised for the call and Dynamo's eager-fallback
-    warnings attributed to ``backend``'s report. On every call's path: reading or setting a
-    Dynamo config value costs microseconds, so this reads one and sets it only to raise it."""
+    warnings attributed to ``backend``'s report; a static cache passed to the call is checked against it
+    first (kda_compile.cache_checks; ``module``'s input embeddings give the dtype). On every call's path:
+    reading or setting a Dynamo config value costs microseconds, so this reads one and sets it only to
+    raise it."""
 
     capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
 
@@ -86,6 +88,7 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced from inside another compiled region
             return compiled(*args, **kwargs)
+        _check_cache_of_call(args, kwargs, module)
         dynamo = torch._dynamo.config
         switched_on = [name for name in capture if not getattr(dynamo, name)]
         prior = dynamo.recompile_limit
@@ -122,15 +125,44 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
     return run
 
 
+def _embedding_dtype(module: Any) -> torch.dtype | None:
+    get = getattr(module, "get_input_embeddings", None)
+    weight = getattr(get(), "weight", None) if callable(get) else None
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
+
+
+def _check_cache_of_call(args: tuple, kwargs: dict, module: Any) -> None:
+    """A static cache passed by keyword is checked against the call (kda_compile.cache_checks)."""
+    cache = cuda_graphs.cache_of_call(kwargs, None)
+    if cache is None or not cuda_graphs.is_compileable_cache(cache):
+        return
+    phase = cuda_graphs.phase_of_call(args, kwargs)
+    if phase is not None:
+        cache_checks.check_static_cache(cache, args, kwargs, lambda: _embedding_dtype(module),
+                                        prefill=phase == cuda_graphs.PREFILL)
+
+
+def _precomputed_masks(kwargs: dict) -> bool:
+    """Whether the call's attention masks were built outside it (``generate()`` does so for static caches:
+    a dict of masks per attention kind, or one 4-D mask)."""
+    mask = kwargs.get("attention_mask")
+    return isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
+
+
 def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """One call of an ``optimize()`` result compiled with CUDA graphs (kda_compile.cuda_graphs): its phase
     told to the backend, a decode step into a static cache traced with static shapes (a new batch size is a
     new captured graph, not a dynamic one that CUDA graphs would record per size), and after a prefill the
-    cache it allocated marked static for the decode graphs."""
+    cache it allocated marked static for the decode graphs. HF's sliding-window layers of the cache are made
+    capturable (kda_compile.sliding_window_cache); a decode step that gets its masks from outside then
+    replays one graph too, and their host lengths are advanced after it."""
     dynamo = torch._dynamo.config
     phase = cuda_graphs.phase_of_call(args, kwargs)
+    cache = cuda_graphs.cache_of_call(kwargs, None)
+    sliding = sliding_window_cache.make_capturable(cache)
     static_decode = (phase == cuda_graphs.DECODE and dynamo.automatic_dynamic_shapes
-                     and cuda_graphs.is_static_cache(cuda_graphs.cache_of_call(kwargs, None)))
+                     and cuda_graphs.is_static_cache(cache) and (not sliding or _precomputed_masks(kwargs)))
+    lengths = sliding_window_cache.host_lengths(sliding) if sliding and phase == cuda_graphs.DECODE else None
     if static_decode:
         dynamo.automatic_dynamic_shapes = False
     try:
@@ -139,6 +171,8 @@ def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict
     finally:
         if static_decode:
             dynamo.automatic_dynamic_shapes = True
+    if lengths is not None:
+        sliding_window_cache.advance_host_lengths(sliding, lengths, 1)
     if phase == cuda_graphs.PREFILL:
         cuda_graphs.mark_cache_static(cuda_graphs.cache_of_call(kwargs, result))
     return result
@@ -228,14 +262,15 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
     backend = KdaCompileBackend(config)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
     graphs = _asks_for_cuda_graphs(compile_kwargs)
+    original = getattr(model, "__self__", None)  # a bound method's module also answers report()
+    module = model if isinstance(model, torch.nn.Module) else original
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward runs Dynamo
-        compiled.forward = _run_compiled(compiled.forward, backend, graphs)
+        compiled.forward = _run_compiled(compiled.forward, backend, graphs, module)
     else:
-        compiled = _run_compiled(compiled, backend, graphs)
+        compiled = _run_compiled(compiled, backend, graphs, module)
     with _made_lock:
         _made[0] += 1
     install_fallback_handler()
-    original = getattr(model, "__self__", None)  # a bound method's module also answers report()
-    _keep_generate_from_compiling_again(model if isinstance(model, torch.nn.Module) else original)
+    _keep_generate_from_compiling_again(module)
     attach(compiled, backend, model, *([original] if original is not None else []))
     return compiled

@@ -140,7 +140,7 @@ def read_additive_mask(mask: Any, q_length: Any, kv_length: Any) -> MaskMeaning 
     if where is None:
         return f"the mask is not built by torch.where(allowed, 0, min) (found {describe_node(mask)})"
     try:
-        _check_fill(where, mask)
+        check_fill(where, mask)
     except NotUnderstood as exc:
         return f"the mask construction is not understood: {exc}"
     return read_bool_mask(where["condition"], q_length, kv_length)
@@ -193,7 +193,7 @@ def mask_keywords(mask: torch.fx.Node, q_length: Any, kv_length: Any, to_flags: 
     return kwargs, details
 
 
-def _check_fill(where: dict, node: torch.fx.Node) -> None:
+def check_fill(where: dict, node: torch.fx.Node) -> None:
     """The mask must add 0 where allowed and -inf or the dtype minimum elsewhere (so a masked key
     gets exactly zero weight whenever its row has an allowed key)."""
     dtype = getattr(example_value(node), "dtype", None)

@@ -52,6 +52,11 @@ attention read the same mask: HF attends to (top-k) AND (visible), our indices a
 visible keys. Without the [B, S, T] mask, the [B, S, H, T] scores and the [B, H, S, T] weights, no
 tensor with S x T elements is left in the graph.
 
+A decode step over a static cache (one query per sequence) has a [B, 1, 1, T] mask that says only which keys
+exist; it becomes the op's ``key_mask`` with ``is_causal=False`` (``single_query_key_mask``): a bool mask as
+is, the condition of a ``torch.where(allowed, 0, min)`` built in the graph, or ``mask == 0`` for a mask
+``generate()`` precomputed (docs/cuda-graphs.md, section 6).
+
 Left alone, and reported: a mask the graph does not prove causal (a custom 4-D mask, packed
 sequences, a sliding window: the indexer op has no window), scores or weights used elsewhere
 (``output_attentions=True``), dropout in training, softcap on the attention, indices used
@@ -74,7 +79,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.attention_mask import NEW_ONES, MaskMeaning, read_additive_mask, read_bool_mask
+from kda_compile.passes.attention_mask import (NEW_ONES, WHERE, MaskMeaning, NotUnderstood, check_fill,
+                                              read_additive_mask, read_bool_mask)
 from kda_compile.passes.dsa_patterns import (COUNTS, INDEX_MASK, LONG, SCATTER, SCATTER_ADD_, SELECTION, TOPK, NotDSA,
                                              block_sparse_sites, is_mask_slice)
 from kda_compile.passes.dsa_pooled import rewrite_pooled_indexers
@@ -150,11 +156,64 @@ def read_indexer(topk: torch.fx.Node, bindings: Bindings, memo: dict) -> Indexer
     mask = sliced["input"]
     meaning = read_mask(mask, s, t, memo)
     if isinstance(meaning, str):
+        meaning = single_query_key_mask(mask, s, t, topk, memo) or meaning
+    if isinstance(meaning, str):
         raise NotDSA(f"the indexer's mask is not proven causal: {meaning}")
     if meaning.sliding_window is not None:
         raise NotDSA(f"the indexer's mask has a sliding window ({meaning.sliding_window}), which "
                      f"dsa_indexer_topk does not take")
     return IndexerSite(topk, as_int32, bindings, mask, meaning)
+
+
+def _precomputed_mask(mask: torch.fx.Node) -> bool:
+    """A graph input that is one of the masks ``generate()`` builds outside the model for a static cache
+    (``attention_mask`` passed as a dict per attention kind, made by HF's mask functions: 0 where a key is
+    attended, the dtype's minimum elsewhere)."""
+    source = getattr(mask, "_dynamo_source", None)
+    name = getattr(source, "name", "") if source is not None else ""
+    return mask.op == "placeholder" and "['attention_mask']['" in str(name)
+
+
+def single_query_key_mask(mask: torch.fx.Node, q_length: Any, kv_length: Any, before: torch.fx.Node,
+                          memo: dict) -> MaskMeaning | None:
+    """A decode step's mask as the op's key mask: with one query per sequence, a [B, 1, 1, T] mask says only
+    which keys may be selected (the keys past the query are unwritten cache slots it masks). Taken for a bool
+    mask, and for an additive one when it is a mask ``generate()`` precomputed (0 / min only, so ``== 0`` is
+    exactly "attended"); None otherwise. The bool [B, 1, 1, T] node is made once per mask."""
+    value = tensor_of(mask)
+    if value is None or not known_equal(q_length, 1) or value.dim() != 4:
+        return None
+    if not (known_equal(value.shape[1], 1) and known_equal(value.shape[2], 1) and known_equal(value.shape[3], kv_length)):
+        return None
+    condition = _where_condition(mask) if value.dtype != torch.bool else None
+    if value.dtype != torch.bool and condition is None and not _precomputed_mask(mask):
+        return None
+    key = ("single query", mask)
+    if key not in memo:
+        if value.dtype == torch.bool:
+            allowed = mask
+        elif condition is not None:  # torch.where(allowed, 0, min) built in the graph from the cache's length
+            allowed = condition
+        else:
+            allowed = insert_call(mask.graph, before, torch.eq, (mask, 0), meta_from=before)
+        memo[key] = MaskMeaning(causal=False, sliding_window=None, key_padding=allowed)
+    return memo[key]
+
+
+def _where_condition(mask: torch.fx.Node) -> torch.fx.Node | None:
+    """The bool [B, 1, 1, T] condition of an additive ``torch.where(allowed, 0, min)`` mask, or None."""
+    where = WHERE.bind(mask)
+    if where is None:
+        return None
+    try:
+        check_fill(where, mask)
+    except NotUnderstood:
+        return None
+    condition = tensor_of(where["condition"])
+    if condition is None or condition.dtype != torch.bool or not known_shape_equal(condition.shape,
+                                                                                   tensor_of(mask).shape):
+        return None
+    return where["condition"]
 
 
 def _key_mask(graph: torch.fx.Graph, meaning: MaskMeaning, before: torch.fx.Node) -> torch.fx.Node | None:

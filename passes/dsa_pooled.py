@@ -25,6 +25,8 @@ import logging
 import operator
 from types import SimpleNamespace
 
+from typing import Any
+
 import torch
 import torch.fx
 
@@ -54,6 +56,18 @@ def pooled_regions(graph: torch.fx.Graph) -> dict[str, list[torch.fx.Node]]:
 
 def _method(node: torch.fx.Node, name: str) -> bool:
     return node.op == "call_method" and node.target == name
+
+
+def _is_parameter(node: Any) -> bool:
+    """A module parameter as Dynamo passes it: an attribute, or a placeholder read from ``_parameters`` (a
+    static cache's tensors are placeholders too, read from the cache argument)."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if node.op == "get_attr":
+        return True
+    source = getattr(node, "_dynamo_source", None)
+    return node.op == "placeholder" and (isinstance(node.meta.get("example_value"), torch.nn.Parameter)
+                                         or "_parameters[" in str(getattr(source, "name", "")))
 
 
 def _one(found: list, what: str):
@@ -94,7 +108,7 @@ def read_pooled(nodes: list[torch.fx.Node]) -> dict:
                     "head-weight matmul")
     weights = head_sum.args[0].args[0]
 
-    ape_cast = _one([n for n in nodes if CAST.bind(n) is not None and n.args[0].op in ("placeholder", "get_attr")
+    ape_cast = _one([n for n in nodes if CAST.bind(n) is not None and _is_parameter(n.args[0])
                      and tensor_of(n.args[0]) is not None and tensor_of(n.args[0]).dim() == 2], "pool position bias")
     ape = ape_cast.args[0]
     pool = int(tensor_of(ape).shape[0])

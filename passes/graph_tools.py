@@ -81,6 +81,38 @@ def is_inplace(node: torch.fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__")
 
 
+VIEW_METHODS = frozenset(("view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten",
+                          "unflatten", "contiguous", "narrow", "select", "split", "chunk", "unbind", "as_strided",
+                          "view_as", "expand_as", "t", "mT", "to", "type", "type_as", "float", "half", "bfloat16",
+                          "movedim", "swapaxes", "detach", "unfold", "diagonal", "view_as_real", "view_as_complex",
+                          "real", "imag", "T", "H", "mH", "alias"))
+
+
+def alias_root(value: Any, depth: int = 64) -> torch.fx.Node | None:
+    """The node whose storage ``value`` may share: following views, casts (which may return their input),
+    ``getitem`` and in-place calls (which return their input) back to a graph input (placeholder or
+    attribute) or to the call that allocated it. Two values with different roots cannot alias; None when
+    ``value`` is no node, or the chain is deeper than ``depth`` (then nothing can be concluded)."""
+    for _ in range(depth):
+        if not isinstance(value, torch.fx.Node):
+            return None
+        if value.op not in ("call_function", "call_method") or not value.args:
+            return value
+        name = value.target if value.op == "call_method" else getattr(value.target, "__name__", "")
+        passes = (value.target is operator.getitem or name in VIEW_METHODS or is_inplace(value)
+                  or value.target in _VIEW_FUNCTIONS)
+        if not passes:
+            return value
+        value = value.args[0]
+    return None
+
+
+_VIEW_FUNCTIONS = frozenset((torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+                             torch.flatten, torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind,
+                             torch.as_strided, torch.movedim, torch.swapaxes, torch.t, torch.detach, torch.diagonal,
+                             torch.view_as_real, torch.view_as_complex, torch.real, torch.imag))
+
+
 def static_int(value: Any) -> int | None:
     """``value`` as a Python int when it is one for every value of its symbols, else None."""
     if isinstance(value, int) and not isinstance(value, bool):

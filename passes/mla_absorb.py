@@ -59,6 +59,7 @@ from kda_compile.ops.mla import explain_mla_path, mla_attention
 from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace, is_tensor_node, known_equal, known_shape_equal,
                                             module_path, source_line, static_int, tensor_of)
 from kda_compile.passes.attention_spellings import graph_input_behind
+from kda_compile.passes.graph_tools import alias_root
 from kda_compile.passes.lse_softmax import input_name
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 from kda_compile.passes.matching import (CAT, EXPAND, GETITEM, RESHAPE, SOFTMAX, TRANSPOSE, Bindings, Call,
@@ -199,6 +200,8 @@ def read_expand_kv(split: torch.fx.Node, bindings: Bindings) -> ExpandKV | None:
     if value is None or others:
         raise NotMLA(f"the split of the expanded K/V ({describe_node(split)}) is not used as two halves "
                      f"(users: {', '.join(describe_node(u) for u in split.users)})")
+    for node in (bindings["kv_b_proj"], bindings["kv_view"], bindings["kv"]):
+        fold_static_sizes(node)
     for node in (bindings["kv_b_proj"], bindings["kv_view"]):
         if len(node.users) != 1:
             raise NotMLA(f"the expanded K/V ({describe_node(node)}) are also used by "
@@ -344,16 +347,61 @@ def check_region(region: ExpandKV, consumer: Consumer) -> Sizes:
     return sizes
 
 
+def fold_static_sizes(node: torch.fx.Node) -> None:
+    """Replace ``node.size(...)`` calls whose result is a static int (or tuple of ints) by that constant: a read of
+    the expanded K/V's metadata (HF's DSA code asks their size; a static-shape decode graph knows it) is no use
+    of their values, and the rewrite can then drop them."""
+    for user in list(node.users):
+        if not (user.op == "call_method" and user.target == "size" and user.args[0] is node):
+            continue
+        value = _static_size(user.meta.get("example_value"))
+        if value is None:
+            continue
+        for reader in list(user.users):
+            reader.replace_input_with(user, value)
+        if not user.users:
+            user.graph.erase_node(user)
+
+
+def _static_size(value: Any) -> int | tuple[int, ...] | None:
+    """A size as Python ints: an int, a SymInt Dynamo specialised (no free symbols), or a tuple / torch.Size of
+    those; None for a size that is still symbolic."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    def one(v):
+        if isinstance(v, bool):
+            return None
+        if isinstance(v, int):
+            return v
+        if isinstance(v, torch.SymInt) and not free_symbols(v):
+            return int(v)
+        return None
+
+    if isinstance(value, (tuple, list, torch.Size)):
+        items = [one(v) for v in value]
+        return None if any(i is None for i in items) else tuple(items)
+    return one(value)
+
+
 def _check_no_mutation(region: ExpandKV, consumer: Consumer) -> None:
     """The op reads the latent, rope key, weight and query where the attention ran: nothing may
-    write to any tensor between kv_b_proj and the attention, besides the key copies themselves."""
+    write to any tensor they may alias between kv_b_proj and the attention, besides the key copies
+    themselves. A write into a tensor of another storage (a cache tensor of another kind: DSA's indexer keys
+    and lengths in a static cache, graph inputs or allocated by a prefill) is harmless (graph_tools.alias_root
+    tells them apart)."""
     node, end = region["kv_b_proj"], consumer.output
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     if any(order[c] > order[end] for c in region.copies):
         raise NotMLA("a key copy runs after the attention")
+    read = None
     while node is not end:
         node = node.next
-        if is_inplace(node) and node not in region.copies:
+        if not is_inplace(node) or node in region.copies:
+            continue
+        written = alias_root(node.args[0]) if node.args else None
+        if read is None:
+            read = {alias_root(n) for n in (region["latent"], region.k_rope, region["kv_b_weight"], consumer.query)}
+        if written is None or written in read:
             raise NotMLA(f"{describe_node(node)} mutates a tensor between kv_b_proj and the attention")
 
 

@@ -1,12 +1,20 @@
-"""End to end: a Hugging Face decoder's prefill forward in four configurations, side by side.
+"""End to end: Hugging Face decoders' prefill and decode, HF eager against kda_compile.
 
-``--model kimi_linear`` / ``--model qwen3_next``: a Kimi-Linear- / Qwen3-Next-shaped hybrid model, prefill
-tokens/s and decode ms per token with HF eager (FLA kernels / torch fallback), Inductor and kda_compile; see
-e2e_hybrid.py (e2e_kimi.py, e2e_qwen3_next.py).
+The decode runner (e2e_hybrid.py): prefill tokens/s and decode ms per token, GPU ms and kernels per decode step,
+with HF eager, Inductor, kda_compile and kda_compile in CUDA graphs, for
 
-``--model llama`` (default): a Llama-style model of about 1B parameters (hidden 2048, 16 layers,
-32 heads / 8 KV heads, MLP 8192), random weights, bf16, batch 1, the decoder body without the LM
-head (as in the project's anchors), prompts of 1k / 4k / 8k tokens, in:
+- ``--model kimi_linear`` / ``--model qwen3_next``: a Kimi-Linear- / Qwen3-Next-shaped hybrid model (e2e_kimi.py,
+  e2e_qwen3_next.py); HF eager with FLA's kernels (``hf_eager_fla``, the baseline) and with HF's torch fallback
+  (``hf_eager_torch``);
+- ``--model deepseek_v32``: a DeepSeek-V3.2-shaped model, MLA with the DSA indexer (e2e_deepseek_v32.py);
+- ``--model llama --decode-shapes BxP,...``: a Llama-3.1-8B-shaped model (e2e_llama.py).
+
+The last two bind no FLA kernels: their baseline is plain HF eager (``hf_eager``), and they measure decode only
+unless ``--prompts`` asks for prefill rows too. ``--smoke`` runs any of them at tiny widths on CPU.
+
+``--model llama`` (the default) without ``--decode-shapes`` or ``--smoke``: the prefill benchmark of a Llama-style
+model of about 1B parameters (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192), random weights, bf16,
+batch 1, the decoder body without the LM head (as in the project's anchors), prompts of 1k / 4k / 8k tokens, in:
 
 - ``hf_eager``: attn_implementation="eager", no compile;
 - ``hf_sdpa``: attn_implementation="sdpa", no compile;
@@ -24,41 +32,91 @@ the T x T mask tensor (correct, slower at long prompts; the rewrite report says 
 """
 from __future__ import annotations
 
+import argparse
 import gc
+import importlib
 import logging
 
 import torch
 
+from kda_compile.bench import e2e_hybrid
 from kda_compile.bench.common import format_table, row, time_quantiles
 
 logger = logging.getLogger("kda_compile.bench.e2e")
 
-CONFIGURATIONS = ("hf_eager", "hf_sdpa", "inductor", "kda_compile")
+CONFIGURATIONS = ("hf_eager", "hf_sdpa", "inductor", "kda_compile")  # the llama prefill benchmark
+DECODE_MODELS = {  # --model -> the module of its HybridModel (MODEL), run by e2e_hybrid
+    "kimi_linear": "kda_compile.bench.e2e_kimi",
+    "qwen3_next": "kda_compile.bench.e2e_qwen3_next",
+    "deepseek_v32": "kda_compile.bench.e2e_deepseek_v32",
+    "llama": "kda_compile.bench.e2e_llama",  # with --decode-shapes or --smoke; otherwise the prefill benchmark
+}
+
+
+CLI_EPILOG = """\
+examples:
+  e2e --model kimi_linear | qwen3_next    decode runner, prefill and decode rows, baselines hf_eager_fla and
+                                          hf_eager_torch
+  e2e --model deepseek_v32                decode runner, baseline hf_eager (decode rows only by default)
+  e2e --model llama --decode-shapes 1x512,64x512
+                                          decode runner on the Llama-3.1-8B-shaped model, baseline hf_eager
+  e2e --model llama                       the Llama-style 1B prefill benchmark (no decode)
+  e2e --model MODEL --smoke               tiny widths on CPU (llama: the decode runner)
+"""
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", choices=("llama", "kimi_linear", "qwen3_next"), default="llama")
+    parser.epilog = CLI_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--model", choices=("llama", "kimi_linear", "qwen3_next", "deepseek_v32"), default="llama",
+                        help="llama: the Llama-style 1B prefill benchmark, or with --decode-shapes / --smoke the "
+                             "Llama-3.1-8B-shaped decode benchmark; the others: the decode runner "
+                             "(default: %(default)s)")
     parser.add_argument("--prompts", default=None,
-                        help="comma-separated prompt lengths (llama: 1024,4096,8192; kimi_linear, qwen3_next: "
-                             "1024,4096)")
-    parser.add_argument("--configs", default=None, help="comma-separated subset of the configurations (llama: " +
-                        ", ".join(CONFIGURATIONS) + "; kimi_linear, qwen3_next: hf_eager_fla, "
-                        "hf_eager_torch, inductor, kda_compile, kda_compile (cuda graphs))")
+                        help="comma-separated prompt lengths of the prefill rows (llama prefill: 1024,4096,8192; "
+                             "kimi_linear, qwen3_next: 1024,4096; deepseek_v32 and llama decode: none, decode rows "
+                             "only)")
+    parser.add_argument("--configs", default=None, help="comma-separated subset of the configurations (llama "
+                        "prefill: " + ", ".join(CONFIGURATIONS) + "; kimi_linear, qwen3_next: hf_eager_fla, "
+                        "hf_eager_torch, inductor, kda_compile, kda_compile (cuda graphs); deepseek_v32 and llama "
+                        "decode: hf_eager, inductor, kda_compile, kda_compile (cuda graphs))")
     parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (llama: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA; "
-                             "qwen3_next: 4 = 3 GDN + 1 attention)")
+                        help="decoder layers (llama prefill: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA; "
+                             "qwen3_next: 4 = 3 GDN + 1 attention; deepseek_v32: 4 = 3 dense + 1 MoE; llama "
+                             "decode: 4)")
     parser.add_argument("--no-cache", action="store_true",
-                        help="llama: forward with use_cache=False (training-style mask)")
-    kimi = parser.add_argument_group("kimi_linear, qwen3_next")
-    kimi.add_argument("--decode-shapes", default="1x512,1x8192,64x512",
-                      help="comma-separated BATCHxPROMPT decode shapes: a PROMPT-token prefill per sequence, then the "
-                           "timed decode loop (default: %(default)s)")
-    kimi.add_argument("--new-tokens", type=int, default=32, help="single-token forwards timed per decode loop")
-    kimi.add_argument("--decode-repeats", type=int, default=5, help="decode loops timed (median reported)")
-    kimi.add_argument("--torch-max-prompt", type=int, default=1024,
-                      help="longest prompt run on HF's torch fallback (its chunk path is memory-hungry)")
-    kimi.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled configurations")
-    kimi.add_argument("--smoke", action="store_true", help="tiny widths on CPU: check the wiring, not the speed")
+                        help="llama prefill: forward with use_cache=False (training-style mask)")
+    decode = parser.add_argument_group("decode runner (kimi_linear, qwen3_next, deepseek_v32; llama with "
+                                       "--decode-shapes)")
+    decode.add_argument("--decode-shapes", default=None,
+                        help="comma-separated BATCHxPROMPT decode shapes: a PROMPT-token prefill per sequence, then "
+                             f"the timed decode loop (default: {e2e_hybrid.DEFAULT_DECODE_SHAPES}); with --model "
+                             "llama, giving it runs the Llama-3.1-8B-shaped decode benchmark")
+    decode.add_argument("--new-tokens", type=int, default=32, help="single-token forwards timed per decode loop")
+    decode.add_argument("--decode-repeats", type=int, default=5, help="decode loops timed (median reported)")
+    decode.add_argument("--torch-max-prompt", type=int, default=1024,
+                        help="kimi_linear, qwen3_next: longest prompt run on HF's torch fallback (its chunk path is "
+                             "memory-hungry)")
+    decode.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled configurations")
+    decode.add_argument("--smoke", action="store_true",
+                        help="tiny widths on CPU in fp32, kda_compile on aot_eager: check the wiring, not the speed "
+                             "(llama: the decode benchmark); --configs, --prompts and --decode-shapes narrow it")
+
+
+def runs_decode(args) -> bool:
+    """Whether the command runs the decode runner: every model but llama, and llama when a decode is asked
+    (``--decode-shapes`` or ``--smoke``); plain ``--model llama`` stays the 1B prefill benchmark."""
+    return args.model != "llama" or args.decode_shapes is not None or args.smoke
+
+
+def run_decode(args) -> list[dict]:
+    """The decode runner on the model's HybridModel. ``--no-cache`` is refused rather than ignored: decoding needs
+    the cache, and a run that silently dropped the option would not measure what was asked."""
+    if args.no_cache:
+        raise SystemExit(f"--no-cache applies to the llama prefill benchmark only (without --decode-shapes and "
+                         f"--smoke), not to --model {args.model} with the decode runner")
+    spec = importlib.import_module(DECODE_MODELS[args.model]).MODEL
+    return e2e_hybrid.run(spec, args)
 
 
 def _llama_body(attn_implementation: str, layers: int):
@@ -87,19 +145,27 @@ def _forward(model, input_ids, use_cache):
         return model(input_ids=input_ids, use_cache=use_cache).last_hidden_state
 
 
-def run(args) -> list[dict]:
-    if args.model in ("kimi_linear", "qwen3_next"):
-        from kda_compile.bench import e2e_hybrid, e2e_kimi, e2e_qwen3_next
+def _prefill_configs(text: str | None) -> list[str]:
+    """``--configs`` of the llama prefill benchmark, checked before any model is built (a decode configuration
+    named without ``--decode-shapes`` is refused with a pointer to it)."""
+    configs = (text or ",".join(CONFIGURATIONS)).split(",")
+    unknown = [c for c in configs if c not in CONFIGURATIONS]
+    if unknown:
+        raise SystemExit(f"--configs for the llama prefill benchmark must name configurations among "
+                         f"{', '.join(CONFIGURATIONS)}, got {unknown} (the decode configurations need "
+                         f"--decode-shapes)")
+    return configs
 
-        return e2e_hybrid.run((e2e_kimi if args.model == "kimi_linear" else e2e_qwen3_next).MODEL, args)
-    if args.smoke:
-        raise SystemExit("--smoke is offered for --model kimi_linear and qwen3_next only")
+
+def run(args) -> list[dict]:
+    if runs_decode(args):
+        return run_decode(args)
+    configs = _prefill_configs(args.configs)
     if not torch.cuda.is_available():
         raise SystemExit("the end-to-end benchmark needs a CUDA device")
     args.layers = args.layers or 16
     prompts = [int(p) for p in (args.prompts or "1024,4096,8192").split(",")]
     use_cache = None if not args.no_cache else False  # None: the model's default (True for inference)
-    configs = (args.configs or ",".join(CONFIGURATIONS)).split(",")
     rows, results, outputs = [], {}, {}
     for name in configs:
         model = _build(name, args.layers)

@@ -1,14 +1,18 @@
-"""End to end for hybrid linear-attention models (Kimi-Linear: KDA + MLA; Qwen3-Next: GDN + softmax attention):
-the machinery both share (``python -m kda_compile.bench e2e --model kimi_linear | qwen3_next``).
+"""End to end for Hugging Face causal LMs, prefill and decode: the machinery the end-to-end model benchmarks share
+(``python -m kda_compile.bench e2e --model kimi_linear | qwen3_next | deepseek_v32 | llama``).
 
-A model is described by a ``HybridModel`` (``e2e_kimi.py``, ``e2e_qwen3_next.py``): how to build it from transformers
-with random weights at given widths and layer count, and which of HF's module-level kernel names bind FLA.
+A model is described by a ``HybridModel`` (``e2e_kimi.py``, ``e2e_qwen3_next.py``: hybrid linear-attention models,
+KDA + MLA and GDN + softmax attention; ``e2e_deepseek_v32.py``: MLA with the DSA indexer; ``e2e_llama.py``: the
+Llama-3.1-8B-shaped decode model): how to build it from transformers with random weights at given widths and layer
+count, and which of HF's module-level kernel names bind FLA (none for the models without FLA kernels).
 Configurations:
 
-- ``hf_eager_fla``: eager, HF's linear-attention functions bound to flash-linear-attention (FLA installed);
-- ``hf_eager_torch``: eager, HF's torch fallbacks (what HF runs without FLA; prompts above
+- ``hf_eager_fla`` (models with FLA kernels): eager, HF's linear-attention functions bound to flash-linear-attention
+  (FLA installed);
+- ``hf_eager_torch`` (models with FLA kernels): eager, HF's torch fallbacks (what HF runs without FLA; prompts above
   ``--torch-max-prompt`` are skipped: HF's chunk fallbacks are memory-hungry). The model is the same; HF's
   module-level names are pointed at their ``__wrapped__`` torch functions while this configuration runs;
+- ``hf_eager`` (models without FLA kernels, in place of the two above): HF eager as installed, nothing bound;
 - ``inductor``: ``torch.compile`` with Inductor of the model as installed (FLA bound when present: a graph
   break at each FLA call). kda_compile's trace-time substitution is process-wide once kda_compile is imported,
   so this runs kda_compile's backend with every rewrite and the substitution off: Inductor's ``compile_fx`` on
@@ -18,10 +22,14 @@ Configurations:
   ``StaticCache``: the prefill runs compiled without CUDA graphs, each decode step replays one CUDA graph
   (docs/cuda-graphs.md). Its prefill rows are the same graphs as ``kda_compile``'s and are not repeated.
 
+The first HF eager configuration of a model (``hf_eager_fla``, or ``hf_eager``) is its baseline: the tables'
+speedup columns divide its time by each configuration's.
+
 Metrics (median of repeats, also p20 / p80 in the CSV):
 
 - prefill: one forward of the prompt with a fresh cache and ``logits_to_keep=1`` (what ``generate()`` runs
-  first), tokens per second at each ``--prompts`` length;
+  first), tokens per second at each ``--prompts`` length (a model's default prompts may be none: the decode-only
+  models measure prefill only when ``--prompts`` asks);
 - decode, for each ``--decode-shapes`` entry ``BxP`` (batch x prompt; the CSV's shape is ``BxP+N``): after a
   P-token prefill (not timed), a timed loop of ``--new-tokens`` (N) single-token forwards with the cache, each
   feeding back the greedy tokens (what ``generate()`` does per step, without its logits processors):
@@ -54,8 +62,18 @@ from kda_compile.bench.common import format_table, row, time_quantiles
 logger = logging.getLogger("kda_compile.bench.e2e_hybrid")
 
 CUDA_GRAPHS = "kda_compile (cuda graphs)"
-CONFIGURATIONS = ("hf_eager_fla", "hf_eager_torch", "inductor", "kda_compile", CUDA_GRAPHS)
+FLA_BASELINES = ("hf_eager_fla", "hf_eager_torch")  # HF eager of a model whose HF code binds FLA kernels
+PLAIN_BASELINE = "hf_eager"  # HF eager of a model without FLA kernels: nothing to bind
 COMPILED = ("inductor", "kda_compile", CUDA_GRAPHS)
+CONFIGURATIONS = FLA_BASELINES + COMPILED  # a model with FLA kernels (HybridModel.configurations)
+BINDINGS = ("fla", "torch", "installed")
+DEFAULT_DECODE_SHAPES = "1x512,1x8192,64x512"  # --decode-shapes when not given
+
+
+def layer_types(layers: int) -> list[str]:
+    """Every fourth layer is softmax attention (full attention), the rest linear attention: the 3 : 1 pattern of
+    the released Kimi-Linear and Qwen3-Next."""
+    return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
 
 
 @dataclass(frozen=True)
@@ -63,18 +81,37 @@ class HybridModel:
     """What the runner needs of one model family.
 
     ``name`` prefixes the CSV's op names (``<name>_prefill``, ``<name>_decode``); ``title`` heads the printed
-    tables; ``hf_module`` holds ``kernel_names``, HF's module-level wrappers bound to FLA at import (the first:
-    the chunked prefill function); ``build(shape, layers, device, dtype)`` returns the causal LM in eval mode with
-    random weights (seeded) at the widths of ``shape`` (the released model's) or ``tiny`` (the CPU smoke run),
-    each with a ``hidden`` and a ``vocab`` (bounds the token ids)."""
+    tables; ``build(shape, layers, device, dtype)`` returns the causal LM in eval mode with random weights (seeded)
+    at the widths of ``shape`` (the released model's) or ``tiny`` (the CPU smoke run), each with a ``hidden`` and a
+    ``vocab`` (bounds the token ids). ``hf_module`` holds ``kernel_names``, HF's module-level wrappers bound to FLA at
+    import (the first: the chunked prefill function); a model without them (HF eager is all torch) has the one
+    baseline ``hf_eager``. ``prompts``: the prefill lengths measured when ``--prompts`` is not given (none: decode
+    rows only). ``describe_layers(layers)``: the layer stack as the tables' heading shows it."""
 
     name: str
     title: str
-    hf_module: str
-    kernel_names: tuple[str, ...]
     build: Callable[..., Any]
     shape: Any
     tiny: Any
+    hf_module: str = ""
+    kernel_names: tuple[str, ...] = ()
+    prompts: tuple[int, ...] = (1024, 4096)
+    describe_layers: Callable[[int], list[str]] = layer_types
+
+    @property
+    def baselines(self) -> tuple[str, ...]:
+        """The HF eager configurations: with FLA's kernels and with HF's torch fallbacks where HF binds kernels;
+        plain HF eager where there is nothing to bind (``hf_eager_fla`` would mean nothing there)."""
+        return FLA_BASELINES if self.kernel_names else (PLAIN_BASELINE,)
+
+    @property
+    def baseline(self) -> str:
+        """The configuration the speedup columns divide by."""
+        return self.baselines[0]
+
+    @property
+    def configurations(self) -> tuple[str, ...]:
+        return self.baselines + COMPILED
 
 
 @dataclass(frozen=True)
@@ -93,17 +130,25 @@ class Options:
     mode: str | None = None  # torch.compile mode of the compiled configurations
 
 
-def layer_types(layers: int) -> list[str]:
-    """Every fourth layer is softmax attention (full attention), the rest linear attention: the 3 : 1 pattern of
-    the released Kimi-Linear and Qwen3-Next."""
-    return ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
-
-
 def smoke_options(model: HybridModel) -> Options:
-    """Tiny widths on CPU in fp32, kda_compile on aot_eager: checks the wiring, not the speed."""
+    """Tiny widths on CPU in fp32, kda_compile on aot_eager: checks the wiring, not the speed. One short prefill
+    even for a model whose default has none, so the prefill table's wiring is checked too."""
     return Options(shape=model.tiny, layers=4, prompts=(8,), decode_shapes=((1, 8), (2, 8)), new_tokens=2, repeats=1,
-                   torch_max_prompt=64, configs=("hf_eager_fla", "hf_eager_torch", "kda_compile", CUDA_GRAPHS),
+                   torch_max_prompt=64, configs=model.baselines + ("kda_compile", CUDA_GRAPHS),
                    device="cpu", dtype=torch.float32, compiler="aot_eager")
+
+
+def _positive_int(text: str, option: str, example: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise SystemExit(f"{option} must be comma-separated positive integers (e.g. {example}), got {text!r}")
+    return int(text)
+
+
+def parse_prompts(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``"1024,4096"`` -> (1024, 4096); None -> the model's default prompts."""
+    if text is None:
+        return default
+    return tuple(_positive_int(p, "--prompts", "1024,4096") for p in text.split(","))
 
 
 def parse_decode_shapes(text: str) -> tuple[tuple[int, int], ...]:
@@ -118,12 +163,32 @@ def parse_decode_shapes(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(shapes)
 
 
+def parse_configs(text: str | None, model: HybridModel) -> tuple[str, ...]:
+    """``--configs``: a comma-separated subset of the model's configurations (all of them when None)."""
+    if text is None:
+        return model.configurations
+    configs = tuple(c.strip() for c in text.split(","))
+    unknown = [c for c in configs if c not in model.configurations]
+    if unknown:
+        raise SystemExit(f"--configs for the {model.title}-shaped model must name configurations among "
+                         f"{', '.join(model.configurations)}, got {unknown}")
+    return configs
+
+
 def decode_shape_name(batch: int, prompt: int, new_tokens: int) -> str:
     return f"{batch}x{prompt}+{new_tokens}"
 
 
+def uses_fla(model: HybridModel) -> bool:
+    """Whether HF's code of ``model`` calls FLA's kernels as installed (its functions bound at import)."""
+    return bool(model.kernel_names) and bound_implementation(model).startswith("fla.")
+
+
 def bound_implementation(model: HybridModel) -> str:
-    """Where HF's chunked function points: ``fla...`` or HF's own torch fallback."""
+    """Where HF's chunked function points: ``fla...`` or HF's own torch fallback; a model without kernel names
+    says so (HF eager there is torch throughout)."""
+    if not model.kernel_names:
+        return "nothing (no module-level kernels: HF eager is torch throughout)"
     from kda_compile.passes.kda_substitution import hf_bound_implementation
 
     fn = getattr(importlib.import_module(model.hf_module), model.kernel_names[0])
@@ -134,9 +199,18 @@ def bound_implementation(model: HybridModel) -> str:
 @contextlib.contextmanager
 def kernel_binding(model: HybridModel, binding: str):
     """``"fla"``: require HF's functions to be FLA's; ``"torch"``: point HF's module-level names at their torch
-    fallbacks (``__wrapped__``) for the duration; ``"installed"``: as is."""
+    fallbacks (``__wrapped__``) for the duration; ``"installed"``: as is. A model without kernel names is the same
+    model under ``"torch"`` and ``"installed"``; ``"fla"`` is refused there (it has no FLA path to require)."""
+    if binding not in BINDINGS:
+        raise ValueError(f"binding must be one of {', '.join(BINDINGS)}, got {binding!r}")
+    if not model.kernel_names:
+        if binding == "fla":
+            raise ValueError(f"binding 'fla' needs HF kernel names to bind, and {model.title} has none "
+                             f"(its configurations: {', '.join(model.configurations)})")
+        yield
+        return
     module = importlib.import_module(model.hf_module)
-    if binding == "fla" and not bound_implementation(model).startswith("fla."):
+    if binding == "fla" and not uses_fla(model):
         raise RuntimeError(f"HF's {model.title} code bound {bound_implementation(model)}: flash-linear-attention was "
                            "not importable when transformers loaded the model code (pip install \"kda-compile[fla]\")")
     from kda_compile.passes.kda_substitution import hf_torch_path
@@ -280,11 +354,20 @@ def _decode_rows(spec: HybridModel, name: str, opts: Options, model, decode_ids:
     return rows, tokens
 
 
+def _runs_torch_fallback(spec: HybridModel, name: str) -> bool:
+    """Whether ``name`` runs HF's memory-hungry torch chunk fallback (its prompts capped at --torch-max-prompt):
+    ``hf_eager_torch``, and ``inductor`` where HF did not bind FLA. A model without kernel names has no such
+    fallback: its HF eager is the model's own torch code."""
+    if not spec.kernel_names:
+        return False
+    return name == "hf_eager_torch" or (name == "inductor" and not uses_fla(spec))
+
+
 def _run_configuration(spec: HybridModel, name: str, opts: Options, prompts: dict[int, torch.Tensor],
                        decode_ids: dict):
     """Rows, last-token logits per prompt and the decode tokens (per decode shape) of one configuration."""
     binding = {"hf_eager_fla": "fla", "hf_eager_torch": "torch"}.get(name, "installed")
-    short_only = name == "hf_eager_torch" or (name == "inductor" and not bound_implementation(spec).startswith("fla."))
+    short_only = _runs_torch_fallback(spec, name)
     lengths = [T for T in prompts if not short_only or T <= opts.torch_max_prompt]
     shapes = [s for s in opts.decode_shapes if not short_only or s[0] * s[1] <= opts.torch_max_prompt]
     skipped = [T for T in prompts if T not in lengths] + [s for s in opts.decode_shapes if s not in shapes]
@@ -349,16 +432,14 @@ def _median(rows, op, provider, shape, metric):
     return None
 
 
-def print_tables(spec: HybridModel, opts: Options, rows: list[dict], failures: dict[str, str], summary: dict) -> None:
-    ran = [c for c in opts.configs if c not in failures]
+def _prefill_lines(spec: HybridModel, opts: Options, rows: list[dict], ran: list[str], summary: dict) -> list:
     reference = ran[0] if ran else None
-    prefill_op, decode_op = f"{spec.name}_prefill", f"{spec.name}_decode"
-    lines = []
+    op, lines = f"{spec.name}_prefill", []
     for T in opts.prompts:
-        base = _median(rows, prefill_op, "hf_eager_fla", f"1x{T}", "time")
-        ind = _median(rows, prefill_op, "inductor", f"1x{T}", "time")
+        base = _median(rows, op, spec.baseline, f"1x{T}", "time")
+        ind = _median(rows, op, "inductor", f"1x{T}", "time")
         for name in ran:
-            ms = _median(rows, prefill_op, name, f"1x{T}", "time")
+            ms = _median(rows, op, name, f"1x{T}", "time")
             if ms is None:
                 continue
             ref = summary["logits"].get(reference, {}).get(T)
@@ -367,53 +448,87 @@ def print_tables(spec: HybridModel, opts: Options, rows: list[dict], failures: d
                    else f"{((got - ref).norm() / ref.norm()).item():.1e}")
             lines.append([T, name, ms, T / (ms * 1e-3), "-" if base is None else base / ms,
                           "-" if ind is None else ind / ms, err])
-    print(f"\n{spec.title}-shaped, {opts.layers} layers {layer_types(opts.layers)}, hidden {opts.shape.hidden}, "
-          f"{str(opts.dtype).replace('torch.', '')}, batch 1: prefill (median; logits_to_keep=1)")
-    print(format_table(["prompt", "configuration", "ms", "tokens/s", "x vs hf_eager_fla", "x vs inductor",
-                        f"rel. err vs {reference}"], lines))
-    lines = []
+    return lines
+
+
+def _decode_lines(spec: HybridModel, opts: Options, rows: list[dict], ran: list[str], summary: dict) -> list:
+    reference = ran[0] if ran else None
+    op, lines = f"{spec.name}_decode", []
     for batch, prompt in opts.decode_shapes:
         shape = decode_shape_name(batch, prompt, opts.new_tokens)
-        base = _median(rows, decode_op, "hf_eager_fla", shape, "time_per_token")
+        base = _median(rows, op, spec.baseline, shape, "time_per_token")
         ref = summary["tokens"].get(reference, {}).get(shape)
         for name in ran:
-            ms = _median(rows, decode_op, name, shape, "time_per_token")
+            ms = _median(rows, op, name, shape, "time_per_token")
             if ms is None:
                 continue
-            gpu = _median(rows, decode_op, name, shape, "gpu_time_per_token")
-            kernels = _median(rows, decode_op, name, shape, "kernels_per_step")
+            gpu = _median(rows, op, name, shape, "gpu_time_per_token")
+            kernels = _median(rows, op, name, shape, "kernels_per_step")
             got = summary["tokens"][name].get(shape)
             same = "-" if ref is None or got is None else f"{sum(a == b for a, b in zip(got, ref))}/{len(ref)}"
             lines.append([shape, name, ms, "-" if gpu is None else gpu, "-" if gpu is None else ms / gpu,
                           "-" if kernels is None else f"{kernels:.0f}", "-" if base is None else base / ms, same])
-    print(f"\nDecode: {opts.new_tokens} greedy single-token forwards with the cache after the prompt (batch x "
-          f"prompt + new tokens; median of {opts.repeats})")
+    return lines
+
+
+def print_tables(spec: HybridModel, opts: Options, rows: list[dict], failures: dict[str, str], summary: dict) -> None:
+    """The prefill table (when prompts were measured) and the decode table, speedups against the model's
+    baseline, agreement against the first configuration that ran."""
+    ran = [c for c in opts.configs if c not in failures]
+    reference = ran[0] if ran else None
+    heading = (f"{spec.title}-shaped, {opts.layers} layers {spec.describe_layers(opts.layers)}, hidden "
+               f"{opts.shape.hidden}, {str(opts.dtype).replace('torch.', '')}")
+    decode = (f"Decode: {opts.new_tokens} greedy single-token forwards with the cache after the prompt (batch x "
+              f"prompt + new tokens; median of {opts.repeats})")
+    if opts.prompts:
+        print(f"\n{heading}, batch 1: prefill (median; logits_to_keep=1)")
+        print(format_table(["prompt", "configuration", "ms", "tokens/s", f"x vs {spec.baseline}", "x vs inductor",
+                            f"rel. err vs {reference}"], _prefill_lines(spec, opts, rows, ran, summary)))
+        print(f"\n{decode}")
+    else:
+        print(f"\n{heading}. {decode}")
     print(format_table(["shape", "configuration", "ms per token", "GPU ms per token", "wall / GPU", "kernels per step",
-                        "x vs hf_eager_fla", f"tokens equal to {reference}"], lines))
+                        f"x vs {spec.baseline}", f"tokens equal to {reference}"],
+                       _decode_lines(spec, opts, rows, ran, summary)))
     for name, why in failures.items():
         print(f"\nFAILED {name}: {why}")
 
 
+def options_from_args(spec: HybridModel, args) -> Options:
+    """The GPU run's options from the command line: the released widths, the model's default prompts and every
+    configuration unless ``--prompts`` / ``--configs`` say otherwise."""
+    return Options(shape=spec.shape, layers=args.layers or 4, prompts=parse_prompts(args.prompts, spec.prompts),
+                   decode_shapes=parse_decode_shapes(args.decode_shapes or DEFAULT_DECODE_SHAPES),
+                   new_tokens=args.new_tokens, repeats=args.decode_repeats, torch_max_prompt=args.torch_max_prompt,
+                   mode=args.compile_mode, configs=parse_configs(args.configs, spec))
+
+
+def smoke_from_args(spec: HybridModel, args) -> Options:
+    """``smoke_options``, narrowed by ``--configs``, ``--prompts`` and ``--decode-shapes`` where given (a quicker
+    check of fewer configurations or shapes); widths, device, dtype and loop lengths stay the smoke run's."""
+    given = {}
+    if args.configs is not None:
+        given["configs"] = parse_configs(args.configs, spec)
+    if args.prompts is not None:
+        given["prompts"] = parse_prompts(args.prompts, ())
+    if args.decode_shapes is not None:
+        given["decode_shapes"] = parse_decode_shapes(args.decode_shapes)
+    return dataclasses.replace(smoke_options(spec), **given)
+
+
 def run(spec: HybridModel, args) -> list[dict]:
-    """The CLI entry for one model: ``--smoke`` runs ``smoke_options`` (tiny widths on CPU), else the released
+    """The CLI entry for one model: ``--smoke`` runs ``smoke_from_args`` (tiny widths on CPU), else the released
     widths on CUDA."""
     if args.smoke:
-        smoke = smoke_options(spec)
+        smoke = smoke_from_args(spec, args)
         rows, failures, summary = measure(spec, smoke)
         print_tables(spec, smoke, rows, failures, summary)
         return rows
+    opts = options_from_args(spec, args)
     if not torch.cuda.is_available():
         raise SystemExit(f"the {spec.title} end-to-end benchmark needs a CUDA device (--smoke runs a tiny CPU check)")
-    opts = Options(shape=spec.shape, layers=args.layers or 4,
-                   prompts=tuple(int(p) for p in (args.prompts or "1024,4096").split(",")),
-                   decode_shapes=parse_decode_shapes(args.decode_shapes), new_tokens=args.new_tokens,
-                   repeats=args.decode_repeats,
-                   torch_max_prompt=args.torch_max_prompt, mode=args.compile_mode,
-                   configs=tuple((args.configs or ",".join(CONFIGURATIONS)).split(",")))
-    unknown = [c for c in opts.configs if c not in CONFIGURATIONS]
-    if unknown:
-        raise SystemExit(f"--configs must name configurations among {', '.join(CONFIGURATIONS)}, got {unknown}")
-    logger.info("HF's %s functions are bound to %s", spec.title, bound_implementation(spec))
+    if spec.kernel_names:
+        logger.info("HF's %s functions are bound to %s", spec.title, bound_implementation(spec))
     rows, failures, summary = measure(spec, opts)
     print_tables(spec, opts, rows, failures, summary)
     return rows

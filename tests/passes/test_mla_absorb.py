@@ -284,3 +284,41 @@ def test_sinks_are_left_alone_with_what_the_op_would_need():
     assert "per-head sinks (parameter sinks)" in entry.reason  # named by its attribute, the same in every layer
     assert "the site stays kda_compile.attention over the keys and values kv_b_proj expands" in entry.reason
     assert not cap.calls(mla_attention)
+
+
+def test_static_size_reads_of_the_expanded_kv_are_folded_and_symbolic_ones_kept():
+    """A ``size()`` of the expanded K/V whose value the graph knows (an int, or a SymInt Dynamo specialised) is a
+    constant, not a use of the values: it is folded so that the rewrite can drop the expansion; a size that is
+    still symbolic stays a node (the rewrite then reports the use)."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kda_compile.passes.mla_absorb import fold_static_sizes
+
+    graph = torch.fx.Graph()
+    kv = graph.placeholder("kv")
+    kv.meta["example_value"] = torch.zeros(2, 3)
+    static = graph.call_method("size", (kv, 1))
+    static.meta["example_value"] = 3
+    symbolic = graph.call_method("size", (kv, 0))
+    symbolic.meta["example_value"] = ShapeEnv().create_unbacked_symint()
+    graph.output((graph.call_function(torch.reshape, (kv, (static, -1))), symbolic))
+    fold_static_sizes(kv)
+    sizes = [n for n in graph.nodes if n.target == "size"]
+    assert sizes == [symbolic]
+    (reshape,) = [n for n in graph.nodes if n.target is torch.reshape]
+    assert reshape.args[1] == (3, -1)
+
+
+def test_alias_root_separates_storages_and_follows_views_and_in_place_calls():
+    from kda_compile.passes.graph_tools import alias_root
+
+    graph = torch.fx.Graph()
+    cache, other = graph.placeholder("cache"), graph.placeholder("other")
+    written = graph.call_method("index_copy_", (cache, 2, other, other))
+    view = graph.call_method("transpose", (written, 1, 2))
+    fresh = graph.call_function(torch.zeros, (4,))
+    filled = graph.call_method("add_", (fresh, 1))
+    product = graph.call_function(torch.matmul, (view, other))
+    assert alias_root(view) is cache and alias_root(written) is cache
+    assert alias_root(filled) is fresh and alias_root(product) is product
+    assert alias_root(other) is other and alias_root(3) is None

@@ -6,7 +6,8 @@ Builds a tiny Llama from a config (random weights, nothing downloaded), then
    the logits are compared with eager and the rewrite report is printed;
 2. ``torch.compile(model.forward, backend="kda_compile", dynamic=True)``: the same backend by
    name (no import needed in a fresh process: it is an entry point), used by ``generate()``,
-   which must produce eager's tokens; ``kda_compile.report()`` lists every graph compiled.
+   which must produce eager's tokens; ``kda_compile.report(model.forward)`` lists the graphs that
+   backend traced for this model (``kda_compile.report()``: every graph compiled in the process).
 
 Run:  python examples/hf_attention.py   (Inductor's first compiles take most of the time)
 """
@@ -51,7 +52,7 @@ def main() -> None:
     tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, do_sample=False)
     print(f'backend="kda_compile" generate(): same tokens as eager: {torch.equal(tokens, eager_tokens)} '
           f"({time.perf_counter() - start:.1f} s with the compiles)")
-    print(kda_compile.report())
+    print(kda_compile.report(model.forward))
 
 
 if __name__ == "__main__":

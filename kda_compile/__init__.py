@@ -6,7 +6,8 @@ Public API:
 - ``kda_compile.optimize(model, config=None, **compile_kwargs)``: torch.compile with the
   kda_compile graph rewrites (Hugging Face eager attention -> fused attention op) and Inductor;
   also available as ``torch.compile(model, backend="kda_compile")``.
-- ``kda_compile.Config``: which rewrites run; ``kda_compile.report(model=None)``: what they did.
+- ``kda_compile.Config``: which rewrites run; ``kda_compile.report(model=None)``: what they did;
+  ``Config(strict=True)`` turns anything left slower into a ``kda_compile.StrictModeError``.
 - ``kda_compile.testing``: hypothesis strategies and error helpers to fuzz your own shapes.
 """
 import logging
@@ -19,6 +20,7 @@ from kda_compile import ops  # noqa: E402,F401  (registers torch.ops.kda_compile
 from kda_compile.config import Config  # noqa: E402
 from kda_compile.optimize import optimize  # noqa: E402
 from kda_compile.report import report  # noqa: E402
+from kda_compile.ops._common import StrictModeError  # noqa: E402
 from kda_compile.backend import register_if_unknown as _register_backend  # noqa: E402
 
 _register_backend()
@@ -27,4 +29,4 @@ from kda_compile.passes.kda_substitution import install as _install_kda_substitu
 
 _install_kda_substitution()  # Dynamo traces kda_compile.ops for FLA's / HF's KDA functions
 
-__all__ = ["ops", "__version__", "Config", "optimize", "report"]
+__all__ = ["ops", "__version__", "Config", "optimize", "report", "StrictModeError"]

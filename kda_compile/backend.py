@@ -11,22 +11,67 @@ without CUDA graphs (:mod:`kda_compile.cuda_graphs`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from kda_compile import cuda_graphs
+from kda_compile import cuda_graphs, strict
 from kda_compile.config import Config
 from kda_compile.passes import GraphReport, PassManager
-from kda_compile.report import record_graph
+from kda_compile.report import record_graph, traced_frame
 
 logger = logging.getLogger("kda_compile.backend")
 
 BACKEND_NAME = "kda_compile"
+# Dynamo config switched on while a callable compiled with our backend runs (Config.capture_data_dependent_ops)
+CAPTURE_DATA_DEPENDENT = ("capture_scalar_outputs", "capture_dynamic_output_shape_ops")
+
+
+@contextlib.contextmanager
+def capturing_data_dependent_ops() -> Iterator[None]:
+    """Dynamo's ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` on for the block (set only
+    where off, restored after): MoE routing (``nonzero``, ``.item()``, ``.tolist()``) is traced into the graph
+    with unbacked sizes instead of breaking it."""
+    dynamo = torch._dynamo.config
+    switched = [name for name in CAPTURE_DATA_DEPENDENT if not getattr(dynamo, name)]
+    for name in switched:
+        setattr(dynamo, name, True)
+    try:
+        yield
+    finally:
+        for name in switched:
+            setattr(dynamo, name, False)
+
+
+def forward_backend_contexts_through_torch_compile() -> bool:
+    """Make ``torch.compile`` honour a backend's ``backend_ctx_ctor``, as ``torch._dynamo.optimize`` does.
+
+    Dynamo enters ``backend.backend_ctx_ctor()`` around every call of a callable compiled with ``backend``
+    (frames traced inside it see the context's config). ``torch.compile`` wraps a backend in
+    ``torch._TorchCompileWrapper``, whose instances do not carry the attribute, so the context is lost. This
+    copies it onto the wrapper instance, for backends that define one (none of torch's own do, so nothing
+    else changes). Returns whether the wrapper could be adapted (a torch without it is left alone)."""
+    wrapper = getattr(torch, "_TorchCompileWrapper", None)
+    if wrapper is None or getattr(wrapper.__init__, "_kda_compile_forwards_ctx", False):
+        return wrapper is not None
+    original = wrapper.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        ctor = getattr(getattr(self, "compiler_fn", None), "backend_ctx_ctor", None)
+        if ctor is not None and "backend_ctx_ctor" not in vars(self):
+            self.backend_ctx_ctor = ctor
+
+    __init__._kda_compile_forwards_ctx = True
+    wrapper.__init__ = __init__
+    return True
 
 
 def inductor_config_patches(mode: str | None, options: dict | None) -> dict[str, Any]:
@@ -113,10 +158,18 @@ class KdaCompileBackend:
         self._last_key: Any = None
         self._lock = threading.Lock()
 
+    def backend_ctx_ctor(self) -> contextlib.AbstractContextManager:
+        """What Dynamo enters around each call of a callable compiled with this backend: with
+        ``Config.capture_data_dependent_ops`` the data-dependent ops are captured while the frames are traced, so
+        ``torch.compile(model, backend="kda_compile")`` traces the graphs :func:`kda_compile.optimize` does
+        (:func:`forward_backend_contexts_through_torch_compile`)."""
+        return capturing_data_dependent_ops() if self.config.capture_data_dependent_ops else contextlib.nullcontext()
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None) -> Callable:
         label, key = _compile_id()
         report = PassManager(self.config).run(gm, graph=label or f"#{next(self._ids)}")
+        report = dataclasses.replace(report, frame=traced_frame())
         patches = inductor_config_patches(mode, options) if self.config.compiler == "inductor" else {}
         plan = cuda_graph_plan(gm, example_inputs, self.config.compiler, patches)
         if plan is not None:
@@ -129,6 +182,8 @@ class KdaCompileBackend:
                 self.reports.append(report)
             self._last_key = key
         record_graph(report, key)
+        if self.config.strict:
+            strict.check_graph(report)
         return _compile_rewritten(gm, example_inputs, self.config.compiler, patches)
 
 
@@ -139,6 +194,10 @@ def kda_compile_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: str |
                         options: dict | None = None) -> Callable:
     """The ``kda_compile`` backend with the default :class:`Config` (what ``backend="kda_compile"`` runs)."""
     return _default_backend(gm, example_inputs, mode=mode, options=options)
+
+
+kda_compile_backend.backend_ctx_ctor = _default_backend.backend_ctx_ctor  # Dynamo reads it off the function
+forward_backend_contexts_through_torch_compile()
 
 
 def register_if_unknown() -> None:

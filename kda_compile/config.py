@@ -4,8 +4,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kda_compile.ops._common import strict_env
+
 COMPILERS = ("inductor", "aot_eager", "eager")
-NOT_REWRITES = ("capture_data_dependent_ops",)  # boolean fields that switch something other than a rewrite
+NOT_REWRITES = ("capture_data_dependent_ops", "strict")  # boolean fields that switch something other than a rewrite
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,17 @@ class Config:
             ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` on (set for the call,
             restored after): model-side MoE routing (``nonzero``, ``torch.where(mask)``, ``.item()``,
             ``.tolist()``) is then captured into the graph with unbacked sizes instead of breaking it.
-            ``False`` leaves Dynamo's config as the user set it. Not applied by
-            ``torch.compile(backend="kda_compile")``: a backend is called after Dynamo has traced.
+            ``False`` leaves Dynamo's config as the user set it. ``torch.compile(model, backend="kda_compile")``
+            does the same through the context Dynamo enters around each call for a backend
+            (``KdaCompileBackend.backend_ctx_ctor``); with ``False`` there, the report counts the breaks at
+            data-dependent ops and names the two Dynamo options.
+        strict: turn every slower path into a ``kda_compile.StrictModeError`` carrying the report's reason and
+            site, for a CI that must know a model is fully rewritten: a candidate a rewrite left alone, a graph
+            left out of CUDA graphs for a reason other than being a prefill (raised when the graph compiles), an
+            op fallback to a slower implementation, an eager fallback of Dynamo, or a graph break inside
+            kda_compile's own code (raised by a call of an :func:`kda_compile.optimize` result). Default: on when
+            the environment variable ``KDA_COMPILE_STRICT=1`` is set when the Config is made (the backend
+            ``"kda_compile"``'s Config is made at import), else off.
         compiler: what runs the rewritten graph: ``"inductor"`` (default; takes ``mode`` and
             ``options`` from torch.compile), ``"aot_eager"`` (AOTAutograd without code
             generation: quick, for debugging and tests) or ``"eager"`` (the rewritten graph as is).
@@ -62,6 +73,7 @@ class Config:
     dsa_attention: bool = True
     mla_absorb: bool = True
     capture_data_dependent_ops: bool = True
+    strict: bool = dataclasses.field(default_factory=strict_env)
     compiler: str = "inductor"
 
     def __post_init__(self) -> None:

@@ -40,6 +40,9 @@ listed by ``report()`` with Dynamo's reason and the model line (``report.GraphBr
 limit: where an op's output shape needs the data to be traced further (e.g. ``torch.split`` by the
 ``.tolist()`` of a ``bincount``), Dynamo raises ``GuardOnDataDependentSymNode`` instead of breaking
 the graph; the error then carries a note naming ``Config(capture_data_dependent_ops=False)``.
+``torch.compile(model, backend="kda_compile")`` captures them too: the backend's ``backend_ctx_ctor`` (the
+context Dynamo enters around each call of a compiled callable) switches the same options on, and
+kda_compile.backend forwards it through ``torch._TorchCompileWrapper``, which would drop it.
 """
 from __future__ import annotations
 
@@ -51,10 +54,11 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from kda_compile import cache_checks, cuda_graphs, sliding_window_cache
+from kda_compile import cache_checks, cuda_graphs, sliding_window_cache, strict
+from kda_compile.ops._common import strict_fallbacks
 from kda_compile.backend import KdaCompileBackend
 from kda_compile.config import Config
-from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler
+from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler, report
 
 logger = logging.getLogger("kda_compile.optimize")
 
@@ -75,14 +79,18 @@ def recompile_limit() -> int:
 
 
 def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
-                  cudagraphs_requested: bool = False, module: Any = None) -> Callable[..., Any]:
+                  cudagraphs_requested: bool = False, module: Any = None,
+                  strict_target: Any = None) -> Callable[..., Any]:
     """``compiled`` run with the recompile budget raised for the call and Dynamo's eager-fallback
     warnings attributed to ``backend``'s report; a static cache passed to the call is checked against it
     first (kda_compile.cache_checks; ``module``'s input embeddings give the dtype). On every call's path:
     reading or setting a Dynamo config value costs microseconds, so this reads one and sets it only to
-    raise it."""
+    raise it. With ``Config.strict`` the call runs under kda_compile.strict's checks (``strict_target``:
+    what ``report()`` answers for)."""
 
     capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
+    if backend.config.strict:
+        compiled = _strictly(compiled, strict_target)
 
     @functools.wraps(compiled)  # keeps _torchdynamo_orig_callable and the signature (generate reads it)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -121,6 +129,26 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
             if raise_it:
                 dynamo.recompile_limit = prior
             exit_calls_of()
+
+    return run
+
+
+def _strictly(compiled: Callable[..., Any], target: Any) -> Callable[..., Any]:
+    """``compiled`` under strict mode (kda_compile.strict): op fallbacks raise, a StrictModeError the backend
+    raised reaches the caller unwrapped, and the eager fallbacks and our own graph breaks of the call raise."""
+
+    @functools.wraps(compiled)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with strict_fallbacks():
+                result = compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            inner = strict.unwrap(exc)
+            if inner is exc:
+                raise
+            raise inner from None
+        strict.check_call_events(report(target))
+        return result
 
     return run
 
@@ -265,9 +293,9 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
     original = getattr(model, "__self__", None)  # a bound method's module also answers report()
     module = model if isinstance(model, torch.nn.Module) else original
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward runs Dynamo
-        compiled.forward = _run_compiled(compiled.forward, backend, graphs, module)
+        compiled.forward = _run_compiled(compiled.forward, backend, graphs, module, model)
     else:
-        compiled = _run_compiled(compiled, backend, graphs, module)
+        compiled = _run_compiled(compiled, backend, graphs, module, model)
     with _made_lock:
         _made[0] += 1
     install_fallback_handler()

@@ -1,13 +1,31 @@
 """The rewrite report: which sites of each compiled graph became which op, which candidates were
-left alone and why, and which ops fell back to a slower implementation.
+left alone and why, which rewrites the Config switched off, and which ops fell back to a slower
+implementation.
 
 Every graph the ``kda_compile`` backend compiles is logged at INFO on ``kda_compile.report`` and
 kept as data:
 
 - ``kda_compile.report(model)``: the graphs of a model returned by :func:`kda_compile.optimize`
   (or of the model it was made from);
+- ``kda_compile.report(compiled)`` for ``compiled = torch.compile(model, backend="kda_compile")`` (or
+  ``model.compile(backend="kda_compile")``, or a function compiled so): the graphs that process-wide
+  backend traced for that model (its frames and those of its submodules) or function (its frames and
+  their continuations after a graph break). Dynamo runs another instance of the same class with the
+  graphs it already has when their guards pass, without tracing it again: such an instance's report
+  has no graph of its own and says so;
 - ``kda_compile.report()``: every graph compiled in this process, latest last (the most recent
-  :data:`HISTORY` graphs), e.g. after ``torch.compile(model, backend="kda_compile")``.
+  :data:`HISTORY` graphs).
+
+How it reads. ``print(report)`` (``str(report)``, ``report.format()``) is the default form: each graph
+is headed by the callable Dynamo traced it from (``graph 0/1 of LlamaForCausalLM.forward: ...``), then
+one line a site of at most :data:`~kda_compile.passes.manager.WIDTH` (160) characters: the module path,
+the model line, the op it became and its keywords; flags that are off and None values are left out,
+flags that are on are named, and what does not fit is counted (``+5 more``). Sizes are numbers, or
+``dynamic`` where the graph has a symbolic size (never a sympy expression such as ``Min(6, s50)``). The
+rewrites the Config switched off are one line, ``disabled: sdpa_attention, ...``.
+``report.format(verbose=True)`` is the full form: every rewrite of a site on its own line with all its
+keywords, every reason uncut. The entries themselves (``report.rewritten``, ``Rewritten.details``) keep
+the values the rewrites recorded.
 
 It also lists the graph breaks Dynamo made during calls of an :func:`kda_compile.optimize` result
 (:class:`GraphBreak`: the model line and Dynamo's reason), read from Dynamo's ``graph_breaks`` log
@@ -29,17 +47,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
 import os
 import re
 import threading
+import types
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterable
+
+import torch
 
 from kda_compile.cuda_graphs import PREFILL_REASON, clear_inductor_skips, inductor_skips
 from kda_compile.ops._common import FallbackEvent, fallback_events
-from kda_compile.passes.manager import GraphReport, LeftAlone, Rewritten
+from kda_compile.passes.manager import WIDTH, GraphReport, LeftAlone, Rewritten, TracedFrame, clip
 
 logger = logging.getLogger("kda_compile.report")
 
@@ -106,6 +128,9 @@ class Report:
         graph_breaks: the graph breaks Dynamo made during those calls, one per location and reason.
         inductor_cudagraph_skips: Inductor's own "skipping cudagraphs due to ..." messages seen while
             our graphs compiled or ran, with their counts (process-wide, like ``fallbacks``).
+        notes: what the graphs alone do not say (a model Dynamo runs with another instance's graphs).
+
+    ``str(report)`` is :meth:`format`'s default form; ``report.format(verbose=True)`` the full one.
     """
 
     graphs: tuple[GraphReport, ...]
@@ -113,6 +138,7 @@ class Report:
     eager_fallbacks: tuple[EagerFallback, ...] = ()
     graph_breaks: tuple[GraphBreak, ...] = ()
     inductor_cudagraph_skips: tuple[tuple[str, int], ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def cuda_graph_fallbacks(self) -> tuple[str, ...]:
@@ -131,19 +157,44 @@ class Report:
     def left_alone(self) -> tuple[LeftAlone, ...]:
         return tuple(c for g in self.graphs for c in g.left_alone)
 
-    def __str__(self) -> str:
-        if self.graphs:
-            lines = [g.summary() for g in self.graphs]
-        elif self.eager_fallbacks:
-            lines = ["no graph compiled by kda_compile: Dynamo ran the calls eagerly (eager fallback below)"]
-        else:
-            lines = ["no graph compiled by kda_compile yet"]
+    def format(self, verbose: bool = False, width: int = WIDTH) -> str:
+        """The report as text: the default form (one line a site within ``width`` characters, sizes
+        concrete or ``dynamic``), or with ``verbose`` every keyword and reason in full (module docstring)."""
+        lines: list[str] = []
+        shortened = 0
+        for graph in self.graphs:
+            block, cut = graph.render(verbose, width)
+            lines += block
+            shortened += cut
+        if not self.graphs and not self.notes:
+            lines.append("no graph compiled by kda_compile: Dynamo ran the calls eagerly (eager fallback below)"
+                         if self.eager_fallbacks else "no graph compiled by kda_compile yet")
+        lines += self.notes
+        lines += disabled_lines(self.graphs)
         lines.extend(e.summary() for e in self.eager_fallbacks)
         lines.extend(b.summary() for b in self.graph_breaks)
         for event, count in self.fallbacks:
             lines.append(f"fallback: {event.op} ran {event.chosen} ({count} calls): {event.reason}")
         lines.extend(f"cuda graphs fallback: {entry}" for entry in self.cuda_graph_fallbacks)
+        if shortened:
+            lines.append(f"(lines cut to {width} characters: report.format(verbose=True) has every keyword and reason)")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def disabled_lines(graphs: Iterable[GraphReport]) -> list[str]:
+    """``disabled: a, b``: the rewrites the graphs' Config switched off. Graphs compiled under several
+    Configs (``report()`` of several optimize() results) get a line for each set that is not empty."""
+    by_set: dict[tuple[str, ...], list[str]] = {}
+    for graph in graphs:
+        by_set.setdefault(graph.disabled, []).append(graph.graph)
+    if len(by_set) == 1:
+        (names,) = by_set
+        return [f"disabled: {', '.join(names)}"] if names else []
+    return [f"disabled in graph(s) {', '.join(labels)}: {', '.join(names)}"
+            for names, labels in by_set.items() if names]
 
 
 _last_key: list[Any] = [None]
@@ -159,6 +210,8 @@ def record_graph(graph: GraphReport, key: Any = None) -> None:
             _history.append(graph)
         _last_key[0] = key
     logger.info("%s", graph.summary())
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", graph.format(verbose=True))
 
 
 def attach(compiled: Any, backend: Any, *originals: Any) -> None:
@@ -171,22 +224,231 @@ def attach(compiled: Any, backend: Any, *originals: Any) -> None:
 
 
 def report(model: Any = None) -> Report:
-    """The rewrite report of ``model`` (a model returned by :func:`kda_compile.optimize`, or the
-    model it was made from), or with no argument of every graph compiled in this process."""
+    """The rewrite report of ``model``, or with no argument of every graph compiled in this process.
+
+    ``model`` is a model (or function) returned by :func:`kda_compile.optimize` or the one it was made
+    from; or a result of ``torch.compile(..., backend="kda_compile")`` (or of a ``KdaCompileBackend``), a
+    module whose ``.compile()`` or ``forward`` was compiled so, or once it ran the model given to such a
+    compile: then the report holds the graphs the backend traced for it (module docstring).
+    """
     fallbacks = tuple(sorted(fallback_events().items(), key=lambda item: (item[0].op, item[0].chosen)))
     if model is None:
         with _history_lock:
             return Report(tuple(_history), fallbacks, tuple(_all_eager.values()), tuple(_all_breaks.values()),
                           inductor_skips())
     backend = _sources.get(model) if _weakrefable(model) else None
-    if backend is None:
-        raise ValueError(
-            f"model must be a model returned by kda_compile.optimize (or the model given to it), got "
-            f"{type(model).__name__}; for torch.compile(..., backend='kda_compile') call kda_compile.report()")
-    with _history_lock:
-        eager = tuple(_eager.get(backend, {}).values())
-        breaks = tuple(_breaks.get(backend, {}).values())
-    return Report(tuple(backend.reports), fallbacks, eager, breaks, inductor_skips())
+    if backend is not None:
+        with _history_lock:
+            eager = tuple(_eager.get(backend, {}).values())
+            breaks = tuple(_breaks.get(backend, {}).values())
+        return Report(tuple(backend.reports), fallbacks, eager, breaks, inductor_skips())
+    backend, target = _compiled_by(model)
+    mine = traced_for(target)
+    graphs = tuple(g for g in list(backend.reports) if mine(g.frame))
+    return Report(graphs, fallbacks, inductor_cudagraph_skips=inductor_skips(),
+                  notes=_reuse_note(backend, target, graphs) + data_dependent_break_note())
+
+
+DATA_DEPENDENT_BREAKS = ("capture_scalar_outputs=False", "capture_dynamic_output_shape_ops")
+
+
+def data_dependent_break_note() -> tuple[str, ...]:
+    """For a model compiled with ``torch.compile(..., backend=...)`` of ours: the graph breaks Dynamo made in this
+    process at data-dependent ops (MoE routing's ``.item()``, ``nonzero``), which a backend with
+    ``Config(capture_data_dependent_ops=False)`` (or a Dynamo whose hooks kda_compile could not adapt) leaves,
+    with the two Dynamo options that capture them."""
+    from torch._dynamo.utils import counters
+
+    count = sum(n for reason, n in counters.get("graph_break", {}).items()
+                if any(key in str(reason) for key in DATA_DEPENDENT_BREAKS))
+    if not count:
+        return ()
+    return (f"note: Dynamo broke the graph {count}x in this process at data-dependent ops (.item(), nonzero: e.g. "
+            "MoE routing), and an attention cut by a break is left as written; kda_compile.optimize() captures "
+            "them, or set torch._dynamo.config.capture_scalar_outputs = True and capture_dynamic_output_shape_ops "
+            "= True before torch.compile",)
+
+
+# ---------------------------------------------------------------------------------------------
+# The graphs of torch.compile(..., backend="kda_compile"): which frame each graph was traced from
+# ---------------------------------------------------------------------------------------------
+_RESUME = re.compile(r"^(?:torch_dynamo_resume_in_)+(.+?)(?:_at_(\d+))+$")  # Dynamo's names for resume functions
+
+
+def traced_frame() -> TracedFrame | None:
+    """The root frame of the graph Dynamo is compiling, read from Dynamo's current instruction translator
+    (the backend runs inside the trace). None outside a Dynamo trace (a backend called on an FX graph by
+    hand) or where a torch version keeps it elsewhere: the graph is then only left unnamed."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        root = InstructionTranslator.current_tx().output.root_tx
+        code, self_obj = root.f_code, root.f_locals.get("self")
+    except Exception:  # noqa: BLE001  (only the report's naming depends on it)
+        return None
+    return frame_of(code, self_obj)
+
+
+def frame_of(code: types.CodeType, self_obj: Any = None) -> TracedFrame:
+    """The :class:`TracedFrame` of a frame running ``code`` with ``self_obj`` as its ``self``.
+
+    A method is named ``Class.attribute`` after the attribute of ``self``'s class that runs the code:
+    Hugging Face's forward runs its decorator's ``wrapper`` code, yet is ``LlamaForCausalLM.forward``.
+    A function is named by its qualified name. A resume function (Dynamo's continuation of a frame
+    after a graph break) is named after the code it continues, with the line it resumes at."""
+    match = _RESUME.match(code.co_name)
+    code_name = match.group(1) if match else code.co_name
+    if self_obj is not None:
+        cls = type(self_obj)
+        name = f"{cls.__name__}.{_method_name(cls, code, code_name, resumed=match is not None)}"
+    else:
+        name = code_name if match else getattr(code, "co_qualname", code.co_name)
+    if match:
+        name += f", resumed at line {match.group(2)}"
+    return TracedFrame(name, code_name, code.co_filename, match is not None, _weak(self_obj), _weak(code))
+
+
+def _method_name(cls: type, code: types.CodeType, code_name: str, resumed: bool) -> str:
+    """The attribute of ``cls`` whose function runs ``code`` (or, for a resume function, the code it
+    continues), ``forward`` first since decorated methods share their decorator's code; else ``code_name``."""
+
+    def runs(value: Any) -> bool:
+        own = getattr(value, "__code__", None)
+        if not isinstance(own, types.CodeType):
+            return False
+        if resumed:
+            return own.co_name == code_name and own.co_filename == code.co_filename
+        return own is code
+
+    for name in ("forward", code_name):
+        if runs(inspect.getattr_static(cls, name, None)):
+            return name
+    for klass in cls.__mro__:
+        for name, value in vars(klass).items():
+            if runs(value):
+                return name
+    return code_name
+
+
+def traced_for(target: Any) -> Callable[[TracedFrame | None], bool]:
+    """Whether a graph traced from a frame belongs to ``target``: for a module, its frames and its
+    submodules' (a graph break inside a layer makes Dynamo compile that layer's frame on its own); for a
+    function, its frames and their continuations after a graph break; for another object, its methods."""
+    if isinstance(target, torch.nn.Module):
+        modules = {id(m) for m in target.modules()}
+        return lambda frame: _owner(frame) is not None and id(_owner(frame)) in modules
+    code = getattr(target, "__code__", None)
+    if isinstance(code, types.CodeType):
+        return lambda frame: frame is not None and frame.owner is None and (
+            _deref(frame.code) is code
+            or (frame.resumed and frame.code_name == code.co_name and frame.filename == code.co_filename))
+    return lambda frame: _owner(frame) is not None and _owner(frame) is target
+
+
+def _compiled_by(model: Any) -> tuple[Any, Any]:
+    """The kda_compile backend whose graphs ``model`` runs, and what they were traced for: the model or
+    function torch.compile was given, or ``model`` itself if the default backend traced graphs for it."""
+    from kda_compile import backend as backends
+
+    found = torch_compiled(model)
+    if found is not None:
+        compiler, name, target = found
+        if compiler is backends.kda_compile_backend:
+            return backends._default_backend, target
+        if isinstance(compiler, backends.KdaCompileBackend):
+            return compiler, target
+        raise ValueError(f"model must be compiled by kda_compile, got {type(model).__name__} compiled with "
+                         f"backend {name!r}: kda_compile has no report of it")
+    default, mine = backends._default_backend, traced_for(model)
+    if any(mine(g.frame) for g in list(default.reports)):
+        return default, model
+    raise ValueError(
+        f"model must be a model returned by kda_compile.optimize (or the model given to it) or compiled with "
+        f"torch.compile(..., backend='kda_compile'), got {type(model).__name__}; kda_compile.report() lists "
+        f"every graph compiled in this process")
+
+
+def torch_compiled(obj: Any) -> tuple[Any, str, Any] | None:
+    """(the backend, its name, the model or function compiled) for a result of ``torch.compile``, a module
+    whose ``.compile()`` was called, or a module whose ``forward`` attribute is a torch.compile result;
+    None for anything else. Read from the Dynamo context torch.compile wraps around the callable."""
+    candidates = [(obj, _original(obj))]
+    if isinstance(obj, torch.nn.Module):
+        candidates += [(getattr(obj, "_compiled_call_impl", None), obj), (vars(obj).get("forward"), obj)]
+    for candidate, target in candidates:
+        callback = _dynamo_callback(candidate)
+        if callback is not None:
+            compiler, name = _innermost_backend(callback)
+            return compiler, name, target
+    return None
+
+
+def _original(compiled: Any) -> Any:
+    """What torch.compile was given: an OptimizedModule's module, a compiled function's function (a
+    bound method's object: its frames have it as ``self``)."""
+    original = getattr(compiled, "_orig_mod", None)
+    if original is not None:
+        return original
+    while hasattr(compiled, "_torchdynamo_orig_callable"):
+        compiled = compiled._torchdynamo_orig_callable
+    return getattr(compiled, "__self__", compiled) if inspect.ismethod(compiled) else compiled
+
+
+def _dynamo_callback(fn: Any) -> Any:
+    """The frame callback of the Dynamo context around ``fn`` (an OptimizedModule keeps its context;
+    a compiled function holds it in its closure), or None."""
+    context = getattr(fn, "dynamo_ctx", None)
+    if context is not None:
+        return getattr(context, "callback", None)
+    if not hasattr(fn, "_torchdynamo_orig_callable"):
+        return None
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for candidate in (value, getattr(value, "callback", None)):
+            if hasattr(candidate, "_torchdynamo_orig_backend"):
+                return candidate
+    return None
+
+
+def _innermost_backend(callback: Any) -> tuple[Any, str]:
+    """The backend torch.compile was given, under Dynamo's wrappers, and its name."""
+    while hasattr(callback, "_torchdynamo_orig_backend"):
+        callback = callback._torchdynamo_orig_backend
+    compiler = getattr(callback, "compiler_fn", callback)  # torch.compile's _TorchCompileWrapper
+    name = getattr(callback, "compiler_name", None) or getattr(compiler, "__name__", type(compiler).__name__)
+    return compiler, str(name)
+
+
+def _reuse_note(backend: Any, target: Any, graphs: tuple[GraphReport, ...]) -> tuple[str, ...]:
+    """Dynamo runs a module with the graphs it traced for another instance of its class whenever their
+    guards pass, and traces nothing for it: say so instead of leaving a compiled model's report empty."""
+    if graphs or not isinstance(target, torch.nn.Module):
+        return ()
+    cls = type(target)
+    if not any(type(_owner(g.frame)) is cls for g in list(backend.reports)):
+        return ()
+    return (f"no graph was traced for this {cls.__name__}: Dynamo runs it with the graphs it traced for another "
+            f"{cls.__name__} where their guards pass (kda_compile.report() lists every graph)",)
+
+
+def _owner(frame: TracedFrame | None) -> Any:
+    return _deref(frame.owner) if frame is not None else None
+
+
+def _deref(ref: Callable[[], Any] | None) -> Any:
+    return ref() if ref is not None else None
+
+
+def _weak(obj: Any) -> Callable[[], Any] | None:
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
 
 
 def clear_reports() -> None:

@@ -3,6 +3,7 @@
 One folder per operator: reference math beside the kernels, one module registering the ops.
 Ops know nothing of models or of torch.compile passes.
 """
+from kda_compile.ops._argument_errors import raising_argument_errors  # for graph rewrites (not an op)
 from kda_compile.ops._common import tag_compile_caches
 from kda_compile.ops._sharding import register_sharding_rules
 from kda_compile.ops.attention import attention, attention_with_lse

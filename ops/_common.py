@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_scalar
 
 logger = logging.getLogger("kda_compile.ops")
 
@@ -33,14 +34,23 @@ def arg_error(name: str, value, accepted: str, *, kind: type[Exception] = ValueE
 def plain(value):
     """``value`` for an error message: symbolic ints / floats (and lists / tuples of them, e.g. a
     shape) as plain numbers, joined into a string by this function, never by an f-string of a list (which
-    Dynamo keeps as a lazy format it cannot turn into the message)."""
+    Dynamo keeps as a lazy format it cannot turn into the message). A symbolic number is specialised to its
+    value (``guard_scalar``, which Dynamo traces: the error path is guarded on it); ``int()`` would keep it
+    symbolic (a dynamic Python int argument, a size other than 0 / 1), and Dynamo cannot format that. Traced
+    code sees a symbolic int as an ``int`` (not a ``torch.SymInt``), so every number goes through it."""
     if isinstance(value, (list, tuple, torch.Size)):
         return "[" + ", ".join(f"{plain(x)}" for x in value) + "]"
-    if isinstance(value, torch.SymInt):
-        return f"{int(value)}"
-    if isinstance(value, torch.SymFloat):
-        return f"{float(value)}"
+    if isinstance(value, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(value, bool):
+        return guard_scalar(value)
     return value
+
+
+def shown(value) -> str:
+    """``repr(value)`` for an error message, numbers through :func:`plain`: traced code cannot take the repr of a
+    symbolic number (under ``dynamic=True`` a Python float argument is one)."""
+    if isinstance(value, (int, float, torch.SymInt, torch.SymFloat)):
+        return f"{plain(value)}"
+    return repr(value)
 
 
 CHECK_INPUTS_ENV = "KDA_COMPILE_CHECK_INPUTS"
@@ -72,7 +82,7 @@ def describe(t) -> str:
     """A compact description of a tensor (shape, dtype, device) or any other value for errors."""
     if isinstance(t, torch.Tensor):
         return f"a {t.dtype} tensor of shape {plain(t.shape)} on {t.device}"
-    return repr(t)
+    return shown(t)
 
 
 def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, allow_none: bool = False):
@@ -102,7 +112,7 @@ def check_attn_mask(attn_mask, full: tuple, device: torch.device, *, device_owne
         raise arg_error("attn_mask", describe(attn_mask), f"on {device_owner}'s device {device}")
     # Explicit comparisons (not `n in (1, f)`): Dynamo evaluates them on symbolic sizes.
     if attn_mask.dim() > 4 or any(n != 1 and n != f for n, f in zip(reversed(attn_mask.shape), reversed(full))):
-        raise arg_error("attn_mask", describe(attn_mask), f"broadcastable to {dims} = {list(full)}")
+        raise arg_error("attn_mask", describe(attn_mask), f"broadcastable to {dims} = {plain(full)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,8 +129,36 @@ _fallbacks: dict[FallbackEvent, int] = {}
 _fallbacks_lock = threading.Lock()
 
 
+class StrictModeError(RuntimeError):
+    """Strict mode refused a slower path: an op fallback here; a rewrite left alone, an eager fallback or a graph
+    break in kda_compile's code (raised by kda_compile's backend and ``optimize()``)."""
+
+
+STRICT_ENV = "KDA_COMPILE_STRICT"  # "1": strict mode for the whole process
+_strict = threading.local()  # .depth > 0 inside strict_fallbacks()
+
+
+def strict_env() -> bool:
+    """Whether ``KDA_COMPILE_STRICT=1`` asks for strict mode process-wide."""
+    return os.environ.get(STRICT_ENV, "") == "1"
+
+
+@contextlib.contextmanager
+def strict_fallbacks():
+    """Inside this block (and process-wide under ``KDA_COMPILE_STRICT=1``) a fallback to a slower
+    implementation raises :class:`StrictModeError` instead of running it."""
+    _strict.depth = getattr(_strict, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _strict.depth -= 1
+
+
 def record_fallback(op: str, chosen: str, reason: str) -> None:
-    """Count a fallback; log a WARNING the first time a given (op, path, reason) happens."""
+    """Count a fallback; log a WARNING the first time a given (op, path, reason) happens. In strict mode
+    (:func:`strict_fallbacks`) raise :class:`StrictModeError` instead."""
+    if getattr(_strict, "depth", 0) or strict_env():
+        raise StrictModeError(f"kda_compile strict mode: {op} would run the {chosen} implementation: {reason}")
     event = FallbackEvent(op, chosen, reason)
     with _fallbacks_lock:
         first = event not in _fallbacks

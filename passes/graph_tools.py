@@ -151,11 +151,16 @@ def _fake_mode(values: Sequence[Any]):
     """Run under the fake mode the example values belong to (the backend may run under a different one),
     with the Python dispatcher on, as Dynamo computes its own example values: composite ops (``matmul``,
     ``reshape``) then keep symbolic sizes symbolic. Without it torch 2.11's fake ``aten.size`` turns each
-    size into an int, which guards every dynamic dimension to its example value (a recompile per length)."""
+    size into an int, which guards every dynamic dimension to its example value (a recompile per length).
+    A public op's argument error raises here at once (``raising_argument_errors``), not deferred into the graph as
+    while Dynamo traces: the rewrites learn from it that the op refuses the site, and leave the site alone."""
     from torch._dispatch.python import enable_python_dispatcher
 
+    from kda_compile.ops import raising_argument_errors
+
     mode = next((m for m in (getattr(v, "fake_mode", None) for v in values) if m is not None), None)
-    with (mode if mode is not None else contextlib.nullcontext()), enable_python_dispatcher():
+    with (mode if mode is not None else contextlib.nullcontext()), enable_python_dispatcher(), \
+            raising_argument_errors():
         yield
 
 

@@ -91,7 +91,9 @@ def check_call(bound: dict) -> str | None:
     if any(t is None or t.dim() != 4 for t in (q, k, v)):
         return "query, keys and values are not all 4-D [batch, heads, seq, dim] tensors"
     (b, h, sq, dqk), (_, hkv, sk, _) = q.shape, k.shape
-    same_heads = known_equal(hkv, h)
+    # one key / value head broadcast over the query heads (SDPA broadcasts its batch dims: Falcon's multi-query
+    # attention passes keys [B, 1, T, D] with enable_gqa=False) is grouped-query attention with one group
+    same_heads = known_equal(hkv, h) or known_equal(hkv, 1)
     if not (known_equal(k.shape[0], b) and known_equal(v.shape[0], b) and known_equal(k.shape[3], dqk)
             and known_equal(v.shape[1], hkv) and _lengths_agree(v.shape[2], sk)
             and (same_heads or bound["enable_gqa"] is True)):

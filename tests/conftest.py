@@ -84,3 +84,15 @@ def pytest_collection_modifyitems(config, items):
 def device(request):
     """Every device-parametrised test runs on CPU, and on CUDA too where there is one."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and kda_compile's process-wide reports emptied before and after the test: compiled
+    graphs, recompile counts and report entries of one test never reach the next."""
+    from kda_compile.report import clear_reports
+
+    torch._dynamo.reset()
+    clear_reports()
+    yield
+    torch._dynamo.reset()

@@ -139,3 +139,42 @@ def test_inductor_end_to_end_on_a_tiny_llama():
     assert "kda_compile.attention_fwd" in "\n".join(code)
     assert len(kda_compile.report().graphs[-1].rewritten) == 2
     assert kda_compile_backend is torch._dynamo.lookup_backend("kda_compile")
+
+
+def test_glm5_next_through_the_backend_gets_the_graphs_optimize_gets():
+    """glm5_next's MoE routing (data-dependent) used to break the backend's graphs in 13 and leave its DSA
+    attention dense; the backend now captures it as optimize() does: one graph, the same rewrites, eager's logits."""
+    import sys
+
+    transformers = pytest.importorskip("transformers")
+    import kda_compile
+    from kda_compile.coverage.models import shrink
+    from kda_compile.passes.kda_substitution import hf_torch_path
+    from kda_compile.report import clear_reports
+
+    if not hasattr(transformers, "Glm5NextConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Glm5NextConfig")
+    config = shrink(transformers.Glm5NextConfig().to_dict())
+    for key in ("transformers_version", "architectures", "_name_or_path"):
+        config.pop(key, None)
+    torch.manual_seed(0)
+    model = transformers.Glm5NextForConditionalGeneration._from_config(
+        transformers.Glm5NextConfig.from_dict(config), attn_implementation="eager").eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_()
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    modeling = sys.modules[type(model).__module__]
+    names = [n for n in ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention", "causal_conv1d_fn",
+                         "causal_conv1d_update") if hasattr(modeling, n)]
+    torch._dynamo.reset()
+    clear_reports()
+    with torch.no_grad(), hf_torch_path(modeling, *names):
+        want = model(input_ids=ids, use_cache=False).logits
+        compiled = torch.compile(model, backend="kda_compile")
+        got = compiled(input_ids=ids, use_cache=False).logits
+    report = kda_compile.report(compiled)
+    assert float((got - want).norm() / want.norm()) < 1e-4
+    assert len(report.graphs) == 1 and not report.left_alone, str(report)
+    ops = [r.op for r in report.rewritten]
+    assert "kda_compile.dsa_sparse_attention" in ops and "kda_compile.dsa_pooled_indexer_topk" in ops, ops
+    torch._dynamo.reset()

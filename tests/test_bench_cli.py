@@ -50,6 +50,18 @@ def test_dsa_benchmark_smoke_on_cpu(tmp_path):
     assert all(float(r["p50"]) > 0 for r in rows if r["metric"] == "time")
 
 
+def test_kda_benchmark_smoke_on_cpu(tmp_path):
+    """The KDA prefill comparison at tiny shapes on a CPU (ours only: FLA and FlashKDA need CUDA), one gate."""
+    path = tmp_path / "kda.csv"
+    assert main(["kda", "--smoke", "--gate", "lower_bound", "--csv", str(path)]) == 0
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    walls = [r for r in rows if r["metric"] == "wall_time"]
+    assert {r["shape"] for r in walls} == {"1x64x2", "varlen:16+0+47x2"}
+    assert all(r["provider"] == "ours" and r["gate"] == "lower_bound" and float(r["p50"]) > 0 for r in walls)
+    assert {r["device"] for r in rows} == {"cpu"}
+
+
 def test_profile_option_is_parsed(monkeypatch, tmp_path):
     import kda_compile.bench.kda as kda_bench
 
@@ -188,8 +200,10 @@ def _run_comparison(monkeypatch, gates, shapes, calls, missing):
     from kda_compile.bench import kda_providers
 
     timed = []
-    monkeypatch.setattr(kda_providers, "wall_time_quantiles", lambda fn: timed.append(fn) or (1.0, 2.0, 3.0))
-    monkeypatch.setattr(kda_providers, "kernel_times", lambda fn: [("a", 2, 0.25), ("b", 1, 0.25)])
+    monkeypatch.setattr(kda_providers, "wall_time_quantiles",
+                        lambda fn, device="cuda": timed.append(fn) or (1.0, 2.0, 3.0))
+    monkeypatch.setattr(kda_providers, "kernel_times",
+                        lambda fn, device_type="cuda": [("a", 2, 0.25), ("b", 1, 0.25)])
     rows = []
     tables = kda_providers.bench_comparison(gates, shapes, "cpu", rows, rounds=2, calls=calls, missing=missing)
     return rows, tables, timed

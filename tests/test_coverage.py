@@ -19,6 +19,9 @@ from kda_compile.coverage.__main__ import main  # noqa: E402
 from kda_compile.coverage.models import model_types, shrink, tiny_config  # noqa: E402
 from kda_compile.coverage.stored import read_document  # noqa: E402
 from kda_compile.coverage.table import COLUMNS, ROWS_BEGIN, format_row  # noqa: E402
+import torch  # noqa: E402
+
+from kda_compile.bench import e2e_kimi  # noqa: E402
 
 CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "prophetnet", "minimax_m3_vl_text")
 ERROR_TOL = 1e-4
@@ -355,3 +358,16 @@ def test_a_missing_package_reason_drops_the_install_hint():
                       "install it with pip:\n`pip install timm`.")
     assert _first_line(exc) == ("ImportError: TimmWrapperModel requires the timm library but it was not found in "
                                 "your environment")
+
+
+def test_attention_kinds_name_kda_layers_by_class_or_by_the_op_they_became():
+    """Kimi-Linear's and Bailing's KDA classes end in "DeltaAttention"; glm5_next's is "...LinearAttention" (a
+    name the sweep reads as "other"), so its rewritten chunk_kda sites say KDA."""
+    from kda_compile.coverage.sweep import attention_kinds, with_rewritten_kinds
+
+    kimi = e2e_kimi.build_model(e2e_kimi.TINY, 4, "cpu", torch.float32)
+    assert attention_kinds(kimi) == ["MLA", "KDA"]
+    assert with_rewritten_kinds(["softmax", "other"], {"kda_compile.ops.chunk_kda": 1}) == ["softmax", "KDA"]
+    assert with_rewritten_kinds(["softmax", "KDA", "other"], {"kda_compile.ops.chunk_kda": 1}) == \
+        ["softmax", "KDA", "other"]  # a named delta-rule layer leaves "other" to another mixer (a hybrid's Mamba)
+    assert with_rewritten_kinds(["softmax"], {"kda_compile.attention": 2}) == ["softmax"]

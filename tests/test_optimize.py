@@ -83,8 +83,8 @@ def test_optimize_rewrites_and_reports_the_model(caplog):
         assert site.site == "model.layers.0.self_attn" and site.op == "kda_compile.attention"
         assert site.details["is_causal"] is True and site.details["heads"] == "4/2"
     assert report().graphs[-1] is report(compiled).graphs[-1]
-    assert any("model.layers.0.self_attn" in r.getMessage() and "kda_compile.attention" in r.getMessage()
-               for r in caplog.records)
+    assert any("model.layers.0.self_attn" in r.getMessage() and "-> attention(" in r.getMessage()
+               for r in caplog.records)  # logged in the default form, which names our ops without the package
     assert "1 site(s) rewritten" in str(report(compiled))
 
 
@@ -163,7 +163,15 @@ def test_report_summary_lists_each_site_once():
         Rewritten("softmax_attention", "layers.1.attn", "model.py:9", "kda_compile.attention", {"heads": "4/2"}),
     ), left_alone=(LeftAlone("softmax_attention", "layers.2.attn", "model.py:9", "output_attentions=True"),))
     assert list(graph.sites()) == ["layers.0.attn", "layers.1.attn"]
+    # the default form: one line a site, the last rewrite's op and keywords first
     assert graph.summary().splitlines() == [
+        "graph 0/0: 2 site(s) rewritten (3 rewrites), 1 candidate(s) left alone",
+        "  rewritten   layers.0.attn (model.py:7) -> chunk_kda(kind=chunk, beta=sigmoid)",
+        "  rewritten   layers.1.attn (model.py:9) -> attention(heads=4/2)",
+        "  left alone  layers.2.attn (model.py:9): output_attentions=True",
+    ]
+    # the verbose form: each rewrite of a site on its own line
+    assert graph.format(verbose=True).splitlines() == [
         "graph 0/0: 2 site(s) rewritten (3 rewrites), 1 candidate(s) left alone",
         "  rewritten   layers.0.attn, by kda_prologue, kda_substitution:",
         "                kda_prologue: (model.py:7) -> kda_compile.ops.chunk_kda(beta=sigmoid)",

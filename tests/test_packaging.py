@@ -106,15 +106,17 @@ def test_compile_caches_are_keyed_by_the_ops_source(monkeypatch):
     assert torch.compiler.config.cache_key_tag == f"user-tag {CACHE_TAG_PREFIX}{ops_source_digest()}"
 
 
-def test_the_package_imports_without_triton():
+def test_the_package_imports_without_triton(tmp_path):
     """triton is optional (CPU wheels of torch do not bring it): importing kda_compile, its ops and its
-    passes must not need it; our Triton kernels are imported where a call first needs them."""
+    passes must not need it; our Triton kernels are imported where a call first needs them. Run from an empty
+    folder: a clone's parent folder would hold the clone itself, which shadows the package when the clone is
+    named kda_compile."""
     import subprocess
     import sys
 
     code = ("import sys; sys.modules['triton'] = None; import kda_compile, kda_compile.ops, kda_compile.passes; "
             "print('imported')")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.stdout.strip() == "imported", done.stderr[-2000:]
 
 
@@ -206,8 +208,8 @@ def _source_tree_copy(dest):
 
 def test_the_wheel_holds_python_modules_and_metadata_only(tmp_path):
     """Builds the wheel (offline, no isolation: torch brings setuptools >= 77) from a copy of the tree and
-    checks it holds every module of the listed packages, installed under kda_compile/, the license and the
-    metadata, and nothing else (no benchmark results, CSVs, PNGs, logs, notes)."""
+    checks it holds every module of the listed packages, installed under kda_compile/, the py.typed marker, the
+    license and the metadata, and nothing else (no benchmark results, CSVs, PNGs, logs, notes)."""
     src = _source_tree_copy(tmp_path / "src")
     (src / "kda_compile" / "stray_results").mkdir()
     (src / "kda_compile" / "stray_results" / "table.csv").write_text("a,b\n")  # package data never ships
@@ -220,6 +222,8 @@ def test_the_wheel_holds_python_modules_and_metadata_only(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     dist_info = {n for n in names if n.split("/", 1)[0].endswith(".dist-info")}
     modules = set(names) - dist_info
+    assert "kda_compile/py.typed" in modules, "the PEP 561 marker is missing: type checkers would ignore our hints"
+    modules.discard("kda_compile/py.typed")
     assert {n for n in modules if not (n.startswith("kda_compile/") and n.endswith(".py"))} == set(), \
         f"the wheel holds files other than kda_compile's modules: {sorted(modules)}"
     package_dir = _pyproject()["tool"]["setuptools"]["package-dir"]
@@ -238,7 +242,7 @@ def test_the_wheel_holds_python_modules_and_metadata_only(tmp_path):
         assert f"Provides-Extra: {extra}" in metadata
 
 
-def test_optional_dependencies_stay_optional():
+def test_optional_dependencies_stay_optional(tmp_path):
     """A plain import of the package, its ops, passes and kda_compile.optimize loads none of hypothesis,
     transformers, matplotlib, fla-core (the HF rewrites and the benchmarks import transformers where a call
     meets a Hugging Face model); without them every module imports, and kda_compile.testing fails with an
@@ -260,7 +264,7 @@ except ImportError as exc:
 else:
     print("imported kda_compile.testing without hypothesis")
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT.parent, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     loaded, message = done.stdout.strip().splitlines()[-2:]
     assert loaded == "[]", f"importing kda_compile loads optional dependencies: {loaded}"

@@ -16,6 +16,7 @@ import pathlib
 import sys
 
 from kda_compile.bench.common import environment, write_csv
+from kda_compile.cli_help import HelpFormatter
 
 BENCHMARKS = {
     "kda": "kda_compile.bench.kda",
@@ -40,7 +41,8 @@ def main(argv=None) -> int:
         except ImportError as exc:  # a benchmark whose module is not there yet is simply not offered
             logging.getLogger("kda_compile.bench").debug("benchmark %s unavailable: %s", name, exc)
             continue
-        p = sub.add_parser(name, help=(modules[name].__doc__ or "").strip().splitlines()[0])
+        p = sub.add_parser(name, help=(modules[name].__doc__ or "").strip().splitlines()[0],
+                           formatter_class=HelpFormatter)
         p.add_argument("--csv", type=pathlib.Path, default=pathlib.Path("bench_results") / f"{name}.csv",
                        help="where to write the long-format CSV (default: %(default)s)")
         modules[name].add_arguments(p)

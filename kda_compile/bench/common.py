@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: timing with quantiles, environment columns, CSV and table output."""
 from __future__ import annotations
 
+
 import csv
 import importlib
 import importlib.metadata
@@ -65,14 +66,24 @@ def time_quantiles(fn, *, warmup_ms: int = 25, rep_ms: int = 100) -> tuple[float
 
 
 def wall_time_quantiles(fn, *, rep_ms: float = 50.0, min_reps: int = 5, max_reps: int = 100,
-                        flush_l2: bool = True) -> tuple[float, float, float]:
+                        flush_l2: bool = True, device: str = "cuda") -> tuple[float, float, float]:
     """p20 / p50 / p80 ms of one call of ``fn`` as its caller waits for it: host time (argument checks,
     allocations, launches) plus the kernels and the gaps between them. Like do_bench (CUDA events around
     each call, the L2 cache flushed before it), but the device is synchronised before each start event, so
     the call's host time is inside the interval; do_bench lets it overlap the flush of the call before.
-    ``rep_ms`` of calls, at least ``min_reps`` and at most ``max_reps``, after two untimed calls."""
+    ``rep_ms`` of calls, at least ``min_reps`` and at most ``max_reps``, after two untimed calls.
+    ``device="cpu"`` (smoke runs): a wall clock around each of ``min_reps`` calls."""
     import time
 
+    if device != "cuda":
+        fn()
+        samples = []
+        for _ in range(min_reps):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        times = torch.tensor(samples, dtype=torch.float64)
+        return tuple(torch.quantile(times, torch.tensor(QUANTILES, dtype=torch.float64)).tolist())
     cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda") if flush_l2 else None
     fn()
     torch.cuda.synchronize()
@@ -188,4 +199,3 @@ def host_profile(fn, *, calls: int = 300, top: int = 15) -> str:
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     return text.getvalue()
-

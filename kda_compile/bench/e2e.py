@@ -32,7 +32,6 @@ the T x T mask tensor (correct, slower at long prompts; the rewrite report says 
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib
 import logging
@@ -41,6 +40,7 @@ import torch
 
 from kda_compile.bench import e2e_hybrid
 from kda_compile.bench.common import format_table, row, time_quantiles
+from kda_compile.cli_help import HelpFormatter
 
 logger = logging.getLogger("kda_compile.bench.e2e")
 
@@ -67,7 +67,7 @@ examples:
 
 def add_arguments(parser) -> None:
     parser.epilog = CLI_EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     parser.add_argument("--model", choices=("llama", "kimi_linear", "qwen3_next", "deepseek_v32"), default="llama",
                         help="llama: the Llama-style 1B prefill benchmark, or with --decode-shapes / --smoke the "
                              "Llama-3.1-8B-shaped decode benchmark; the others: the decode runner "

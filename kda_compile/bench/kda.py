@@ -74,6 +74,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=_positive, default=COMPARISON_ROUNDS,
                         help="interleaved timing rounds per shape (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="first two prefill shapes and batch 1/64 only")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the prefill comparison on a CPU at tiny shapes, ours only: checks the wiring, not the "
+                             "speed")
     parser.add_argument("--shapes", type=prefill_shapes, default=None,
                         help=f"prefill shapes, comma-separated: {kda_providers.SHAPES_HELP} (default: the 15 "
                              "comparison shapes for prefill, the anchor shapes for fwd / fwd+bwd, which skip "
@@ -395,10 +398,29 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                           f"state {bw_ours:.2f} TB/s = {100 * bw_ours / copy_bw[1]:.0f}% of copy {copy_bw[1]:.2f}"])
 
 
+SMOKE_SHAPES = ("1x64x2", "varlen:16+0+47x2")  # --smoke: one batched and one packed call, an empty sequence
+
+
+def run_smoke(args) -> list[dict]:
+    """``--smoke``: the prefill comparison on a CPU at tiny shapes, ours only (our reference runs there; FLA and
+    FlashKDA need CUDA), one round: checks the wiring, not the speed (times are CPU wall clock and operator
+    time)."""
+    gates = resolve_gates(args)
+    shapes = args.shapes or [prefill_shapes(s)[0] for s in SMOKE_SHAPES]
+    rows = []
+    tables = kda_providers.bench_comparison(gates, shapes, "cpu", rows, rounds=1, selected=("ours",))
+    for gate, lines in tables.items():
+        print(f"\nKDA prefill forward, {gate} gate, CPU smoke run (ours only; wall and operator ms)")
+        print(format_table(kda_providers.COMPARISON_HEADERS, lines))
+    return rows
+
+
 def run(args) -> list[dict]:
+    if args.smoke:
+        return run_smoke(args)
     gates = resolve_gates(args)
     if not torch.cuda.is_available():
-        raise SystemExit("the KDA benchmark needs a CUDA device")
+        raise SystemExit("the KDA benchmark needs a CUDA device (--smoke runs a tiny CPU check)")
     torch.manual_seed(0)
     modes = args.modes
     rows = []

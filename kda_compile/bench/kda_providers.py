@@ -333,8 +333,8 @@ def bench_comparison(gates, shapes, device, rows, *, rounds=COMPARISON_ROUNDS, c
             wall, kernel, launches = ({name: [] for name in fns} for _ in range(3))
             for _ in range(rounds):
                 for name, fn in fns.items():
-                    wall[name].append(wall_time_quantiles(fn))
-                    kernels = kernel_times(fn)
+                    wall[name].append(wall_time_quantiles(fn, device=device))
+                    kernels = kernel_times(fn, device_type=device)
                     kernel[name].append(sum(ms for _, _, ms in kernels))
                     launches[name].append(sum(n for _, n, _ in kernels))
             med = {}

@@ -1,4 +1,4 @@
-"""``python -m kda_compile.coverage [--families a,b] [--out docs/coverage.md] [--jobs N] [--timeout S]
+"""``python -m kda_compile.coverage [--families a,b] [--out coverage.md] [--jobs N] [--timeout S]
 [--resume] [--budget S]``
 
 Runs each family in its own process (at most ``--timeout`` seconds), rewrites ``--out`` after every
@@ -27,7 +27,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+from kda_compile.cli_help import HelpFormatter
+
 logger = logging.getLogger("kda_compile.coverage")
+
 
 # Run first, so that a sweep cut short still covers the families kda_compile targets.
 PRIORITY = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "gpt_oss", "deepseek_v3",
@@ -60,9 +63,11 @@ def _worker(family: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kda_compile.coverage", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--families", help="comma-separated model types (default: every causal LM)")
-    parser.add_argument("--out", default="docs/coverage.md", help="markdown file to write")
+    parser.add_argument("--out", default="coverage.md",
+                        help="markdown file to write (the repository's table is docs/coverage.md: name it to refresh "
+                             "that one)")
     parser.add_argument("--jobs", type=int, default=1, help="families run at once (one process each)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
     parser.add_argument("--resume", action="store_true",

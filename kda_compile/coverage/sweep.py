@@ -9,11 +9,13 @@ reason) and the relative logits error.
 becomes a row ("timeout", "crashed") instead of stopping the sweep.
 
 Attention kinds (:func:`attention_kinds`), from the module classes of the built model:
-``KDA`` a class whose name holds "KimiDelta" or "KDA"; ``GDN`` "GatedDeltaNet"; ``DSA`` "Indexer"
+``KDA`` a class whose name holds "KimiDelta" or "KDA" or ends in "DeltaAttention"; ``GDN`` "GatedDeltaNet"; ``DSA``
+"Indexer"
 (DeepSeek sparse attention's indexer); ``MLA`` an attention module with a ``kv_b_proj``;
 ``softmax`` any other class whose name ends in "Attention" (or "Attn"); ``other`` state-space /
 recurrent / convolution mixers ("Mamba", "Mixer", "Rwkv", "Lstm", "ShortConv", "Recurrent",
-"LinearAttention", "Retention"). A class matches the first kind in that order.
+"LinearAttention", "Retention"). A class matches the first kind in that order. The kinds of the ops the
+rewrites made are added (:func:`with_rewritten_kinds`): a KDA layer named ``...LinearAttention`` is KDA.
 """
 from __future__ import annotations
 
@@ -91,7 +93,7 @@ def attention_kinds(model: torch.nn.Module) -> list[str]:
     kinds: set[str] = set()
     for module in model.modules():
         name = type(module).__name__
-        if "KimiDelta" in name or "KDA" in name:
+        if "KimiDelta" in name or "KDA" in name or name.endswith("DeltaAttention"):
             kinds.add("KDA")
         elif "GatedDeltaNet" in name:
             kinds.add("GDN")
@@ -103,8 +105,31 @@ def attention_kinds(model: torch.nn.Module) -> list[str]:
             kinds.add("other")
         elif name.endswith("Attention") or name.endswith("Attn"):
             kinds.add("softmax")
-    order = ("softmax", "MLA", "DSA", "KDA", "GDN", "other")
-    return [k for k in order if k in kinds]
+    return [k for k in KIND_ORDER if k in kinds]
+
+
+# The attention kind an op a site became implies (a layer whose class name says nothing, e.g. glm5_next's
+# Glm5NextTextLinearAttention, which is KDA).
+KIND_OF_OP = {"chunk_kda": "KDA", "fused_recurrent_kda": "KDA", "chunk_gated_delta_rule": "GDN",
+              "fused_recurrent_gated_delta_rule": "GDN", "mla_attention": "MLA", "dsa_indexer_topk": "DSA",
+              "dsa_pooled_indexer_topk": "DSA", "dsa_sparse_attention": "DSA"}
+KIND_ORDER = ("softmax", "MLA", "DSA", "KDA", "GDN", "other")
+
+
+def with_rewritten_kinds(kinds: list[str], ops: dict[str, int]) -> list[str]:
+    """``kinds`` with those the rewritten ops imply; a layer the class names called "other" and that became a
+    delta-rule op is that op's kind."""
+    implied = {KIND_OF_OP[op.rsplit(".", 1)[-1]] for op in ops if op.rsplit(".", 1)[-1] in KIND_OF_OP}
+    found = set(kinds) | implied
+    if implied & {"KDA", "GDN"} and "other" in found and not _other_left(kinds, implied):
+        found.discard("other")
+    return [k for k in KIND_ORDER if k in found]
+
+
+def _other_left(kinds: list[str], implied: set[str]) -> bool:
+    """Whether "other" must stay: the class names found it, and no delta-rule kind explains it (a hybrid with
+    Mamba layers keeps it; its delta-rule kind would then come from a class name too)."""
+    return "other" in kinds and bool({"KDA", "GDN"} & set(kinds))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -194,6 +219,7 @@ def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row
                 reason = _NODE_SUFFIX.sub(r"\1", entry.reason)
                 left[f"{entry.rewrite}: {reason}"] += 1
         row.rewritten, row.left_alone = dict(sorted(ops.items())), dict(sorted(left.items()))
+        row.attention = with_rewritten_kinds(row.attention, ops)
         return row
     finally:
         row.seconds = round(time.perf_counter() - start, 1)

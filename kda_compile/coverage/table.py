@@ -32,8 +32,9 @@ Columns:
   process died); the reason follows.
 - **Attention**: the attention kinds among the model's module classes: `softmax` (a class named
   `*Attention` / `*Attn` not matched below), `MLA` (an attention module with a `kv_b_proj`), `DSA` (an
-  `*Indexer*`), `KDA` (`*KimiDelta*` / `*KDA*`), `GDN` (`*GatedDeltaNet*`), `other` (Mamba / mixer /
-  RWKV / LSTM / short-conv / recurrent / linear-attention layers).
+  `*Indexer*`), `KDA` (`*KimiDelta*` / `*KDA*` / `*DeltaAttention`), `GDN` (`*GatedDeltaNet*`), `other` (Mamba /
+  mixer / RWKV / LSTM / short-conv / recurrent / linear-attention layers); plus the kind of every op a site became
+  (a linear-attention layer rewritten into `chunk_kda` is KDA).
 - **Layers**: decoder layers of the tiny model (2, or one per distinct layer kind of a hybrid).
 - **Rewritten**: the sites kda_compile's rewrites replaced, by the op they became (`op x count`,
   over all compiled graphs).

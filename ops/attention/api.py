@@ -10,7 +10,8 @@ import numbers
 
 import torch
 
-from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe, gradients_needed
+from kda_compile.ops._argument_errors import deferred_error, sizes
+from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe, gradients_needed, shown
 from kda_compile.ops.attention import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.attention_*)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,7 +49,13 @@ def attention(
             ``p - W < j <= p``.
 
     ``is_causal``/``sliding_window`` may be combined with ``attn_mask`` (the mask applies on top).
-    Rows whose keys are all masked out (mask False or -inf) return 0, never NaN.
+    Rows whose keys are all masked out (mask False or -inf) return 0, never NaN. Sk = 0 is the same: a
+    softmax over zero keys returns 0 (lse -inf); Sq = 0 and B = 0 return empty outputs (as the KDA ops'
+    T = 0); gradients are zeros. H, Dqk and Dv must be >= 1.
+
+    Bad arguments raise ``ValueError`` / ``TypeError`` naming the argument, its value and what is accepted,
+    eagerly and, unchanged, from a ``torch.compile(fullgraph=True)`` function when it runs
+    (docs/op-input-errors.md).
 
     Returns:
         out [B, H, Sq, Dv] in the query dtype (stored as [B, Sq, H, Dv], so
@@ -85,8 +92,11 @@ def attention_with_lse(
 
 def _attention(query, key, value, attn_mask, is_causal, scale, softcap, sinks, dropout_p, sliding_window, *,
                want_lse: bool):
-    scale, softcap, dropout_p, window = _check_arguments(query, key, value, attn_mask, is_causal, scale, softcap,
-                                                         sinks, dropout_p, sliding_window)
+    try:
+        scale, softcap, dropout_p, window = _check_arguments(query, key, value, attn_mask, is_causal, scale,
+                                                             softcap, sinks, dropout_p, sliding_window)
+    except (ValueError, TypeError) as error:
+        return _deferred(error, query, value)
     differentiable = gradients_needed(query, key, value, attn_mask, sinks)
     out, lse, _ = torch.ops.kda_compile.attention_fwd(query, key, value, attn_mask, sinks, scale, softcap,
                                                       dropout_p, bool(is_causal), window, want_lse and differentiable)
@@ -95,13 +105,25 @@ def _attention(query, key, value, attn_mask, is_causal, scale, softcap, sinks, d
     return out, lse
 
 
+def _deferred(error, query, value):
+    """``(out, lse)`` for a call with a bad argument: ``error`` raised now (eager) or when the compiled function
+    runs (``ops._argument_errors``), with placeholders of the real outputs' shapes and layout where the
+    arguments say them, so that Dynamo traces the caller's code after the call."""
+    q, v = sizes(query, 4), sizes(value, 4)
+    if q is None or v is None:
+        return deferred_error(error, query)
+    b, h, sq, _ = q
+    out, lse = deferred_error(error, query, (b, sq, h, v[3]), (b, h, sq))
+    return out.transpose(1, 2), lse
+
+
 def _number(name, value, accepted):
     """A finite Python float from a real number; bools refused. A symbolic size is specialised; a
     symbolic float (traced arithmetic) passes through unchecked."""
     if isinstance(value, torch.SymFloat):
         return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymInt)):
-        raise arg_error(name, repr(value), accepted, kind=TypeError)
+        raise arg_error(name, shown(value), accepted, kind=TypeError)
     value = float(int(value)) if isinstance(value, torch.SymInt) else float(value)
     if not -math.inf < value < math.inf:  # also False for NaN; comparisons trace where math.isfinite does not
         raise arg_error(name, value, accepted)
@@ -113,25 +135,27 @@ def _check_arguments(query, key, value, attn_mask, is_causal, scale, softcap, si
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, ndim=4, dtypes=_DTYPES)
     b, h, sq, dqk = query.shape
-    if key.dtype != query.dtype or value.dtype != query.dtype:
-        raise arg_error("key/value", f"{key.dtype}/{value.dtype}", f"of the query's dtype {query.dtype}", kind=TypeError)
-    if key.device != query.device or value.device != query.device:
-        raise arg_error("key/value", f"on {key.device}/{value.device}", f"on the query's device {query.device}")
-    if key.shape[0] != b or value.shape[0] != b:
-        raise arg_error("key/value", f"batch sizes {key.shape[0]}/{value.shape[0]}", f"the query's batch size {b}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise arg_error(name, describe(t), f"of the query's dtype {query.dtype}", kind=TypeError)
+        if t.device != query.device:
+            raise arg_error(name, describe(t), f"on the query's device {query.device}")
+        if t.shape[0] != b:
+            raise arg_error(name, describe(t), f"a tensor of the query's batch size {b}")
     hkv, sk = key.shape[1], key.shape[2]
     if value.shape[1] != hkv or value.shape[2] != sk:
         raise arg_error("value", describe(value), f"[B, Hkv, Sk, Dv] with Hkv = {hkv} and Sk = {sk} like key")
+    if h < 1 or dqk < 1:  # Sq = 0, Sk = 0 and B = 0 are fine: empty or zero outputs (docs/op-input-errors.md)
+        raise arg_error("query", describe(query), "a [B, H, Sq, Dqk] tensor with H >= 1 heads of width Dqk >= 1")
     if hkv == 0 or h % hkv != 0:
         raise arg_error("key", describe(key), f"a number of heads dividing the query's {h} heads")
     if key.shape[3] != dqk:
         raise arg_error("key", describe(key), f"head dim {dqk} like the query")
-    if sq == 0 or sk == 0 or dqk == 0 or value.shape[3] == 0:
-        raise arg_error("query/key/value", f"shapes {list(query.shape)}, {list(key.shape)}, {list(value.shape)}",
-                        "non-empty sequence and head dimensions")
+    if value.shape[3] < 1:
+        raise arg_error("value", describe(value), "a [B, Hkv, Sk, Dv] tensor with Dv >= 1")
     check_attn_mask(attn_mask, (b, h, sq, sk), query.device, device_owner="the query", dims="[B, H, Sq, Sk]")
     if not isinstance(is_causal, bool):
-        raise arg_error("is_causal", repr(is_causal), "a bool", kind=TypeError)
+        raise arg_error("is_causal", shown(is_causal), "a bool", kind=TypeError)
     # int(): a symbolic head dim (dynamic=True) is specialised; head dims do not vary between calls.
     scale = int(dqk) ** -0.5 if scale is None else _number("scale", scale, "a finite float")
     if softcap is None:
@@ -146,7 +170,7 @@ def _check_arguments(query, key, value, attn_mask, is_causal, scale, softcap, si
     window = 0
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, torch.SymInt)):
-            raise arg_error("sliding_window", repr(sliding_window), "None or an int >= 1", kind=TypeError)
+            raise arg_error("sliding_window", shown(sliding_window), "None or an int >= 1", kind=TypeError)
         if sliding_window < 1:
             raise arg_error("sliding_window", sliding_window, "None or an int >= 1")
         if not is_causal:
@@ -154,6 +178,9 @@ def _check_arguments(query, key, value, attn_mask, is_causal, scale, softcap, si
         window = int(sliding_window)
     if sinks is not None:
         check_tensor("sinks", sinks, ndim=1)
-        if not sinks.is_floating_point() or sinks.shape[0] != h or sinks.device != query.device:
+        if not sinks.is_floating_point():
+            raise arg_error("sinks", describe(sinks), f"a floating-point [H] = [{h}] tensor on {query.device}",
+                            kind=TypeError)
+        if sinks.shape[0] != h or sinks.device != query.device:
             raise arg_error("sinks", describe(sinks), f"a floating-point [H] = [{h}] tensor on {query.device}")
     return scale, softcap, dropout_p, window

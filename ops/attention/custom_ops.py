@@ -18,6 +18,9 @@ softcap, dropout_p, is_causal, sliding_window, mask_needs_grad) -> (dq, dk, dv, 
 with dq/dk/dv in the same BSHD-stored layout, dmask contiguous in the mask's shape and dtype and
 dsinks [H] (each an empty tensor when not requested). No double backward.
 
+Nothing to attend (B = 0, Sq = 0 or Sk = 0): out = 0 and lse = -inf (a softmax over zero keys is a fully masked
+row), zero gradients, on every device without a kernel.
+
 The default kernel (any device; what runs on CPU) is the reference; CUDA picks a fast kernel per
 call (``dispatch.py``).
 """
@@ -33,11 +36,28 @@ from kda_compile.ops.attention.dispatch import as_bshd, cuda_backward, cuda_forw
 from kda_compile.ops.attention.reference import new_dropout_seed, reference_backward, reference_forward
 
 
+def nothing_to_attend(query: Tensor, key: Tensor) -> bool:
+    """No query row (B = 0 or Sq = 0) or no key (Sk = 0): the outputs are known without a kernel, and no kernel
+    is asked to launch an empty grid or to reduce over zero keys."""
+    return query.shape[0] == 0 or query.shape[2] == 0 or key.shape[2] == 0
+
+
+def _empty_forward(query: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of a call with nothing to attend: a softmax over zero keys is read as every key masked
+    out, so out = 0 (never NaN) and lse = -inf, as for a fully masked row (a sink, which joins only the
+    denominator, changes neither; ``attention_with_lse`` then returns the sink's logit as lse)."""
+    b, h, sq, _ = query.shape
+    out = query.new_zeros((b, sq, h, value.shape[-1])).transpose(1, 2)
+    return out, query.new_full((b, h, sq), float("-inf"), dtype=torch.float32)
+
+
 @torch.library.custom_op("kda_compile::attention_fwd", mutates_args=())
 def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
                   sinks: Optional[Tensor], scale: float, softcap: float, dropout_p: float, is_causal: bool,
                   sliding_window: int, lse_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     rng = new_dropout_seed(dropout_p, query.device)
+    if nothing_to_attend(query, key):
+        return *_empty_forward(query, value), rng
     out, lse = reference_forward(query, key, value, attn_mask, sinks, scale, softcap, dropout_p, is_causal,
                                  sliding_window, rng)
     return as_bshd(out), lse, rng
@@ -47,6 +67,8 @@ def attention_fwd(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional
 def _attention_fwd_cuda(query, key, value, attn_mask, sinks, scale, softcap, dropout_p, is_causal,
                         sliding_window, lse_grad):
     rng = new_dropout_seed(dropout_p, query.device)
+    if nothing_to_attend(query, key):
+        return *_empty_forward(query, value), rng
     out, lse = cuda_forward(query, key, value, attn_mask, sinks, scale, softcap, dropout_p, is_causal,
                             sliding_window, rng)
     return out, lse, rng
@@ -67,6 +89,8 @@ def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, k
                   out: Tensor, lse: Tensor, rng: Tensor, attn_mask: Optional[Tensor], sinks: Optional[Tensor],
                   scale: float, softcap: float, dropout_p: float, is_causal: bool, sliding_window: int,
                   mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if nothing_to_attend(query, key):
+        return _pack_grads(query, *_empty_backward(query, key, value, attn_mask, sinks, mask_needs_grad))
     dq, dk, dv, dmask, dsinks = reference_backward(grad_out, grad_lse, query, key, value, attn_mask, sinks,
                                                    scale, softcap, dropout_p, is_causal, sliding_window, rng,
                                                    mask_needs_grad)
@@ -76,10 +100,19 @@ def attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, k
 @attention_bwd.register_kernel("cuda")
 def _attention_bwd_cuda(grad_out, grad_lse, query, key, value, out, lse, rng, attn_mask, sinks, scale, softcap,
                         dropout_p, is_causal, sliding_window, mask_needs_grad):
+    if nothing_to_attend(query, key):
+        return _pack_grads(query, *_empty_backward(query, key, value, attn_mask, sinks, mask_needs_grad))
     dq, dk, dv, dmask, dsinks = cuda_backward(grad_out, grad_lse, query, key, value, out, lse, rng, attn_mask,
                                               sinks, scale, softcap, dropout_p, is_causal, sliding_window,
                                               mask_needs_grad)
     return _pack_grads(query, dq, dk, dv, dmask, dsinks)
+
+
+def _empty_backward(query, key, value, attn_mask, sinks, mask_needs_grad):
+    """Zero gradients of a call with nothing to attend (its outputs, zeros and -inf, depend on no input)."""
+    dmask = torch.zeros_like(attn_mask) if mask_needs_grad else None
+    dsinks = None if sinks is None else torch.zeros_like(sinks)
+    return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value), dmask, dsinks
 
 
 def _pack_grads(query, dq, dk, dv, dmask, dsinks):

@@ -16,6 +16,10 @@
     its input's shape and dtype; dv empty when v is None (its gradient is added into dk's first d_v
     columns). No double backward.
 
+Values of ``indices``: checked on the CPU on every call (-1 or ``[0, T)``; ValueError naming the first entry outside),
+on CUDA only with ``KDA_COMPILE_CHECK_INPUTS=1`` (``indices_checked``). No key (T = 0): o = 0, lse = -inf, zero
+gradients, without a kernel; both indexers then return all -1.
+
 The default kernels (any device; what runs on CPU) are the blockwise torch references; CUDA runs the
 Triton kernels (``kernels.py`` chooses, and logs any fallback). ``*_impl`` are those per-device choices as plain
 functions: the ops run them, and so do eager calls that need no dispatcher (``api.py``).
@@ -27,10 +31,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops._common import empty_like_absent
+from kda_compile.ops._common import check_inputs_enabled, empty_like_absent
 from kda_compile.ops.dsa import kernels
 from kda_compile.ops.dsa.pooled import output_width, pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
+    check_cu_seqlens_values,
+    check_index_values,
     indexer_topk_reference,
     sparse_attention_backward_reference,
     sparse_attention_reference,
@@ -50,6 +56,10 @@ def _fresh(t: Tensor, inputs) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 def indexer_topk_impl(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
     """What the op runs on the inputs' device; eager calls that need no dispatcher call it directly (``api``)."""
+    if k.shape[1] == 0:  # no key to select (T = 0): every slot is padding, on any device, without a kernel
+        if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or check_inputs_enabled()):
+            check_cu_seqlens_values(cu_seqlens, 0)  # as the reference and the CUDA kernels check them
+        return torch.full((q.shape[0], q.shape[1], topk), -1, dtype=torch.int32, device=q.device)
     if q.device.type == "cuda":
         return kernels.indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
     return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
@@ -72,6 +82,9 @@ def _dsa_indexer_topk_fake(q, k, weights, key_mask, cu_seqlens, topk, scale, is_
 # ----------------------------------------------------------------------------------------------
 def pooled_indexer_topk_impl(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail):
     """What the op runs on the inputs' device; eager calls that need no dispatcher call it directly (``api``)."""
+    if k.shape[1] == 0:  # no key to select (T = 0): every slot is padding, on any device, without a kernel
+        width = output_width(topk, ape.shape[0], select_tail)
+        return torch.full((q.shape[0], q.shape[1], width), -1, dtype=torch.int32, device=q.device)
     run = kernels.pooled_indexer_topk_cuda if q.device.type == "cuda" else pooled_indexer_topk_reference
     return run(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail)
 
@@ -93,9 +106,28 @@ def _dsa_pooled_indexer_topk_fake(q, k, gate, weights, key_valid, ape, query_mas
 # ----------------------------------------------------------------------------------------------
 # Sparse attention
 # ----------------------------------------------------------------------------------------------
+def indices_checked(indices: Tensor) -> bool:
+    """Whether the values of ``indices`` are checked in this call (docs/op-input-errors.md): always on the CPU,
+    where reading them is one pass over host memory; on CUDA only with ``KDA_COMPILE_CHECK_INPUTS=1``, since the
+    check reads them to the host, a device synchronisation per call (and no CUDA-graph capture). Unchecked
+    indices outside ``[-1, T)`` are undefined behaviour on the CUDA kernels (a row past the keys is read)."""
+    return indices.device.type == "cpu" or check_inputs_enabled()
+
+
+def _no_keys(q: Tensor, k: Tensor) -> bool:
+    """T = 0: every valid index list is all -1, so every query has no key (o = 0, lse = -inf); served without a
+    kernel (the gathers have no row to clamp -1 to)."""
+    return k.shape[1] == 0
+
+
 def sparse_attention_fwd_impl(q, k, v, indices, scale, d_v):
     """What the forward op runs on the inputs' device; eager calls that need neither autograd nor the dispatcher
     call it directly (``api``)."""
+    if indices_checked(indices):
+        check_index_values(indices, k.shape[1])
+    if _no_keys(q, k):
+        b, s, hq, _ = q.shape
+        return q.new_zeros((b, s, hq, d_v)), q.new_full((b, s, hq), float("-inf"), dtype=torch.float32)
     if q.device.type == "cuda":
         return kernels.sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v)
     o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
@@ -118,14 +150,24 @@ def _dsa_sparse_attention_fwd_fake(q, k, v, indices, scale, d_v):
 def dsa_sparse_attention_bwd(grad_o: Tensor, grad_lse: Optional[Tensor], q: Tensor, k: Tensor,
                              v: Optional[Tensor], indices: Tensor, o: Tensor, lse: Tensor, scale: float,
                              d_v: int) -> tuple[Tensor, Tensor, Tensor]:
+    if _no_keys(q, k):
+        return _no_key_grads(q, k, v)
     dq, dk, dv = sparse_attention_backward_reference(grad_o, grad_lse, q, k, v, indices, scale, d_v)
     return _pack_grads(q, k, v, dq, dk, dv, (grad_o, grad_lse, q, k, v, indices))
 
 
 @dsa_sparse_attention_bwd.register_kernel("cuda")
 def _dsa_sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v):
+    if _no_keys(q, k):
+        return _no_key_grads(q, k, v)
     dq, dk, dv = kernels.sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v)
     return _pack_grads(q, k, v, dq, dk, dv, (grad_o, grad_lse, q, k, v, indices))
+
+
+def _no_key_grads(q, k, v):
+    """Zero gradients of a call without keys (its outputs depend on no input)."""
+    zeros = lambda t: torch.zeros(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731  (contiguous)
+    return zeros(q), zeros(k), (empty_like_absent(q) if v is None else zeros(v))
 
 
 def _pack_grads(q, k, v, dq, dk, dv, inputs):

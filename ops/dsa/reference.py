@@ -66,6 +66,20 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, total: int) -> None:
                          f"{offsets.tolist()[:16]}{'...' if offsets.numel() > 16 else ''}")
 
 
+def check_index_values(indices: torch.Tensor, keys: int) -> None:
+    """The sparse attention's ``indices`` must be -1 (no key) or a key index in ``[0, T)``: anything else (an
+    index past the keys, or another negative number, which a kernel would read as "no key" and hide a bug in the
+    caller) is a ValueError naming the first offending entry. Reads the values (one pass; a device-to-host copy
+    of two numbers on CUDA, so the CUDA kernels call it only when value checks are on: ``custom_ops``)."""
+    bad = (indices < -1) | (indices >= keys)
+    if not bool(bad.any()):
+        return
+    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
+    position = ", ".join(map(str, where))
+    raise ValueError(f"indices must be -1 (no key) or key indices in [0, T) = [0, {keys}), got "
+                     f"{int(indices[tuple(where)])} at indices[{position}] ({int(bad.sum())} entries out of range)")
+
+
 # ----------------------------------------------------------------------------------------------
 # Top-k with the documented tie rule
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from kda_compile.ops._argument_errors import deferred_error, sizes
 from kda_compile.ops._common import dispatcher_needed, gradients_needed, record_fallback  # noqa: F401  (re-exported)
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
 from kda_compile.ops.kda import custom_ops, fast_path
@@ -270,16 +271,15 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
 
 
 def deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first):
-    """While Dynamo traces: ``custom_ops.argument_error`` in place of a delta-rule op (KDA's or GDN's), which
-    raises ``error`` (same type and message) when the compiled function runs; its placeholder outputs have the
-    shapes the call's outputs would have had where they are known."""
-    tensor = lambda x, ndim: isinstance(x, torch.Tensor) and x.dim() == ndim  # noqa: E731
-    like = q if isinstance(q, torch.Tensor) else torch.empty(0)
+    """A delta-rule call's (KDA's or GDN's) bad-argument ``error`` (``ops._argument_errors``): raised now in an
+    eager call; while Dynamo traces, ``(o, final_state)`` placeholders of the shapes the call's outputs would
+    have had where they are known, and the compiled function raises ``error`` when it runs."""
+    qs, vs, offsets = sizes(q, 4), sizes(v, 4), sizes(cu_seqlens, 1)
     o_shape, state_shape = [0], [0]
-    if tensor(q, 4) and tensor(v, 4):
-        o_shape = [q.shape[0], q.shape[1], v.shape[2], v.shape[3]]
-        N = cu_seqlens.shape[0] - 1 if tensor(cu_seqlens, 1) and cu_seqlens.shape[0] > 0 else q.shape[0]
-        K, V = (v.shape[3], q.shape[3]) if state_v_first else (q.shape[3], v.shape[3])
-        state_shape = [N, v.shape[2], K, V]
-    o, final = custom_ops.argument_error(like.detach(), isinstance(error, TypeError), str(error), o_shape, state_shape)
+    if qs is not None and vs is not None:
+        o_shape = [qs[0], qs[1], vs[2], vs[3]]
+        N = offsets[0] - 1 if offsets is not None and offsets[0] > 0 else qs[0]
+        K, V = (vs[3], qs[3]) if state_v_first else (qs[3], vs[3])
+        state_shape = [N, vs[2], K, V]
+    o, final = deferred_error(error, q, o_shape, state_shape)
     return o, (final if output_final_state else None)

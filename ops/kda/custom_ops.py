@@ -23,7 +23,6 @@ so fake and real strides agree even for non-contiguous inputs.
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -36,8 +35,6 @@ from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Tri
 from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
 from kda_compile.ops._common import check_inputs_enabled
 from kda_compile.ops.kda.validation import check_input_values
-
-logger = logging.getLogger("kda_compile.ops.kda")
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
@@ -291,54 +288,3 @@ def _fused_recurrent_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_stat
     o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
     final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
     return o, q.new_empty(final_shape, dtype=torch.float32)
-
-
-# ------------------------------------------------------------------------------------------------
-# argument_error: a bad argument met while torch.compile traces the public functions
-# ------------------------------------------------------------------------------------------------
-@torch.library.custom_op("kda_compile::argument_error", mutates_args=())
-def argument_error(like: Tensor, type_error: bool, message: str, o_shape: list[int],
-                   state_shape: list[int]) -> tuple[Tensor, Tensor]:
-    """Raises ``TypeError(message)`` / ``ValueError(message)`` when it runs.
-
-    Dynamo reports an exception raised in traced code as ``Unsupported: Observed exception`` with the
-    message buried in its debug context. So while compiling, the public functions put this op in the graph
-    in place of the KDA op (with placeholder outputs of the shapes the call would have had, so that tracing
-    the caller goes on): the compiled function raises our own error, message and type unchanged, when it
-    runs. The graph is guarded on the same shapes and flags, so calls with good arguments compile anew."""
-    raise (TypeError if type_error else ValueError)(message)
-
-
-@argument_error.register_fake
-def _argument_error_fake(like, type_error, message, o_shape, state_shape):
-    return like.new_empty(o_shape), like.new_empty(state_shape, dtype=torch.float32)
-
-
-def _register_effect(qualname: str) -> None:
-    """Mark the op as having a side effect, so that no graph pass drops it when its outputs are unused
-    or empty (Inductor drops an op whose only output has no elements). The registration API moved between
-    torch releases; without one the op still raises wherever its outputs are used."""
-    try:
-        from torch._higher_order_ops.effects import _EffectType
-    except ImportError as exc:
-        logger.debug("no effect registration for %s: %s", qualname, exc)
-        return
-    attempts = []
-    register = getattr(torch.library, "_register_effectful_op", None)
-    if register is not None:
-        attempts.append(lambda: register(qualname, _EffectType.ORDERED))
-    try:
-        from torch._higher_order_ops import effects
-        op = getattr(getattr(torch.ops, qualname.split("::")[0]), qualname.split("::")[1]).default
-        attempts.append(lambda: effects._register_effectful_op(op, _EffectType.ORDERED))
-    except (ImportError, AttributeError):
-        pass
-    for attempt in attempts:
-        try:
-            attempt()
-            return
-        except Exception as exc:  # an older or newer signature: try the next form
-            logger.debug("effect registration of %s failed: %s", qualname, exc)
-
-
-_register_effect("kda_compile::argument_error")

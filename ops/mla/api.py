@@ -11,7 +11,8 @@ import numbers
 
 import torch
 
-from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe
+from kda_compile.ops._argument_errors import deferred_error, sizes
+from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe, plain, shown
 from kda_compile.ops.mla import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.mla_attention_*)
 from kda_compile.ops.mla.path_choice import PATHS, PathCost, choose_path, estimate
 
@@ -56,14 +57,21 @@ def mla_attention(
             (bottom-right, the KV-cache convention). May be combined with ``attn_mask``.
         path: "auto" (per call, by the cost model), "absorbed" or "expanded" (tests, benchmarks).
 
-    Rows whose keys are all masked out (False or -inf) return 0, never NaN.
+    Rows whose keys are all masked out (False or -inf) return 0, never NaN; so does T = 0 (a softmax over
+    zero keys), and Sq = 0 / B = 0 return an empty output (gradients: zeros). H, Dn, Dr and R must be >= 1.
+    Bad arguments raise ``ValueError`` / ``TypeError`` naming the argument, its value and what is accepted,
+    eagerly and, unchanged, from a ``torch.compile(fullgraph=True)`` function when it runs
+    (docs/op-input-errors.md).
 
     Returns:
         out [B, H, Sq, Dv] in the input dtype, stored as [B, Sq, H, Dv], so
         ``out.transpose(1, 2).reshape(B, Sq, H * Dv)`` (what feeds ``o_proj``) is free.
     """
-    q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale = _check_arguments(
-        q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn_mask, is_causal, path)
+    try:
+        q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale = _check_arguments(
+            q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn_mask, is_causal, path)
+    except (ValueError, TypeError) as error:
+        return _deferred(error, q_nope, kv_b_weight)
     return torch.ops.kda_compile.mla_attention_fwd(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask,
                                                    scale, is_causal, path)
 
@@ -86,6 +94,17 @@ def explain_mla_path(
     form, reason = choose_path(path, shape)
     cost: PathCost = estimate(shape)
     return form, reason, cost
+
+
+def _deferred(error, q_nope, kv_b_weight):
+    """The output of a call with a bad argument: ``error`` raised now (eager) or when the compiled function
+    runs (``ops._argument_errors``), with a placeholder of the real output's shape and layout where the
+    arguments say it, so that Dynamo traces the caller's code after the call."""
+    q, w = sizes(q_nope, 4), sizes(kv_b_weight, 2)
+    if q is None or w is None or q[1] < 1 or w[0] % q[1] != 0:
+        return deferred_error(error, q_nope)[0]
+    b, h, sq, dn = q
+    return deferred_error(error, q_nope, (b, sq, h, max(w[0] // h - dn, 0)))[0].transpose(1, 2)
 
 
 def _squeeze_head(name: str, t):
@@ -112,25 +131,29 @@ def _check_arguments(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn
             raise arg_error(name, describe(t), f"on q_nope's device {q_nope.device}")
     if q_rope.shape[:3] != q_nope.shape[:3]:
         raise arg_error("q_rope", describe(q_rope),
-                        f"[B, H, Sq, Dr] with [B, H, Sq] = {list(q_nope.shape[:3])} as q_nope")
+                        f"[B, H, Sq, Dr] with [B, H, Sq] = {plain(q_nope.shape[:3])} as q_nope")
     t_len, r = kv_latent.shape[1], kv_latent.shape[2]
     if kv_latent.shape[0] != b:
         raise arg_error("kv_latent", describe(kv_latent), f"batch size {b} as q_nope")
     if k_rope.shape[0] != b or k_rope.shape[1] != t_len or k_rope.shape[2] != q_rope.shape[3]:
         raise arg_error("k_rope", describe(k_rope),
                         f"[B, T, Dr] = [{b}, {t_len}, {q_rope.shape[3]}] (kv_latent's B and T, q_rope's Dr)")
-    if sq == 0 or t_len == 0 or h == 0 or dn == 0 or r == 0 or q_rope.shape[3] == 0:
-        raise arg_error("q_nope/q_rope/kv_latent", f"shapes {list(q_nope.shape)}, {list(q_rope.shape)}, "
-                        f"{list(kv_latent.shape)}", "non-empty heads, sequence and head dimensions")
+    # Sq = 0, T = 0 and B = 0 are fine: empty or zero outputs (docs/op-input-errors.md).
+    if h < 1 or dn < 1:
+        raise arg_error("q_nope", describe(q_nope), "a [B, H, Sq, Dn] tensor with H >= 1 heads of width Dn >= 1")
+    if q_rope.shape[3] < 1:
+        raise arg_error("q_rope", describe(q_rope), "a [B, H, Sq, Dr] tensor with Dr >= 1")
+    if r < 1:
+        raise arg_error("kv_latent", describe(kv_latent), "a [B, T, R] tensor with R >= 1")
     rows = kv_b_weight.shape[0]
     if kv_b_weight.shape[1] != r or rows % h != 0 or rows // h <= dn:
         raise arg_error("kv_b_weight", describe(kv_b_weight),
                         f"[H * (Dn + Dv), R] with H = {h}, Dn = {dn}, Dv >= 1 and R = {r} (kv_latent's last dim)")
     check_attn_mask(attn_mask, (b, h, sq, t_len), q_nope.device, device_owner="q_nope", dims="[B, H, Sq, T]")
     if not isinstance(is_causal, bool):
-        raise arg_error("is_causal", repr(is_causal), "a bool", kind=TypeError)
+        raise arg_error("is_causal", shown(is_causal), "a bool", kind=TypeError)
     if not isinstance(path, str) or path not in PATHS:
-        raise arg_error("path", repr(path), f"one of {PATHS}")
+        raise arg_error("path", shown(path), f"one of {PATHS}")
     return q_nope, q_rope, kv_latent, k_rope, kv_b_weight, _scale(scale)
 
 
@@ -140,7 +163,7 @@ def _scale(value):
     if isinstance(value, torch.SymFloat):
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise arg_error("scale", repr(value), accepted, kind=TypeError)
+        raise arg_error("scale", shown(value), accepted, kind=TypeError)
     value = float(value)
     if not 0.0 < value < math.inf:  # also False for NaN
         raise arg_error("scale", value, accepted)

@@ -19,6 +19,9 @@ expanded K/V, 71x the latent, are never kept between forward and backward; the p
 more attention forward), the absorbed form (short queries: inference shapes) by torch autograd in
 float32, which materialises the [B, H, Sq, T] scores. No double backward.
 
+Nothing to attend (B = 0, Sq = 0 or T = 0): out = 0 (a softmax over zero keys is a fully masked row) and zero
+gradients, on every device without a kernel.
+
 Kernels: the default one (any device) runs both forms in torch (the attention op serves the
 expanded one); CUDA runs the absorbed form through a split-KV kernel: the Hopper wgmma one
 (``wgmma_decode.py``) or the Triton one (``triton_decode.py``), as ``decode_kernels.py`` chooses.
@@ -92,7 +95,15 @@ def absorbed_mla_cuda(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask,
     return bshd(out_h.view(h, b, sq, -1).permute(1, 0, 2, 3))
 
 
+def nothing_to_attend(q_nope: Tensor, kv_latent: Tensor) -> bool:
+    """No query row (B = 0 or Sq = 0) or no cached token (T = 0): the output is known without a kernel."""
+    return q_nope.shape[0] == 0 or q_nope.shape[2] == 0 or kv_latent.shape[1] == 0
+
+
 def _forward(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, is_causal, path, *, cuda: bool):
+    if nothing_to_attend(q_nope, kv_latent):  # a softmax over zero keys: every key masked out, so 0
+        b, h, sq, dn = q_nope.shape
+        return q_nope.new_zeros((b, sq, h, kv_b_weight.shape[0] // h - dn)).transpose(1, 2)
     chosen = resolve_path(path, q_nope, q_rope, kv_latent, kv_b_weight, is_causal)
     args = (q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, is_causal)
     if chosen == "expanded":
@@ -128,6 +139,11 @@ def _mla_attention_fwd_fake(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn
 def mla_attention_bwd(grad_out: Tensor, q_nope: Tensor, q_rope: Tensor, kv_latent: Tensor, k_rope: Tensor,
                       kv_b_weight: Tensor, attn_mask: Optional[Tensor], scale: float, is_causal: bool, path: str,
                       mask_needs_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if nothing_to_attend(q_nope, kv_latent):  # the output (zeros) depends on no input
+        grads = [torch.zeros_like(t, memory_format=torch.contiguous_format)
+                 for t in (q_nope, q_rope, kv_latent, k_rope, kv_b_weight)]
+        dmask = torch.zeros_like(attn_mask, memory_format=torch.contiguous_format) if mask_needs_grad else None
+        return (*grads, empty_like_absent(q_nope) if dmask is None else dmask)
     chosen = resolve_path(path, q_nope, q_rope, kv_latent, kv_b_weight, is_causal)
     # The expanded form keeps the input dtype so the attention op's fast kernels serve it.
     dtype = q_nope.dtype if chosen == "expanded" else compute_dtype(q_nope.dtype)

@@ -13,13 +13,16 @@ BAD = [
     # (description, change to (q, k, v, kwargs), exception, text the message must hold)
     ("query rank", lambda q, k, v, kw: (q[0], k, v, kw), ValueError, "query must be a 4-D tensor"),
     ("int query", lambda q, k, v, kw: (q.long(), k, v, kw), TypeError, "query must be of dtype"),
-    ("key dtype", lambda q, k, v, kw: (q, k.double(), v, kw), TypeError, "key/value"),
+    ("key dtype", lambda q, k, v, kw: (q, k.double(), v, kw), TypeError, "key must be of the query's dtype"),
+    ("value dtype", lambda q, k, v, kw: (q, k, v.half(), kw), TypeError, "value must be of the query's dtype"),
     ("heads not dividing", lambda q, k, v, kw: (q, k[:, :1].expand(2, 3, 6, 8), v[:, :1].expand(2, 3, 6, 4), kw),
      ValueError, "dividing the query's 4 heads"),
     ("key head dim", lambda q, k, v, kw: (q, k[..., :4], v, kw), ValueError, "head dim 8"),
     ("value length", lambda q, k, v, kw: (q, k, v[:, :, :5], kw), ValueError, "value must be"),
     ("batch", lambda q, k, v, kw: (q, k[:1], v[:1], kw), ValueError, "batch size 2"),
-    ("empty sequence", lambda q, k, v, kw: (q[:, :, :0], k, v, kw), ValueError, "non-empty"),
+    ("query head dim 0", lambda q, k, v, kw: (q[..., :0], k[..., :0], v, kw), ValueError,
+     "query must be a [B, H, Sq, Dqk] tensor with H >= 1 heads of width Dqk >= 1"),
+    ("value head dim 0", lambda q, k, v, kw: (q, k, v[..., :0], kw), ValueError, "Dv >= 1"),
     ("mask shape", lambda q, k, v, kw: (q, k, v, dict(kw, attn_mask=torch.ones(5, 5, dtype=torch.bool))),
      ValueError, "attn_mask must be broadcastable to [B, H, Sq, Sk] = [2, 4, 5, 6]"),
     ("int mask", lambda q, k, v, kw: (q, k, v, dict(kw, attn_mask=torch.ones(5, 6, dtype=torch.int32))),
@@ -38,7 +41,7 @@ BAD = [
      "sliding_window must be None or an int >= 1, got 2.5"),
     ("sinks shape", lambda q, k, v, kw: (q, k, v, dict(kw, sinks=torch.zeros(2))), ValueError,
      "sinks must be a floating-point [H] = [4] tensor"),
-    ("sinks int", lambda q, k, v, kw: (q, k, v, dict(kw, sinks=torch.zeros(4, dtype=torch.long))), ValueError,
+    ("sinks int", lambda q, k, v, kw: (q, k, v, dict(kw, sinks=torch.zeros(4, dtype=torch.long))), TypeError,
      "sinks must be a floating-point"),
 ]
 

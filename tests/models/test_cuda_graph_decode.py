@@ -21,7 +21,6 @@ from torch._dynamo.backends.registry import lookup_backend
 import kda_compile
 from kda_compile import cuda_graphs, optimize, sliding_window_cache
 from kda_compile.bench import e2e_kimi
-from kda_compile.report import clear_reports
 from kda_compile.testing import rel_error
 from hf_kda_binding import torch_path
 
@@ -132,12 +131,7 @@ def aot_eager_for_inductor():
         yield given
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    clear_reports()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:

@@ -330,3 +330,6 @@ def test_decode_graph_with_symbolic_key_length():
     assert_sites(graphs, "deepseek_v32")
     topks = {r.details["topk"] for r in graphs[-1].rewritten if r.op == "kda_compile.dsa_indexer_topk"}
     assert len(topks) == 1 and "Min(6" in topks.pop(), graphs[-1].summary()
+    # the report shows that size as "dynamic", not as the sympy expression the entry keeps
+    for text in (str(kda_compile.report(fast)), kda_compile.report(fast).format(verbose=True)):
+        assert "topk=dynamic" in text and "Min(" not in text, text

@@ -141,7 +141,8 @@ def test_prefill_logits_match_and_report_lists_the_kda_sites(compiled_binding):
     (graph,) = kda_compile.report(compiled).graphs
     assert set(graph.sites()) >= {"model.layers.0.self_attn", "model.layers.2.self_attn"}
     summary = graph.summary().splitlines()
-    assert summary[0].startswith(f"graph {graph.graph}: {len(graph.sites())} site(s) rewritten"), summary[0]
+    assert summary[0].startswith(f"graph {graph.graph} of KimiLinearForCausalLM.forward: "
+                                 f"{len(graph.sites())} site(s) rewritten"), summary[0]
     assert sum(line.startswith("  rewritten   model.layers.0.self_attn") for line in summary) == 1, summary
 
 

@@ -176,3 +176,30 @@ def test_left_alone_with_reason(fn, reason):
     (left,) = cap.reports[-1].left_alone
     assert left.rewrite == "sdpa_attention" and reason in left.reason, left.reason
     assert not cap.reports[-1].rewritten and cap.attention_calls() == 0
+
+
+def test_one_key_head_broadcast_over_the_query_heads_is_multi_query_attention():
+    """SDPA broadcasts its head dim: keys and values [B, 1, T, D] under 4 query heads with enable_gqa=False (what
+    Falcon's multi_query attention passes) are grouped-query attention with one group."""
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k[:, :1], v[:, :1], is_causal=True).transpose(1, 2).contiguous()
+
+    cap, got, expected = run(fn, *qkv(5, 5))
+    assert max_err(got, expected) < TOL
+    (entry,) = cap.reports[-1].rewritten
+    assert entry.details["heads"].endswith("/1") and cap.attention_calls() == 1
+
+
+def test_falcon_multi_query_sdpa_is_rewritten():
+    config = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       multi_query=True, new_decoder_architecture=False, alibi=False)
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    fast = kda_compile.optimize(model, Config(compiler="aot_eager"))
+    with torch.no_grad():
+        got, want = fast(ids).logits, model(ids).logits
+    assert max_err(got, want) < TOL
+    report = kda_compile.report(fast)
+    assert len(report.rewritten) == 2 and not report.left_alone, str(report)
+    assert all(r.details["heads"] == "4/1" for r in report.rewritten)

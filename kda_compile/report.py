@@ -173,9 +173,13 @@ class Report:
         lines += disabled_lines(self.graphs)
         lines.extend(e.summary() for e in self.eager_fallbacks)
         lines.extend(b.summary() for b in self.graph_breaks)
-        for event, count in self.fallbacks:
-            lines.append(f"fallback: {event.op} ran {event.chosen} ({count} calls): {event.reason}")
-        lines.extend(f"cuda graphs fallback: {entry}" for entry in self.cuda_graph_fallbacks)
+        slower = [f"fallback: {event.op} ran {event.chosen} ({count} calls): {event.reason}"
+                  for event, count in self.fallbacks]
+        slower += [f"cuda graphs fallback: {entry}" for entry in self.cuda_graph_fallbacks]
+        for line in slower:  # an op's reason may quote a compiler's whole message: cut in the default form
+            line, cut = (line, 0) if verbose else clip(line, width)
+            lines.append(line)
+            shortened += cut
         if shortened:
             lines.append(f"(lines cut to {width} characters: report.format(verbose=True) has every keyword and reason)")
         return "\n".join(lines)

@@ -300,3 +300,19 @@ def test_report_refuses_a_model_compiled_with_another_backend():
         report(compiled)
     with pytest.raises(ValueError, match="model must be a model returned by kda_compile.optimize"):
         report(torch.nn.Linear(2, 2))
+
+
+def test_an_op_fallback_with_a_long_reason_is_cut_in_the_default_form_only():
+    from kda_compile.ops._common import clear_fallback_events, record_fallback
+    from kda_compile.report import report
+
+    clear_fallback_events()
+    reason = "our Triton kernels failed to compile: OutOfResources: out of resource: shared memory, " * 3
+    record_fallback("chunk_kda", "reference", reason)
+    try:
+        text, full = str(report()), report().format(verbose=True)
+    finally:
+        clear_fallback_events()
+    (short,) = [line for line in text.splitlines() if line.startswith("fallback: chunk_kda")]
+    assert len(short) <= WIDTH and short.endswith("...")
+    assert reason.strip() in full

@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from kda_compile.cuda_graphs import token_input
+
 logger = logging.getLogger("kda_compile.cache_checks")
 
 _UNKNOWN = object()
@@ -58,13 +60,6 @@ def _state(cache: Any) -> _Tracked:
 
 # The cache tensors that carry the batch in dim 0 (HF's static, linear-attention and DSA indexer layers)
 BATCHED_TENSORS = ("keys", "values", "conv_states", "recurrent_states", "indexer_keys")
-
-
-def _call_tokens(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return value
-    return None
 
 
 def _layer_tensors(layer: Any) -> list[tuple[str, torch.Tensor]]:
@@ -101,7 +96,7 @@ def check_static_cache(cache: Any, args: tuple, kwargs: dict, embedding_dtype: C
     call carries more than one token per sequence; ``embedding_dtype()`` the model's compute dtype (None when
     unknown), asked only when the cache's tensors are walked. A call without tokens we recognise is not
     checked."""
-    tokens = _call_tokens(args, kwargs)
+    tokens = token_input(args, kwargs)
     if tokens is None:
         return
     batch, length, device = tokens.shape[0], tokens.shape[1], tokens.device

@@ -89,13 +89,19 @@ def cudagraphs_requested(patches: dict[str, Any]) -> bool:
 # ----------------------------------------------------------------------------------------------
 # The phase of the call being compiled (set by optimize()'s wrapper)
 # ----------------------------------------------------------------------------------------------
-def tokens_per_sequence(args: tuple, kwargs: dict) -> int | None:
-    """The query length of a causal-LM call: dim 1 of ``input_ids`` (or ``inputs_embeds``), given by
-    keyword or as the first positional argument; None when the call has neither."""
+def token_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The tokens of a causal-LM call: ``input_ids`` (or ``inputs_embeds``), given by keyword or as the first
+    positional argument, [batch, tokens, ...]; None when the call has neither."""
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
         if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return int(value.shape[1])
+            return value
     return None
+
+
+def tokens_per_sequence(args: tuple, kwargs: dict) -> int | None:
+    """The query length of a causal-LM call: dim 1 of its :func:`token_input`; None when it has none."""
+    tokens = token_input(args, kwargs)
+    return None if tokens is None else int(tokens.shape[1])
 
 
 def phase_of_call(args: tuple, kwargs: dict) -> str | None:

@@ -56,15 +56,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from kda_compile import cache_checks, cuda_graphs, sliding_window_cache, strict
 from kda_compile.ops._common import strict_fallbacks
-from kda_compile.backend import KdaCompileBackend
+from kda_compile.backend import CAPTURE_DATA_DEPENDENT, KdaCompileBackend
 from kda_compile.config import Config
 from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler, report
 
 logger = logging.getLogger("kda_compile.optimize")
 
 ENTRIES_PER_OPTIMIZE = 8  # Dynamo's default recompile_limit: the entries one optimize() result may add
-# Dynamo config switched on for the calls (Config.capture_data_dependent_ops): see the module docstring.
-CAPTURE_DATA_DEPENDENT = ("capture_scalar_outputs", "capture_dynamic_output_shape_ops")
 
 _made = [0]  # optimize() results made in this process
 _made_lock = threading.Lock()
@@ -96,7 +94,11 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced from inside another compiled region
             return compiled(*args, **kwargs)
-        _check_cache_of_call(args, kwargs, module)
+        cache = cuda_graphs.cache_of_call(kwargs, None)
+        phase = cuda_graphs.phase_of_call(args, kwargs) if cache is not None or cudagraphs_requested else None
+        if cache is not None and phase is not None and cuda_graphs.is_compileable_cache(cache):
+            cache_checks.check_static_cache(cache, args, kwargs, lambda: _embedding_dtype(module),
+                                            prefill=phase == cuda_graphs.PREFILL)
         dynamo = torch._dynamo.config
         switched_on = [name for name in capture if not getattr(dynamo, name)]
         prior = dynamo.recompile_limit
@@ -115,7 +117,7 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
             setattr(dynamo, name, True)
         try:
             if cudagraphs_requested:
-                return _run_for_cuda_graphs(compiled, args, kwargs)
+                return _run_for_cuda_graphs(compiled, args, kwargs, phase, cache)
             return compiled(*args, **kwargs)
         except GuardOnDataDependentSymNode as exc:
             if capture:  # Dynamo raises, instead of breaking the graph, where an op's result shape needs the data
@@ -159,17 +161,6 @@ def _embedding_dtype(module: Any) -> torch.dtype | None:
     return weight.dtype if isinstance(weight, torch.Tensor) else None
 
 
-def _check_cache_of_call(args: tuple, kwargs: dict, module: Any) -> None:
-    """A static cache passed by keyword is checked against the call (kda_compile.cache_checks)."""
-    cache = cuda_graphs.cache_of_call(kwargs, None)
-    if cache is None or not cuda_graphs.is_compileable_cache(cache):
-        return
-    phase = cuda_graphs.phase_of_call(args, kwargs)
-    if phase is not None:
-        cache_checks.check_static_cache(cache, args, kwargs, lambda: _embedding_dtype(module),
-                                        prefill=phase == cuda_graphs.PREFILL)
-
-
 def _precomputed_masks(kwargs: dict) -> bool:
     """Whether the call's attention masks were built outside it (``generate()`` does so for static caches:
     a dict of masks per attention kind, or one 4-D mask)."""
@@ -177,16 +168,16 @@ def _precomputed_masks(kwargs: dict) -> bool:
     return isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() == 4)
 
 
-def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict, phase: str | None,
+                         cache: Any) -> Any:
     """One call of an ``optimize()`` result compiled with CUDA graphs (kda_compile.cuda_graphs): its phase
     told to the backend, a decode step into a static cache traced with static shapes (a new batch size is a
     new captured graph, not a dynamic one that CUDA graphs would record per size), and after a prefill the
     cache it allocated marked static for the decode graphs. HF's sliding-window layers of the cache are made
     capturable (kda_compile.sliding_window_cache); a decode step that gets its masks from outside then
-    replays one graph too, and their host lengths are advanced after it."""
+    replays one graph too, and their host lengths are advanced after it. ``phase`` and ``cache``: the call's
+    (:func:`cuda_graphs.phase_of_call`, :func:`cuda_graphs.cache_of_call`), found once by the caller."""
     dynamo = torch._dynamo.config
-    phase = cuda_graphs.phase_of_call(args, kwargs)
-    cache = cuda_graphs.cache_of_call(kwargs, None)
     sliding = sliding_window_cache.make_capturable(cache)
     static_decode = (phase == cuda_graphs.DECODE and dynamo.automatic_dynamic_shapes
                      and cuda_graphs.is_static_cache(cache) and (not sliding or _precomputed_masks(kwargs)))

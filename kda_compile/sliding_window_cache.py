@@ -96,7 +96,7 @@ def make_capturable(cache: Any) -> list[Any]:
         return known
     layers = sliding_layers(cache)
     for layer in layers:
-        if not getattr(layer, "kda_compile_capturable", False):
+        if not is_capturable(layer):
             layer.__class__ = _capturable_class(type(layer))
     try:
         setattr(cache, _MARK, layers)

@@ -24,7 +24,8 @@ import torch
 from kda_compile import cuda_graphs, strict
 from kda_compile.config import Config
 from kda_compile.passes import GraphReport, PassManager
-from kda_compile.report import record_graph, traced_frame
+from kda_compile.report import record_graph
+from kda_compile.report_frames import traced_frame
 
 logger = logging.getLogger("kda_compile.backend")
 

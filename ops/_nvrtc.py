@@ -14,8 +14,10 @@ import ctypes
 import functools
 import glob
 import hashlib
+import importlib.resources
 import logging
 import os
+import re
 import struct
 import sys
 import tempfile
@@ -84,6 +86,37 @@ def _check_driver(result: int, what: str) -> None:
         name = ctypes.c_char_p()
         driver_library().cuGetErrorString(result, ctypes.byref(name))
         raise RuntimeError(f"{what} failed: CUDA driver error {result} ({(name.value or b'?').decode()})")
+
+
+_LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_source(package: str, filename: str) -> str:
+    """The text of the CUDA source ``filename`` shipped beside the modules of ``package`` (package data).
+
+    Local includes (``#include "name.cuh"``, resolved beside the including file) are inlined, each file once,
+    so NVRTC compiles one self-contained translation unit and the on-disk cubin cache keys on the full text.
+    System includes (``<...>``) are left to NVRTC. A missing file raises FileNotFoundError naming it."""
+    return _inline_includes(package, filename, set())
+
+
+def _inline_includes(package: str, filename: str, seen: set) -> str:
+    folder, _, name = filename.rpartition("/")
+    resource = importlib.resources.files(package).joinpath(filename)
+    if not resource.is_file():
+        raise FileNotFoundError(f"CUDA source {filename!r} is not shipped in package {package!r}")
+    key = (package, filename)
+    if key in seen:
+        return ""
+    seen.add(key)
+    text = resource.read_text(encoding="utf-8")
+
+    def expand(match: re.Match) -> str:
+        included = f"{folder}/{match.group(1)}" if folder else match.group(1)
+        return f"// ---- {included} ----\n" + _inline_includes(package, included, seen)
+
+    return _LOCAL_INCLUDE.sub(expand, text)
 
 
 def compile_cubin(source: str, name: str, arch: str, options: tuple[str, ...] = ()) -> bytes:

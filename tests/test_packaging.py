@@ -206,10 +206,11 @@ def _source_tree_copy(dest):
     return dest
 
 
-def test_the_wheel_holds_python_modules_and_metadata_only(tmp_path):
+def test_the_wheel_holds_python_modules_cuda_sources_and_metadata_only(tmp_path):
     """Builds the wheel (offline, no isolation: torch brings setuptools >= 77) from a copy of the tree and
-    checks it holds every module of the listed packages, installed under kda_compile/, the py.typed marker, the
-    license and the metadata, and nothing else (no benchmark results, CSVs, PNGs, logs, notes)."""
+    checks it holds every module and every CUDA source (*.cu / *.cuh) of the listed packages, installed under
+    kda_compile/, the py.typed marker, the license and the metadata, and nothing else (no benchmark results,
+    CSVs, PNGs, logs, notes)."""
     src = _source_tree_copy(tmp_path / "src")
     (src / "kda_compile" / "stray_results").mkdir()
     (src / "kda_compile" / "stray_results" / "table.csv").write_text("a,b\n")  # package data never ships
@@ -224,14 +225,17 @@ def test_the_wheel_holds_python_modules_and_metadata_only(tmp_path):
     modules = set(names) - dist_info
     assert "kda_compile/py.typed" in modules, "the PEP 561 marker is missing: type checkers would ignore our hints"
     modules.discard("kda_compile/py.typed")
-    assert {n for n in modules if not (n.startswith("kda_compile/") and n.endswith(".py"))} == set(), \
-        f"the wheel holds files other than kda_compile's modules: {sorted(modules)}"
+    shipped = (".py", ".cu", ".cuh")
+    assert {n for n in modules if not (n.startswith("kda_compile/") and n.endswith(shipped))} == set(), \
+        f"the wheel holds files other than kda_compile's modules and CUDA sources: {sorted(modules)}"
     package_dir = _pyproject()["tool"]["setuptools"]["package-dir"]
     expected = set()
     for package in _pyproject()["tool"]["setuptools"]["packages"]:
         base = max((p for p in package_dir if package == p or package.startswith(p + ".")), key=len)
         folder = src.joinpath(package_dir[base], *package[len(base):].split(".")[1:])
-        expected |= {"/".join([*package.split("."), path.name]) for path in folder.glob("*.py")}
+        # CUDA sources sit beside the modules of their package (setuptools' package-data globs one folder)
+        expected |= {"/".join([*package.split("."), path.name])
+                     for pattern in ("*.py", "*.cu", "*.cuh") for path in folder.glob(pattern)}
     assert modules == expected, (f"missing from the wheel: {sorted(expected - modules)}; "
                                  f"unexpected: {sorted(modules - expected)}")
     info = {n.split("/", 1)[1] for n in dist_info}

@@ -378,7 +378,7 @@ def enter_calls_of(owner: Any) -> None:
         if _listening[0] == 1 and not _break_logger.isEnabledFor(logging.DEBUG):
             _restore_break_logger[:] = [(_break_logger.level, _break_logger.propagate)]
             _break_logger.propagate = False  # recorded here only, never printed
-            _break_logger.setLevel(logging.DEBUG)
+            _set_break_level(logging.DEBUG)
 
 
 def exit_calls_of() -> None:
@@ -388,8 +388,26 @@ def exit_calls_of() -> None:
         _listening[0] -= 1
         if _listening[0] == 0 and _restore_break_logger:
             level, propagate = _restore_break_logger.pop()
-            _break_logger.setLevel(level)
+            _set_break_level(level)
             _break_logger.propagate = propagate
+
+
+_known_loggers = [0, []]  # (size of logging's registry when last looked, the break logger's descendants)
+
+
+def _set_break_level(level: int) -> None:
+    """The break logger's level, without ``Logger.setLevel``'s sweep: that clears the cached level of every logger
+    in the process (about a thousand once torch and transformers are loaded), a cost on every call of an
+    optimize() result. Only the break logger and its descendants derive a cached level from its own, so clearing
+    theirs is the same. The descendants are looked up again whenever logging's registry has grown."""
+    registry = logging.Logger.manager.loggerDict
+    if _known_loggers[0] != len(registry):
+        prefix = BREAK_LOGGER + "."
+        _known_loggers[:] = [len(registry), [v for k, v in list(registry.items())
+                                             if k.startswith(prefix) and isinstance(v, logging.Logger)]]
+    _break_logger.level = level
+    for each in (_break_logger, *_known_loggers[1]):
+        each._cache.clear()
 
 
 # ---------------------------------------------------------------------------------------------

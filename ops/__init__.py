@@ -12,10 +12,12 @@ from kda_compile.ops.dsa import dsa_indexer_topk, dsa_pooled_indexer_topk, dsa_s
 from kda_compile.ops.gdn import chunk_gated_delta_rule, chunk_gdn, fused_recurrent_gated_delta_rule, fused_recurrent_gdn
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
 from kda_compile.ops.mla import mla_attention
+from kda_compile.ops.moe import moe_experts
 
 tag_compile_caches()
 register_sharding_rules()  # DTensor inputs: each op runs on its local heads (docs/distributed.md)
 
 __all__ = ["CPContext", "attention", "attention_with_lse", "build_cp_context", "chunk_gated_delta_rule", "chunk_gdn",
            "chunk_kda", "dsa_indexer_topk", "dsa_pooled_indexer_topk", "dsa_sparse_attention",
-           "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn", "fused_recurrent_kda", "mla_attention"]
+           "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn", "fused_recurrent_kda", "mla_attention",
+           "moe_experts"]

@@ -89,6 +89,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from kda_compile.passes import moe_experts  # HF's grouped-GEMM experts, registered with the entry points below
 from kda_compile.passes import qsa_indexer  # QSA indexers, registered with the entry points below
 
 # The substitutes themselves; CHUNK_SIZES, HF_KIMI_MODULE, HF_REFERENCE_FUNCTIONS and SUBSTITUTE_FRAMES
@@ -281,6 +282,7 @@ def register_loaded_entry_points() -> None:
         _register_hf()
         delta_rule_probe.register_probed_entry_points()
         qsa_indexer.register_loaded_indexers()
+        moe_experts.register(_register)
 
 
 def registered() -> tuple[Registered, ...]:

@@ -54,6 +54,11 @@ def _delta_rule(per_head_gate: bool):
     return make
 
 
+def _experts():
+    return dict(hidden_states=_randn(3, 8), top_k_index=torch.tensor([[0, 1], [2, 0], [1, 1]]),
+                top_k_weights=_randn(3, 2), gate_up_proj=_randn(3, 12, 8), down_proj=_randn(3, 8, 6))
+
+
 OPS = {  # public op name -> (function, good arguments)
     "attention": (ops.attention, _attention),
     "attention_with_lse": (ops.attention_with_lse, _attention),
@@ -65,6 +70,7 @@ OPS = {  # public op name -> (function, good arguments)
     "fused_recurrent_kda": (ops.fused_recurrent_kda, _delta_rule(False)),
     "chunk_gated_delta_rule": (ops.chunk_gated_delta_rule, _delta_rule(True)),
     "fused_recurrent_gated_delta_rule": (ops.fused_recurrent_gated_delta_rule, _delta_rule(True)),
+    "moe_experts": (ops.moe_experts, _experts),
 }
 NOT_OPS = {"CPContext", "build_cp_context"}  # context-parallel set-up, no tensor op
 ALIASES = {"chunk_gdn": "chunk_gated_delta_rule", "fused_recurrent_gdn": "fused_recurrent_gated_delta_rule"}
@@ -127,6 +133,14 @@ CASES = {
     "fused_recurrent_kda": _DELTA_RULE_CASES,
     "chunk_gated_delta_rule": _DELTA_RULE_CASES,
     "fused_recurrent_gated_delta_rule": _DELTA_RULE_CASES,
+    "moe_experts": [
+        ("kernel", lambda a: dict(a, kernel="cutlass"), ValueError, "kernel"),
+        ("index-float", lambda a: dict(a, top_k_index=a["top_k_index"].float()), TypeError, "top_k_index"),
+        ("weights-slots", lambda a: dict(a, top_k_weights=a["top_k_weights"][:, :1]), ValueError, "top_k_weights"),
+        ("gate_up-width", lambda a: dict(a, gate_up_proj=a["gate_up_proj"][..., :5]), ValueError, "gate_up_proj"),
+        ("down-dtype", lambda a: dict(a, down_proj=a["down_proj"].double()), TypeError, "down_proj"),
+        ("hidden-rank", lambda a: dict(a, hidden_states=a["hidden_states"][0]), ValueError, "hidden_states"),
+    ],
 }
 PARAMS = [pytest.param(op, *case[1:], id=f"{op}-{case[0]}") for op, cases in CASES.items() for case in cases]
 

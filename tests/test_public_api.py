@@ -9,7 +9,7 @@ pytest.importorskip("hypothesis", reason="kda_compile.testing needs hypothesis (
 
 # import_module: ``kda_compile.ops.attention`` as an attribute is the function, not its package
 MODULES = [importlib.import_module(name) for name in (
-    "kda_compile", "kda_compile.ops", "kda_compile.ops.attention", "kda_compile.ops.mla", "kda_compile.ops.dsa",
+    "kda_compile", "kda_compile.ops", "kda_compile.ops.attention", "kda_compile.ops.mla", "kda_compile.ops.moe", "kda_compile.ops.dsa",
     "kda_compile.ops.gdn", "kda_compile.testing")]
 
 

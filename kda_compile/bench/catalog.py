@@ -239,18 +239,20 @@ CATALOG: dict[str, Benchmark] = {
         "DeepSeek-V3.2-shaped `DeepseekV32ForCausalLM` (MLA with the DSA indexer, top 2048 keys; 3 dense layers and "
         "1 MoE layer of 256 experts, 8 active) and a Llama-3.1-8B-shaped `LlamaForCausalLM` (released widths, 4 "
         "layers, random weights, bf16). After a P-token prefill per sequence (not timed), 32 greedy "
-        "single-token forwards with the cache (shape `BxP+32`: batch x prompt + new tokens), median of 3 loops. "
+        "single-token forwards with the cache (shape `BxP+32`: batch x prompt + new tokens), median of 2-3 loops "
+        "(the command column says). "
         "`time_per_token`: wall-clock ms per decode step (a token of every sequence); `gpu_time_per_token`: the "
         "summed GPU time of the step's kernels (torch.profiler, a separate loop); `kernels_per_step`: the kernels and "
         "memory operations it records per step. `hf_eager_fla`: HF eager with flash-linear-attention's kernels and "
         "HF's DynamicCache (Kimi-Linear, Qwen3-Next); `hf_eager`: HF eager and its DynamicCache (DeepSeek-V3.2, "
         "Llama, whose HF code binds no FLA kernels); `kda_compile (cuda graphs)`: `kda_compile.optimize(model.forward, "
         "mode=\"reduce-overhead\")` decoding into HF's `StaticCache`, each step one CUDA-graph replay "
-        "([docs/cuda-graphs.md](../docs/cuda-graphs.md)). Each model's rows come from one process.",
-        command="python -m kda_compile.bench e2e --model kimi_linear --configs 'hf_eager_fla,kda_compile,kda_compile "
-        "(cuda graphs)' --prompts 1024 --decode-shapes 1x512,64x512 --decode-repeats 3 (--model qwen3_next likewise; "
-        "--model deepseek_v32 and --model llama with --configs 'hf_eager,kda_compile,kda_compile (cuda graphs)' and "
-        "no --prompts)",
+        "([docs/cuda-graphs.md](../docs/cuda-graphs.md)); the routed experts of every MoE layer run as "
+        "`kda_compile.ops.moe_experts` there ([docs/moe.md](../docs/moe.md)). Each model's rows come from one process.",
+        command="python -m kda_compile.bench e2e --model kimi_linear --configs 'hf_eager_fla,kda_compile (cuda graphs)' "
+        "--prompts 1024 --decode-shapes 1x512,64x512 --decode-repeats 3 (--model qwen3_next likewise with "
+        "--decode-repeats 2; --model deepseek_v32 and --model llama with --configs 'hf_eager,kda_compile,kda_compile "
+        "(cuda graphs)' and no --prompts)",
         views=(View("time_per_token", ours=("kda_compile", "kda_compile (cuda graphs)"),
                     baselines=("hf_eager_fla", "hf_eager")),
                View("gpu_time_per_token", ours=("kda_compile", "kda_compile (cuda graphs)"),

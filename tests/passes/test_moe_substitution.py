@@ -1,0 +1,85 @@
+"""passes/moe_experts.py: HF's grouped-GEMM experts traced as kda_compile.ops.moe_experts under optimize(), only for
+the plain gated-SiLU form and without gradients; logits equal eager's."""
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import kda_compile  # noqa: E402
+from kda_compile.ops.moe import custom_ops  # noqa: E402
+from kda_compile.passes import moe_experts as moe_pass  # noqa: E402
+
+
+def _qwen3_next():
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    return Qwen3NextForCausalLM(config).eval()
+
+
+@pytest.fixture
+def expert_calls(monkeypatch):
+    calls = []
+    reference = custom_ops._KERNELS["reference"]
+    monkeypatch.setitem(custom_ops._KERNELS, "reference", lambda *a: calls.append(tuple(a[0].shape)) or reference(*a))
+    return calls
+
+
+def test_qwen3_next_experts_run_as_the_op_with_eager_logits(expert_calls):
+    model = _qwen3_next()
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))(ids).logits
+    assert expert_calls == [(14, 64), (14, 64)]  # one call per MoE layer, every token of the batch
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_training_keeps_hf_grouped_gemm(expert_calls):
+    model = _qwen3_next().train()
+    ids = torch.randint(0, 128, (1, 5))
+    compiled = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))
+    compiled(ids).logits.sum().backward()
+    assert expert_calls == []
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, **flags):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(3, 8, 4), requires_grad=False)
+        self.down_proj = torch.nn.Parameter(torch.randn(3, 4, 4), requires_grad=False)
+        self.act_fn = torch.nn.SiLU()
+        self.__dict__.update(dict(has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True,
+                                  has_post_expert_norm=False, _is_expert_parallel=False) | flags)
+
+
+@pytest.mark.parametrize("flags, reason", [
+    ({}, None),
+    ({"has_bias": True}, "has_bias is True"),
+    ({"is_transposed": True}, "is_transposed is True"),
+    ({"_is_expert_parallel": True}, "_is_expert_parallel is True"),
+    ({"act_fn": torch.nn.GELU()}, "act_fn is GELU, not SiLU"),
+])
+def test_only_the_plain_gated_silu_form_is_substituted(flags, reason):
+    from transformers.integrations import moe
+
+    module = _Experts(**flags)
+    _Experts._apply_gate = moe._default_apply_gate  # on the class, where HF's decorator puts it
+    why = moe_pass.why_not_substituted(module, moe._default_apply_gate)
+    assert (why is None) if reason is None else (reason in why), why
+
+
+def test_a_declined_site_is_logged_once(caplog):
+    with caplog.at_level(logging.INFO, logger="kda_compile.passes.kda_substitution"):
+        for _ in range(2):
+            moe_pass._declined_once("a reason only this test gives")
+    assert [r.getMessage() for r in caplog.records].count(
+        "transformers grouped_mm_experts_forward traced as written: a reason only this test gives") == 1

@@ -486,6 +486,19 @@ def test_gdn_benchmark_says_it_needs_cuda(tmp_path):
         main(["gdn", "--csv", str(tmp_path / "out.csv")])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_moe_benchmark_says_it_needs_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        main(["moe", "--csv", str(tmp_path / "out.csv")])
+
+
+def test_moe_benchmark_names_what_it_accepts():
+    from kda_compile.bench import moe
+
+    with pytest.raises(SystemExit, match="--models must name some of qwen3_next, deepseek_v32, kimi_linear"):
+        moe._choices("llama", tuple(moe.WIDTHS), "--models")
+
+
 # ---- the KDA benchmark's cold-start mode ----------------------------------------------------------------------
 def test_cold_start_runs_each_call_in_a_fresh_process_with_an_empty_triton_cache(monkeypatch):
     import os

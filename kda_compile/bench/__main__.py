@@ -26,6 +26,7 @@ BENCHMARKS = {
     "dsa": "kda_compile.bench.dsa",
     "gdn": "kda_compile.bench.gdn",
     "cp": "kda_compile.bench.context_parallel",
+    "moe": "kda_compile.bench.moe",
 }
 REPORT_DIR = pathlib.Path("benchmarks")
 

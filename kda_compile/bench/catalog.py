@@ -194,6 +194,18 @@ CATALOG: dict[str, Benchmark] = {
         command="python -m kda_compile.bench attention --lengths 4096",
         views=(View("time", ours=("kda_compile", "kda_compile-triton"), baselines=("sdpa",)),),
     ),
+    "moe": Benchmark(
+        title="Routed experts",
+        measures="`kda_compile.ops.moe_experts` against Hugging Face's default experts path "
+        "(`grouped_mm_experts_forward`, CUTLASS's grouped GEMM through `torch._grouped_mm`) at the widths of "
+        "Qwen3-Next (512 experts, 10 active, hidden 2048, expert 512), DeepSeek-V3.2 (256 / 8 / 7168 / 2048) and the "
+        "Kimi-Linear-shaped benchmark model (16 / 4 / 2304 / 1024), bf16, random routing, T tokens per call, each "
+        "call replayed from a CUDA graph. `kda_compile`: the op's choice per call; `kda_compile-triton` / "
+        "`kda_compile-grouped_mm`: one kernel forced. Bandwidth: the hit experts' weights over the time, as a share "
+        "of the measured copy bandwidth ([docs/moe.md](../docs/moe.md)).",
+        command="python -m kda_compile.bench moe",
+        views=(View("time", ours=("kda_compile", "kda_compile-triton"), baselines=("hf_grouped_mm",)),),
+    ),
     "e2e_llama": Benchmark(
         title="End to end: Llama-style 1B prefill",
         measures="A Llama-style decoder body of about 1B parameters (hidden 2048, 16 layers, 32 / 8 heads, MLP "

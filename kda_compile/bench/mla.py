@@ -112,7 +112,7 @@ def _providers(layer, compile_hf: bool, causal: bool = False):
 @contextlib.contextmanager
 def _decode_kernel(name: str):
     """Force the absorbed-decode kernel (``KDA_COMPILE_MLA_DECODE_KERNEL``) for the block."""
-    from kda_compile.ops.mla.decode_kernels import KERNEL_ENV
+    from kda_compile.ops.envs import MLA_DECODE_KERNEL as KERNEL_ENV
 
     old = os.environ.get(KERNEL_ENV)
     os.environ[KERNEL_ENV] = name

@@ -14,7 +14,7 @@ Each name holds HF's wrapper (``use_kernel_func_from_hub_with_fallback``), which
 either FLA's ``chunk_kda`` / ``fused_recurrent_kda`` (when ``fla`` was importable: a graph break
 at every call, FLA marks them ``torch.compiler.disable``) or the torch reference kept as
 ``wrapper.__wrapped__`` (Dynamo unrolls its chunk loop, specialised on the length). Once
-kda_compile is imported, Dynamo traces instead::
+kda_compile is in use (its hooks installed: kda_compile/process_hooks.py), Dynamo traces instead::
 
     core_attn_out, last_recurrent_state = kda_compile.ops.chunk_kda(           # or fused_recurrent_kda
         query, key, value, g, beta, initial_state=recurrent_state.float(),
@@ -50,7 +50,8 @@ break).
 Switches:
 
 - ``KDA_COMPILE_SUBSTITUTION=0`` (or false/off/no) when kda_compile installs its hooks (first ``optimize()``
-  or backend use: kda_compile/process_hooks.py): nothing is registered; Dynamo traces every entry point as it would without kda_compile.
+  or backend use: kda_compile/process_hooks.py): nothing is registered; Dynamo traces every entry
+  point as it would without kda_compile.
 - ``Config(kda_substitution=False)``: registration is process-wide (Dynamo has no per-compile
   registry), so each substitute asks, while Dynamo traces, which backend the graph is being
   compiled for. For a ``kda_compile`` backend (``optimize()``, ``KdaCompileBackend``) whose config

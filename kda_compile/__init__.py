@@ -24,9 +24,6 @@ from kda_compile.ops._common import StrictModeError  # noqa: E402
 from kda_compile.backend import register_if_unknown as _register_backend  # noqa: E402
 
 _register_backend()
-
-from kda_compile.passes.kda_substitution import install as _install_kda_substitution  # noqa: E402
-
-_install_kda_substitution()  # Dynamo traces kda_compile.ops for FLA's / HF's KDA functions
+# The import hook and the Dynamo substitutes are installed on first use, not here (kda_compile/process_hooks.py).
 
 __all__ = ["ops", "__version__", "Config", "optimize", "report", "StrictModeError"]

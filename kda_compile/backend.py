@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from kda_compile import cuda_graphs, strict
+from kda_compile import cuda_graphs, process_hooks, strict
 from kda_compile.config import Config
 from kda_compile.passes import GraphReport, PassManager
 from kda_compile.report import record_graph
@@ -163,11 +163,14 @@ class KdaCompileBackend:
         """What Dynamo enters around each call of a callable compiled with this backend: with
         ``Config.capture_data_dependent_ops`` the data-dependent ops are captured while the frames are traced, so
         ``torch.compile(model, backend="kda_compile")`` traces the graphs :func:`kda_compile.optimize` does
-        (:func:`forward_backend_contexts_through_torch_compile`)."""
+        (:func:`forward_backend_contexts_through_torch_compile`). Entered before Dynamo traces a frame, it is
+        where the backend's first use installs the process hooks (kda_compile.process_hooks)."""
+        process_hooks.install()
         return capturing_data_dependent_ops() if self.config.capture_data_dependent_ops else contextlib.nullcontext()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None) -> Callable:
+        process_hooks.install()  # for a caller that did not enter backend_ctx_ctor
         label, key = _compile_id()
         report = PassManager(self.config).run(gm, graph=label or f"#{next(self._ids)}")
         report = dataclasses.replace(report, frame=traced_frame())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kda_compile.ops._common import strict_env
+from kda_compile.ops import envs
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 NOT_REWRITES = ("capture_data_dependent_ops", "strict")  # boolean fields that switch something other than a rewrite
@@ -31,7 +31,8 @@ class Config:
         kda_substitution: trace-time substitution of the known KDA entry points (FLA's
             ``chunk_kda`` / ``fused_recurrent_kda``, Hugging Face's ``chunk_kimi_delta_attention`` /
             ``recurrent_kimi_delta_attention``) by ``kda_compile.ops``. The substitutes are
-            registered process-wide on import; each decides at trace time from the backend Dynamo
+            registered process-wide when kda_compile is first used (``optimize()`` or the backend:
+            kda_compile/process_hooks.py); each decides at trace time from the backend Dynamo
             compiles for, so with ``False`` this backend traces the original code (FLA's functions
             then break the graph) while other backends keep the substitution. The environment
             variable ``KDA_COMPILE_SUBSTITUTION=0`` registers nothing at all.
@@ -73,7 +74,7 @@ class Config:
     dsa_attention: bool = True
     mla_absorb: bool = True
     capture_data_dependent_ops: bool = True
-    strict: bool = dataclasses.field(default_factory=strict_env)
+    strict: bool = dataclasses.field(default_factory=envs.strict)
     compiler: str = "inductor"
 
     def __post_init__(self) -> None:

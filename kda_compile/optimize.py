@@ -4,19 +4,16 @@ Recompile budget. Dynamo keeps the compiled entries of a function in a cache on 
 shared by everything that runs that code: every instance of a model class, and with Hugging Face
 models every model class (their ``forward`` goes through the same decorator ``wrapper``). Each
 ``optimize()`` result has a backend of its own (its report is its own), so it adds its own
-entries. Measured with tiny Hugging Face Llamas (torch 2.13, ``dynamic=None``): calling models at
-several prompt lengths takes 2 entries for the first result (static, then dynamic at the second
-length) and 1 for each later one (Dynamo already knows the lengths vary); ``model.forward =
-optimize(model.forward)`` then ``generate`` at several prompt lengths takes 4 for the first and 2
-for each later one (prefill and decode). Dynamo's default ``recompile_limit`` of 8 entries a code
-object is full after 3 models and one ``generate``, and the 8th optimized model of a class ran
-eagerly, silently.
+entries: a result called at several prompt lengths, or running ``generate``, needs a few entries
+(how many was measured: docs/usage.md, section "The recompile budget"), and Dynamo's default
+``recompile_limit`` of 8 entries a code object fills after a few models, after which the next
+optimized model of that class would run eagerly, silently.
 
 So each call of an ``optimize()`` result runs with ``torch._dynamo.config.recompile_limit`` raised
 to :data:`ENTRIES_PER_OPTIMIZE` (8: Dynamo's own default, the budget a lone ``torch.compile`` of
-that code would have; 2 to 8 times what one result was measured to need, leaving room for
-recompiles on a dtype, a train/eval switch or a batch size) times the number of ``optimize()``
-results made in this process, or the user's value if that is higher. The bound stays finite:
+that code would have, leaving room for recompiles on a dtype, a train/eval switch or a batch size)
+times the number of ``optimize()`` results made in this process, or the user's value if that is
+higher. The bound stays finite:
 ``torch._dynamo.config.accumulated_recompile_limit`` (Dynamo's cap per code object, 256 by
 default, checked before ``recompile_limit``) is left alone, since a program needing more entries
 than that on one code object is recompiling without end; it is reported like any fallback.
@@ -28,13 +25,12 @@ value too).
 
 Data-dependent MoE code. Hugging Face's MoE blocks route tokens with ``nonzero`` /
 ``torch.where(mask)`` (a data-dependent output shape) and read ``.item()`` / ``.tolist()`` of
-expert ids or counts (a data-dependent scalar): by default Dynamo breaks the graph at each (tiny
-jetmoe, dbrx, longcat_flash models: 5 to 9 breaks). With
+expert ids or counts (a data-dependent scalar): by default Dynamo breaks the graph at each. With
 ``Config.capture_data_dependent_ops`` (default on) each call also runs with Dynamo's
 ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` switched on (and back off
 after, when they were off), scoped like the recompile limit: the routing is captured with unbacked
-sizes, which Inductor compiles (tiny jetmoe: 9 breaks and 17 graphs become 1 graph, logits as
-eager; in dbrx and longcat_flash the breaks move to their loop over the experts hit). Breaks that
+sizes, which Inductor compiles (what that did to tiny MoE models: docs/usage.md, section "The
+recompile budget"). Breaks that
 remain (a Python branch on such a value, a loop over a tensor of data-dependent length) are
 listed by ``report()`` with Dynamo's reason and the model line (``report.GraphBreak``). Known
 limit: where an op's output shape needs the data to be traced further (e.g. ``torch.split`` by the
@@ -54,7 +50,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from kda_compile import cache_checks, cuda_graphs, sliding_window_cache, strict
+from kda_compile import cache_checks, cuda_graphs, process_hooks, sliding_window_cache, strict
 from kda_compile.ops._common import strict_fallbacks
 from kda_compile.backend import CAPTURE_DATA_DEPENDENT, KdaCompileBackend
 from kda_compile.config import Config
@@ -278,6 +274,7 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
                         f"got backend={compile_kwargs['backend']!r}")
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a kda_compile.Config or None, got {type(config).__name__}")
+    process_hooks.install()
     backend = KdaCompileBackend(config)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
     graphs = _asks_for_cuda_graphs(compile_kwargs)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_scalar
 
+from kda_compile.ops import envs
+
 logger = logging.getLogger("kda_compile.ops")
 
 
@@ -51,31 +53,6 @@ def shown(value) -> str:
     if isinstance(value, (int, float, torch.SymInt, torch.SymFloat)):
         return f"{plain(value)}"
     return repr(value)
-
-
-CHECK_INPUTS_ENV = "KDA_COMPILE_CHECK_INPUTS"
-_ENV_TRUE, _ENV_FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
-def check_inputs_enabled() -> bool:
-    """Whether ``KDA_COMPILE_CHECK_INPUTS`` asks for the value checks that read tensor values on the host (a
-    device-to-host copy per call on CUDA, so off by default there; read on every call, at run time: a compiled
-    graph honours it too)."""
-    value = os.environ.get(CHECK_INPUTS_ENV, "").strip().lower()
-    if value in _ENV_TRUE:
-        return True
-    if value in _ENV_FALSE:
-        return False
-    raise arg_error(CHECK_INPUTS_ENV, repr(value), "one of 1, true, yes, on, 0, false, no, off or unset")
-
-
-def kernel_switch(env: str, choices: tuple[str, ...]) -> str:
-    """The kernel override the environment variable ``env`` names (default ``auto``, case and blanks ignored);
-    a clear error naming it for a value outside ``choices``."""
-    value = os.environ.get(env, "auto").strip().lower() or "auto"
-    if value not in choices:
-        raise arg_error(env, repr(value), "one of " + ", ".join(choices))
-    return value
 
 
 def describe(t) -> str:
@@ -134,13 +111,7 @@ class StrictModeError(RuntimeError):
     break in kda_compile's code (raised by kda_compile's backend and ``optimize()``)."""
 
 
-STRICT_ENV = "KDA_COMPILE_STRICT"  # "1": strict mode for the whole process
 _strict = threading.local()  # .depth > 0 inside strict_fallbacks()
-
-
-def strict_env() -> bool:
-    """Whether ``KDA_COMPILE_STRICT=1`` asks for strict mode process-wide."""
-    return os.environ.get(STRICT_ENV, "") == "1"
 
 
 @contextlib.contextmanager
@@ -157,7 +128,7 @@ def strict_fallbacks():
 def record_fallback(op: str, chosen: str, reason: str) -> None:
     """Count a fallback; log a WARNING the first time a given (op, path, reason) happens. In strict mode
     (:func:`strict_fallbacks`) raise :class:`StrictModeError` instead."""
-    if getattr(_strict, "depth", 0) or strict_env():
+    if getattr(_strict, "depth", 0) or envs.strict():
         raise StrictModeError(f"kda_compile strict mode: {op} would run the {chosen} implementation: {reason}")
     event = FallbackEvent(op, chosen, reason)
     with _fallbacks_lock:

@@ -25,6 +25,8 @@ import threading
 
 import torch
 
+from kda_compile.ops import envs
+
 logger = logging.getLogger("kda_compile.ops")
 
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -296,7 +298,7 @@ def _stream_by_module(device_index: int) -> int:
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _stream_by_module
 
 
-CACHE_DIR_ENV = "KDA_COMPILE_CACHE_DIR"  # where compiled cubins are kept across processes; "" switches it off
+CACHE_DIR_ENV = envs.CACHE_DIR  # where compiled cubins are kept across processes; "" switches it off
 _ELF_MAGIC = b"\x7fELF"
 
 
@@ -311,10 +313,7 @@ def nvrtc_version() -> tuple[int, int]:
 def cubin_cache_dir() -> str | None:
     """The folder of the on-disk cubin cache: ``$KDA_COMPILE_CACHE_DIR/nvrtc``, by default under
     ``$XDG_CACHE_HOME`` (``~/.cache``) ``/kda_compile``; None when ``KDA_COMPILE_CACHE_DIR`` is set empty."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    if root is None:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                            "kda_compile")
+    root = envs.cache_dir()
     return os.path.join(root, "nvrtc") if root else None
 
 

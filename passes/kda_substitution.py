@@ -14,7 +14,7 @@ Each name holds HF's wrapper (``use_kernel_func_from_hub_with_fallback``), which
 either FLA's ``chunk_kda`` / ``fused_recurrent_kda`` (when ``fla`` was importable: a graph break
 at every call, FLA marks them ``torch.compiler.disable``) or the torch reference kept as
 ``wrapper.__wrapped__`` (Dynamo unrolls its chunk loop, specialised on the length). Once
-kda_compile is imported, Dynamo traces instead::
+kda_compile is in use (its hooks installed: kda_compile/process_hooks.py), Dynamo traces instead::
 
     core_attn_out, last_recurrent_state = kda_compile.ops.chunk_kda(           # or fused_recurrent_kda
         query, key, value, g, beta, initial_state=recurrent_state.float(),
@@ -49,8 +49,9 @@ break).
 
 Switches:
 
-- ``KDA_COMPILE_SUBSTITUTION=0`` (or false/off/no) when kda_compile is imported: nothing is
-  registered; Dynamo traces every entry point as it would without kda_compile.
+- ``KDA_COMPILE_SUBSTITUTION=0`` (or false/off/no) when kda_compile installs its hooks (first ``optimize()``
+  or backend use: kda_compile/process_hooks.py): nothing is registered; Dynamo traces every entry
+  point as it would without kda_compile.
 - ``Config(kda_substitution=False)``: registration is process-wide (Dynamo has no per-compile
   registry), so each substitute asks, while Dynamo traces, which backend the graph is being
   compiled for. For a ``kda_compile`` backend (``optimize()``, ``KdaCompileBackend``) whose config
@@ -79,7 +80,6 @@ import dataclasses
 import importlib.abc
 import inspect
 import logging
-import os
 import re
 import sys
 import threading
@@ -89,6 +89,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from kda_compile.ops import envs
 from kda_compile.passes import moe_experts  # HF's grouped-GEMM experts, registered with the entry points below
 from kda_compile.passes import qsa_indexer  # QSA indexers, registered with the entry points below
 
@@ -101,8 +102,7 @@ from kda_compile.passes.kda_substitutes import (  # noqa: F401
 
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
-ENV_SWITCH = "KDA_COMPILE_SUBSTITUTION"
-_OFF_VALUES, _ON_VALUES = ("0", "false", "off", "no"), ("", "1", "true", "on", "yes")
+ENV_SWITCH = envs.SUBSTITUTION
 
 FLA_MODULES = ("fla.ops.kda", "fla.ops.kda.chunk", "fla.ops.kda.fused_recurrent", "fla.ops", "fla")
 FLA_GDN_MODULES = ("fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk",
@@ -110,14 +110,13 @@ FLA_GDN_MODULES = ("fla.ops.gated_delta_rule", "fla.ops.gated_delta_rule.chunk",
 
 
 def substitution_enabled_by_env() -> bool:
-    """Whether ``KDA_COMPILE_SUBSTITUTION`` allows registering the substitutes (default: yes)."""
-    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
-    if value in _OFF_VALUES:
-        return False
-    if value not in _ON_VALUES:
-        logger.warning("%s must be one of %s (off) or %s (on), got %r; substitution stays on", ENV_SWITCH,
-                       "/".join(_OFF_VALUES), "/".join(v for v in _ON_VALUES if v), value)
-    return True
+    """Whether ``KDA_COMPILE_SUBSTITUTION`` allows registering the substitutes (default: yes). An unknown value is
+    logged and leaves substitution on: the switch only turns an optimisation off."""
+    try:
+        return envs.substitution()
+    except ValueError as error:
+        logger.warning("%s; substitution stays on", error)
+        return True
 
 
 # ----------------------------------------------------------------------------------------------

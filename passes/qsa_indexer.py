@@ -11,7 +11,7 @@ complete block (the tail). It returns the ``[B, 1, S, T]`` boolean mask of the s
 inside the loop, gives up on the whole frame): the attention's weights then cross a graph boundary and the
 softmax attention rewrite leaves that layer alone.
 
-Once kda_compile is imported, Dynamo traces :func:`qsa_selection_mask` for that loop instead: the same
+Once kda_compile is in use (optimize() or its backend), Dynamo traces :func:`qsa_selection_mask` instead: the same
 selection for every query at once, with shapes that do not depend on the data. For each query row
 (``visible = mask[:, 0]``, or ``mask[:, 0] == 0`` for eager's additive mask)::
 
@@ -41,7 +41,8 @@ Cost: each row pools its own blocks (rows of one sequence see different keys), s
 beside ``[B, S, T]`` ranks and ``[B, S, T // C]`` scores. In a long prefill that is ``d / C`` times the
 ``[B, S, T]`` mask, per indexed layer.
 
-Registration: when kda_compile is imported, and when a transformers modeling module is imported after it
+Registration: when kda_compile installs its hooks (kda_compile/process_hooks.py), and when a transformers
+modeling module is imported after that
 (kda_substitution.py's import hook; nothing with ``KDA_COMPILE_SUBSTITUTION=0``). A module's ``forward`` is not
 looked up in Dynamo's substitution table: Dynamo calls ``type(module).forward`` directly, after unwrapping that
 function's ``_torchdynamo_inline`` attribute (the attribute torch.compile sets on its wrappers; read by Dynamo

@@ -96,3 +96,13 @@ def fresh_dynamo():
     clear_reports()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kda_compile_process_hooks():
+    """Many tests compile FLA's / HF's KDA and GDN calls with other backends (aot_eager, Inductor) and expect the
+    substitutes: install the process hooks once, as the first optimize() or kda_compile backend call would
+    (tests/test_process_hooks.py checks, in fresh processes, that importing kda_compile alone does not)."""
+    from kda_compile import process_hooks
+
+    process_hooks.install()

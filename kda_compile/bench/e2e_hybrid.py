@@ -14,8 +14,8 @@ Configurations:
   module-level names are pointed at their ``__wrapped__`` torch functions while this configuration runs;
 - ``hf_eager`` (models without FLA kernels, in place of the two above): HF eager as installed, nothing bound;
 - ``inductor``: ``torch.compile`` with Inductor of the model as installed (FLA bound when present: a graph
-  break at each FLA call). kda_compile's trace-time substitution is process-wide once kda_compile is imported,
-  so this runs kda_compile's backend with every rewrite and the substitution off: Inductor's ``compile_fx`` on
+  break at each FLA call). kda_compile's trace-time substitution is process-wide once kda_compile is first used
+  (kda_compile/process_hooks.py), so this runs kda_compile's backend with every rewrite and the substitution off: Inductor's ``compile_fx`` on
   the graph Dynamo traced from HF's code, as ``torch.compile`` does without kda_compile;
 - ``kda_compile``: ``kda_compile.optimize`` (default Config, Inductor);
 - ``kda_compile (cuda graphs)``: ``kda_compile.optimize(..., mode="reduce-overhead")`` decoding into HF's

@@ -32,6 +32,7 @@ import torch
 
 from kda_compile.bench.common import (cuda_graph_time, format_table, measure_copy_bandwidth, rel_error, row,
                                       time_quantiles)
+from kda_compile.ops import envs
 
 logger = logging.getLogger("kda_compile.bench.mla")
 
@@ -112,17 +113,15 @@ def _providers(layer, compile_hf: bool, causal: bool = False):
 @contextlib.contextmanager
 def _decode_kernel(name: str):
     """Force the absorbed-decode kernel (``KDA_COMPILE_MLA_DECODE_KERNEL``) for the block."""
-    from kda_compile.ops.mla.decode_kernels import KERNEL_ENV
-
-    old = os.environ.get(KERNEL_ENV)
-    os.environ[KERNEL_ENV] = name
+    old = os.environ.get(envs.MLA_DECODE_KERNEL)
+    os.environ[envs.MLA_DECODE_KERNEL] = name
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(KERNEL_ENV)
+            os.environ.pop(envs.MLA_DECODE_KERNEL)
         else:
-            os.environ[KERNEL_ENV] = old
+            os.environ[envs.MLA_DECODE_KERNEL] = old
 
 
 def _kernel_inputs(layer, query, kv_nope, k_rot):

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_choice, kernel_switch, on_device,
+from kda_compile.ops import envs
+from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_choice, on_device,
                                     record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa import cuda_pool_keys_source as src
 from kda_compile.ops.dsa.pooled import empty_pools
 
-KERNEL_ENV = "KDA_COMPILE_POOL_KERNEL"
+KERNEL_ENV = envs.POOL_KERNEL
 KERNELS = ("auto", "triton", "cuda")
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _OP = "dsa_pooled_indexer_topk"
@@ -116,7 +117,7 @@ def serving_layout(k, gate, pool: int, flags=None) -> RowLayout | None:
     """The row layout this kernel forms a call's pools with, or None where the Triton kernel forms them (recorded
     as a fallback as ``kernel_choice`` says). ``flags``: the key flags (``row_layout``); the layout then says in
     ``v_off`` whether ``pools_from_rows`` reads them in the rows. Computed once per call and passed to the launch."""
-    requested = kernel_switch(KERNEL_ENV, KERNELS)
+    requested = envs.pool_kernel()
     if requested == "triton":
         return None
     design = outside_design(k, gate, pool)

@@ -17,7 +17,8 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import check_inputs_enabled, module_unusable, record_fallback
+from kda_compile.ops import envs
+from kda_compile.ops._common import module_unusable, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.dsa import wgmma_sparse
 from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
@@ -75,7 +76,7 @@ def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causa
         return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
     from kda_compile.ops.dsa.triton_indexer import indexer_topk_triton
 
-    if cu_seqlens is not None and check_inputs_enabled():
+    if cu_seqlens is not None and envs.check_inputs():
         check_cu_seqlens_values(cu_seqlens, k.shape[1])
     return indexer_topk_triton(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
 

@@ -75,7 +75,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import (arg_error, cdiv, cuda_index, kernel_switch, next_power_of_2, record_fallback,
+from kda_compile.ops import envs
+from kda_compile.ops._common import (arg_error, cdiv, cuda_index, next_power_of_2, record_fallback,
                                      sm_count)
 from kda_compile.ops._common import triton_interpreted as interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
@@ -406,7 +407,7 @@ def choose_path(width: int, grid_rows: int, sms: int, uncaptured: bool) -> tuple
     return ("split", chunks) if chunks > 1 else ("tiles", 1)
 
 
-KERNEL_ENV = "KDA_COMPILE_TOPK_KERNEL"  # auto | triton | cuda: the few-row select on ``cuda_topk``'s kernel or not
+KERNEL_ENV = envs.TOPK_KERNEL  # auto | triton | cuda: the few-row select on ``cuda_topk``'s kernel or not
 
 
 def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -> str | None:
@@ -425,7 +426,7 @@ def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -
 def cuda_select_takes(device: torch.device, width: int, grid_rows: int) -> bool:
     """Whether ``topk_from_codes`` would hand rows of ``width`` codes (``grid_rows`` of them) to the CUDA kernel
     (the switch allows it and ``cuda_kernel_serves`` says yes)."""
-    if kernel_switch(KERNEL_ENV, ("auto", "triton", "cuda")) == "triton":
+    if envs.topk_kernel() == "triton":
         return False
     sms = INTERPRETER_SMS if interpreted() or device.type != "cuda" else sm_count(cuda_index(device))
     return cuda_kernel_serves(device.type, width, grid_rows, sms) is None
@@ -496,7 +497,7 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     sms = INTERPRETER_SMS if interpreted() or codes.device.type != "cuda" else sm_count(cuda_index(codes.device))
     split_tile = INTERPRETER_SPLIT_TILE if interpreted() else SPLIT_TILE
     if resident is None and chunks is None:
-        switch = kernel_switch(KERNEL_ENV, ("auto", "triton", "cuda"))
+        switch = envs.topk_kernel()
         if switch != "triton" and topk >= 1:
             why = cuda_kernel_serves(codes.device.type, width, b * rows, sms)
             if why is None:

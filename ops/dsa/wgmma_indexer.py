@@ -13,13 +13,14 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice, kernel_switch,
+from kda_compile.ops import envs
+from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice,
                                     on_device, record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
 from kda_compile.ops.dsa import wgmma_indexer_source as src
 
 ARCH = "90a"
-KERNEL_ENV = "KDA_COMPILE_INDEXER_KERNEL"
+KERNEL_ENV = envs.INDEXER_KERNEL
 KERNELS = ("auto", "triton", "cuda")
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _WEIGHT = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -52,7 +53,7 @@ def choose_kernel(q, k) -> str:
     """"cuda" (this kernel) or "triton" for the score codes of a few queries. Outside the kernel's design the
     Triton kernel is the call's kernel; a layout problem on a call it is written for, or a forced "cuda" it
     cannot take, is recorded as a fallback."""
-    requested = kernel_switch(KERNEL_ENV, KERNELS)
+    requested = envs.indexer_kernel()
     if requested == "triton":
         return "triton"
     design = outside_design(q, k)

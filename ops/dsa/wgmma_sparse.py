@@ -14,13 +14,14 @@ import functools
 
 import torch
 
-from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice, kernel_switch,
+from kda_compile.ops import envs
+from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice,
                                     on_device, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa import wgmma_sparse_source as src
 
 ARCH = "90a"
-KERNEL_ENV = "KDA_COMPILE_SPARSE_ATTENTION_KERNEL"
+KERNEL_ENV = envs.SPARSE_ATTENTION_KERNEL
 KERNELS = ("auto", "triton", "cuda")
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
@@ -57,7 +58,7 @@ def choose_kernel(q, k, v, indices, d_v: int) -> str:
     """"cuda" (this kernel) or "triton" for a call. Outside the kernel's design the Triton kernel is the call's
     kernel; a layout problem on a call it is written for, or a forced "cuda" it cannot take, is recorded as a
     fallback."""
-    requested = kernel_switch(KERNEL_ENV, KERNELS)
+    requested = envs.sparse_attention_kernel()
     if requested == "triton" or indices.shape[-1] == 0:
         return "triton"
     design = outside_design(q, k, v, d_v)

@@ -1,20 +1,14 @@
 """What the KDA prefill's CUDA kernels (``cuda_prepare.py``, ``cuda_scan.py``) share in choosing themselves:
-the ``auto | triton | cuda`` switch read from the environment, and the device conditions every such kernel has."""
+the device conditions every such kernel has (their ``auto | triton | cuda`` switches are read by ``ops.envs``)."""
 from __future__ import annotations
 
 
 import torch
 
-from kda_compile.ops._common import cuda_index, device_capability, kernel_switch, triton_interpreted
+from kda_compile.ops._common import cuda_index, device_capability, triton_interpreted
 
-KERNELS = ("auto", "triton", "cuda")
 # The C type of each ``cu_seqlens`` dtype the NVRTC kernels take (their sources are specialised on it).
 CU_TYPES = {torch.int32: "int", torch.int64: "long long"}
-
-
-def requested_kernel(env: str) -> str:
-    """The ``auto | triton | cuda`` switch ``env`` names (``ops._common.kernel_switch``)."""
-    return kernel_switch(env, KERNELS)
 
 
 def device_unsupported(x: torch.Tensor | torch.device, *, min_capability: tuple[int, int] = (8, 0),

@@ -21,22 +21,22 @@ import functools
 
 import torch
 
+from kda_compile.ops import envs
 from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 from kda_compile.ops.kda.cuda_choice import device_unsupported
-from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_prepare_source as src
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_SOFTPLUS
 from kda_compile.ops.kda.triton_prepare_channel import exact_diagonal_needed
 
-KERNEL_ENV = "KDA_COMPILE_PREPARE_KERNEL"
+KERNEL_ENV = envs.PREPARE_KERNEL
 _OP = "chunk_kda"
 _ELEM = {torch.bfloat16: "bf16", torch.float32: "f32"}
 
 
 def requested_kernel() -> str:
-    return _requested(KERNEL_ENV)
+    return envs.prepare_kernel()
 
 
 def outside_design(q, k, v, g, beta, cu_seqlens, gate_in_kernel: bool, lower_bound: float | None, *,

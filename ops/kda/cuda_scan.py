@@ -19,14 +19,14 @@ import functools
 
 import torch
 
+from kda_compile.ops import envs
 from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
 from kda_compile.ops.kda.cuda_choice import CU_TYPES as _CU
 from kda_compile.ops.kda.cuda_choice import device_unsupported
-from kda_compile.ops.kda.cuda_choice import requested_kernel as _requested
 from kda_compile.ops.kda import cuda_scan_source as src
 
-KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
+KERNEL_ENV = envs.SCAN_KERNEL
 _OP = "chunk_kda"
 MAX_SEQUENCES = 65535  # the grid's z dimension
 STAGES = 2  # chunks of tiles in shared memory (cuda_scan_source.shared_bytes); 3 measured no faster
@@ -54,7 +54,7 @@ def scan_waves(pairs: int, block_v: int, sm_count: int) -> int:
 
 
 def requested_kernel() -> str:
-    return _requested(KERNEL_ENV)
+    return envs.scan_kernel()
 
 
 def outside_design(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool, writes_chunk_states: bool,

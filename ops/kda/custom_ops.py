@@ -33,7 +33,7 @@ from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA ba
 from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
 from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
-from kda_compile.ops._common import check_inputs_enabled
+from kda_compile.ops import envs
 from kda_compile.ops.kda.validation import check_input_values
 
 
@@ -78,7 +78,7 @@ def _check_keep_intermediates(keep_intermediates: bool, cu_seqlens: Optional[Ten
 def run_time_checks(q: Tensor, g: Tensor, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool) -> None:
     """The full value checks when ``KDA_COMPILE_CHECK_INPUTS`` asks for them. Here, in the op's kernel, they
     see real tensors in eager calls and in compiled graphs alike (a host synchronisation: off by default)."""
-    if check_inputs_enabled():
+    if envs.check_inputs():
         check_input_values(q, g, cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel)
 
 

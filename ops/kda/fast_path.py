@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
@@ -52,17 +51,17 @@ from kda_compile.ops.kda import cuda_chunk_plan
 from kda_compile.ops.kda import cuda_prepare_source as prepare_src
 from kda_compile.ops.kda.chunks import CHUNK, chunks_in, packed_slot_bound
 from kda_compile.ops.kda.backends import KDAOptions, restricted_to, select_backend
-from kda_compile.ops._common import CHECK_INPUTS_ENV
+from kda_compile.ops import envs
 
 logger = logging.getLogger("kda_compile.ops.kda")
 
 MAX_PLANS = 256
 HEAD_DIM = 128
 ALIGN = 256  # bytes between workspace regions
-SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"  # triton_chunk.SEGMENTS_ENV (that module needs triton to import)
-PLANS_ENV = "KDA_COMPILE_LAUNCH_PLANS"  # "0": every call takes the ordinary path (debugging, measuring)
-_ENVIRONMENT = (PLANS_ENV, "KDA_COMPILE_PREPARE_KERNEL", "KDA_COMPILE_SCAN_KERNEL", SEGMENTS_ENV, CHECK_INPUTS_ENV,
+PLANS_ENV = envs.LAUNCH_PLANS  # "0": every call takes the ordinary path (debugging, measuring)
+_ENVIRONMENT = (PLANS_ENV, envs.PREPARE_KERNEL, envs.SCAN_KERNEL, envs.PREFILL_SEGMENTS, envs.CHECK_INPUTS,
                 "TRITON_INTERPRET")
+_PLANS_ON = (None, "", b"", "1", b"1")  # KDA_COMPILE_LAUNCH_PLANS values that keep the plans on
 _UNSET_OR_OFF = (None, "", b"", "0", b"0")  # KDA_COMPILE_CHECK_INPUTS values that ask for no value checks
 _plans: dict[tuple, "Plan | None"] = {}  # signature -> plan, or None: the ordinary path serves it
 _seen: dict[tuple, None] = {}  # signatures served once by the ordinary path (insertion-ordered, bounded)
@@ -75,18 +74,7 @@ def _meta(t):
     return (t.shape, t.dtype, t.get_device(), t.is_contiguous())
 
 
-def _environment_reader():
-    """A function returning the values of ``_ENVIRONMENT`` (None where unset) as ``os.environ`` has them. On CPython
-    it reads the mapping ``os.environ`` keeps its values in (``_data``, kept in sync by every ``os.environ`` write):
-    ``os.environ.get`` encodes its key on every call, 2 us each on a slow host, more than the rest of a signature."""
-    data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
-    if isinstance(data, dict) and encode is not None:
-        keys = tuple(encode(name) for name in _ENVIRONMENT)
-        return lambda: tuple(map(data.get, keys))
-    return lambda: tuple(os.environ.get(name) for name in _ENVIRONMENT)
-
-
-_environment = _environment_reader()
+_environment = envs.raw_reader(_ENVIRONMENT)  # the raw values, read fast: part of every signature
 
 
 def signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias, options: tuple):
@@ -99,7 +87,7 @@ def signature(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, A_log
             or q.dim() != 4 or q.shape[-1] != HEAD_DIM):
         return None
     environment = _environment()
-    if environment[0] in ("0", b"0") or environment[4] not in _UNSET_OR_OFF:
+    if (environment[0] not in _PLANS_ON and not envs.launch_plans()) or environment[4] not in _UNSET_OR_OFF:
         return None  # plans switched off, or KDA_COMPILE_CHECK_INPUTS set (its checks run in the ordinary path)
     h0 = (_meta(initial_state), initial_state.stride()) if isinstance(initial_state, torch.Tensor) else _meta(
         initial_state)
@@ -281,7 +269,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
     no_offsets = torch.empty(0, dtype=torch.int32)
     scan_choice = cuda_scan.choose_scan_kernel(
         q, v, h0, cu_seqlens if varlen else no_offsets, num_seqs=N, gate_cumsum=False, writes_chunk_states=False,
-        writes_o=True, segments_asked=bool(os.environ.get(SEGMENTS_ENV)),
+        writes_o=True, segments_asked=envs.prefill_segments() is not None,
         cuda_faster=lambda: cuda_scan_is_faster(q.device, N, HV, K, V, T, varlen, h0 is not None))
     if scan_choice != "cuda":
         return None

@@ -27,12 +27,12 @@ products with fp32 accumulation (as FLA), fp16 and fp32 inputs take fp32 operand
 from __future__ import annotations
 
 import math
-import os
 from functools import cache
 
 import torch
 import triton
 
+from kda_compile.ops import envs
 from kda_compile.ops._common import cuda_index, sm_count, triton_interpreted as _interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.kda.chunks import CHUNK, chunks_in, first_chunk_slots, packed_slot_bound
@@ -49,7 +49,7 @@ from kda_compile.ops.kda.triton_chunk_prepare import exact_diagonal_needed, kda_
 from kda_compile.ops.kda.triton_chunk_scan import kda_chunk_scan_kernel, kda_segment_summary_kernel
 
 MAX_HEAD_DIM = 256
-SEGMENTS_ENV = "KDA_COMPILE_PREFILL_SEGMENTS"
+SEGMENTS_ENV = envs.PREFILL_SEGMENTS
 # Programs of the scan / summary kernel counted per SM by the segment cost model: an effective value fitted to
 # measured segment sweeps (H100, 2026-11-23, bf16, K = V = 128; docs/kda-kernels.md section 3), not an
 # occupancy count (offline sm_90 compiles give one resident program of 8 warps, but the model with 1 picked P = 3
@@ -200,8 +200,8 @@ def scan_segments(device: torch.device, N: int, HV: int, v_blocks: int, x_blocks
                   varlen: bool, segments: int | None) -> int:
     """The Triton scan's segment count: ``segments`` if given, else ``KDA_COMPILE_PREFILL_SEGMENTS``, else
     ``choose_segments`` from the SM count (1 off CUDA)."""
-    if segments is None and os.environ.get(SEGMENTS_ENV):
-        segments = int(os.environ[SEGMENTS_ENV])
+    if segments is None:
+        segments = envs.prefill_segments()
     if segments is None:
         segments = choose_segments(N, HV, v_blocks, x_blocks, _chunks_per_sequence(T, N, varlen), _device_sms(device),
                                    first_x_blocks=first_x_blocks)
@@ -240,7 +240,7 @@ def launch_scan(w, u, qg, kd, a_qk, decay, initial_state, cu_seqlens, chunk_offs
     ``chunk_offsets``: int tensors, or empty ones without packed sequences."""
     HV, K, V = w.shape[-2], w.shape[-1], u.shape[-1]
     varlen = cu_seqlens.numel() > 0
-    segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))
+    segments_asked = segments is not None or envs.prefill_segments() is not None
     kernel_choice = choose_scan_kernel(
         w, u, initial_state, cu_seqlens, num_seqs=N, gate_cumsum=gate_cumsum, writes_chunk_states=h is not None,
         writes_o=o is not None, segments_asked=segments_asked,
@@ -287,7 +287,7 @@ def cuda_pair_served(q, v, g, beta, initial_state, cu_seqlens, *, T: int, N: int
     the value heads of one q/k head share."""
     HV, K, V = v.shape[-2], q.shape[-1], v.shape[-1]
     varlen = cu_seqlens.numel() > 0
-    segments_asked = segments is not None or bool(os.environ.get(SEGMENTS_ENV))
+    segments_asked = segments is not None or envs.prefill_segments() is not None
     design = dict(num_seqs=N, gate_cumsum=False, writes_chunk_states=False, writes_o=True)
     if scan_outside_design(q, v, initial_state, cu_seqlens, **design) is not None:
         return False  # (a forced CUDA scan records its fallback once, in launch_scan)

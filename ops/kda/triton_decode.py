@@ -40,12 +40,11 @@ Conventions: inputs take any strides; ``o`` ``[B, T, HV, V]`` (q's dtype) and th
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kda_compile.ops import envs
 from kda_compile.ops._common import cdiv, next_power_of_2, triton_interpreted as _interpreted
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 
@@ -53,7 +52,7 @@ MAX_HEAD_DIM = 256
 L2NORM_EPS = tl.constexpr(1e-6)  # inside the sqrt (FLA, HF); a plain global is rejected by the compiler
 
 
-AUTOTUNE_ENV = "KDA_COMPILE_DECODE_AUTOTUNE"
+AUTOTUNE_ENV = envs.DECODE_AUTOTUNE
 # (BV, num_warps) by grid size class for K = 128: each class's fastest config, or within 5% of it, for the GDN and
 # the KDA step at every batch size of the class (H200, bf16, V = 128, 32 value heads, fp32 state; one step replayed
 # from a CUDA graph, every candidate of ``_configs``): batch 1-2 7.5-8.8 us, 4-8 10.6-15.7 us, 16-32 24.1-42.8 us,
@@ -350,7 +349,7 @@ def fused_recurrent_kda_triton(
     key = (BK, V, nh_class, bool(scalar_gate), *[t.dtype for t in tensors])
     tuned = _TUNED.get(key)
     if tuned is None:
-        if os.environ.get(AUTOTUNE_ENV, "0") == "1":
+        if envs.decode_autotune():
             fused_recurrent_kda_decode_kernel[lambda meta: (cdiv(V, meta["BV"]), N * HV)](*args, **flags)
             _TUNED[key] = fused_recurrent_kda_decode_kernel.best_config.all_kwargs()
             return o, ht

@@ -14,19 +14,20 @@ rewrite report).
 """
 from __future__ import annotations
 
-from kda_compile.ops._common import kernel_switch, record_fallback
+from kda_compile.ops import envs
+from kda_compile.ops._common import record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.mla import wgmma_decode
 from kda_compile.ops.mla.triton_decode import mla_decode_attention
 
-KERNEL_ENV = "KDA_COMPILE_MLA_DECODE_KERNEL"
+KERNEL_ENV = envs.MLA_DECODE_KERNEL
 KERNELS = ("auto", "triton", "wgmma")
 WGMMA_MIN_ROWS = 64  # one full wgmma M block (64 heads of one query, or 32 heads x 2 queries, ...)
 _OP = "mla_attention"
 
 
 def requested_kernel() -> str:
-    return kernel_switch(KERNEL_ENV, KERNELS)
+    return envs.mla_decode_kernel()
 
 
 def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:

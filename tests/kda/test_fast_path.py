@@ -43,7 +43,7 @@ def test_the_environment_reader_sees_every_change(monkeypatch):
 def test_the_signature_reads_the_switches_the_kernel_choice_reads():
     pytest.importorskip("triton")
     from kda_compile.ops.kda import cuda_prepare, cuda_scan, triton_chunk
-    from kda_compile.ops._common import CHECK_INPUTS_ENV
+    from kda_compile.ops.envs import CHECK_INPUTS as CHECK_INPUTS_ENV
 
     for name in (triton_chunk.SEGMENTS_ENV, cuda_prepare.KERNEL_ENV, cuda_scan.KERNEL_ENV, CHECK_INPUTS_ENV):
         assert name in fast_path._ENVIRONMENT

@@ -180,7 +180,10 @@ IMPORT_ORDER_SCRIPT = textwrap.dedent('''
     import fla.ops.kda
     import transformers.models.kimi_linear.modeling_kimi_linear as hf
     import kda_compile  # after both
+    from kda_compile import process_hooks
     from kda_compile.passes import kda_substitution
+
+    process_hooks.install()  # what optimize() / the kda_compile backend do first (compiled here with aot_eager)
     from hf_kda_binding import binding
 
     q, k, v, g = (torch.randn(1, 6, 2, 8) for _ in range(4))

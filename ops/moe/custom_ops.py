@@ -21,9 +21,15 @@ from kda_compile.ops._common import autograd_inside_op, cuda_index, on_device
 from kda_compile.ops.moe.choice import choose_kernel
 from kda_compile.ops.moe.grouped_mm import moe_experts_grouped_mm
 from kda_compile.ops.moe.reference import moe_experts_reference
-from kda_compile.ops.moe.triton_experts import moe_experts_triton
 
-_KERNELS = {"triton": moe_experts_triton, "grouped_mm": moe_experts_grouped_mm, "reference": moe_experts_reference}
+
+def _triton_kernels(*args) -> Tensor:
+    from kda_compile.ops.moe.triton_experts import moe_experts_triton  # triton is optional: imported when used
+
+    return moe_experts_triton(*args)
+
+
+_KERNELS = {"triton": _triton_kernels, "grouped_mm": moe_experts_grouped_mm, "reference": moe_experts_reference}
 
 
 @torch.library.custom_op("kda_compile::moe_experts", mutates_args=())

@@ -27,14 +27,28 @@ BLOCK_M = 16  # rows per tile: the smallest tl.dot M
 
 
 @triton.jit
-def _gate_up(x_ptr, w_ptr, order_ptr, offsets_ptr, hidden_ptr, H, I, TOP_K,
-             stride_x, stride_we, stride_wn, stride_h,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _expert_columns(offsets_ptr, columns, BLOCK_N: tl.constexpr):
+    """This program's expert, its pairs' range [start, end) in sorted order, and its block of output columns."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < I
+    return expert, start, end, n, n < columns
+
+
+@triton.jit
+def _dot_t(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b^T; IEEE float32 products for float32 inputs (no TF32)."""
+    if IEEE:
+        return tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _gate_up(x_ptr, w_ptr, order_ptr, offsets_ptr, hidden_ptr, H, I, TOP_K,
+             stride_x, stride_we, stride_wn, stride_h,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    expert, start, end, n, n_ok = _expert_columns(offsets_ptr, I, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     w_gate = w_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
     w_up = w_gate + I * stride_wn
@@ -48,14 +62,8 @@ def _gate_up(x_ptr, w_ptr, order_ptr, offsets_ptr, hidden_ptr, H, I, TOP_K,
         for k0 in range(0, H, BLOCK_K):
             k_ok = (k0 + kk) < H
             xv = tl.load(x + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(w_gate + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            wu = tl.load(w_up + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                gate = tl.dot(xv, tl.trans(wg), gate, input_precision="ieee")
-                up = tl.dot(xv, tl.trans(wu), up, input_precision="ieee")
-            else:
-                gate = tl.dot(xv, tl.trans(wg), gate)
-                up = tl.dot(xv, tl.trans(wu), up)
+            gate = _dot_t(xv, tl.load(w_gate + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0), gate, IEEE)
+            up = _dot_t(xv, tl.load(w_up + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0), up, IEEE)
         act = gate * tl.sigmoid(gate) * up
         out = hidden_ptr + rows[:, None].to(tl.int64) * stride_h + n[None, :]
         tl.store(out, act.to(hidden_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
@@ -65,11 +73,7 @@ def _gate_up(x_ptr, w_ptr, order_ptr, offsets_ptr, hidden_ptr, H, I, TOP_K,
 def _down(hidden_ptr, w_ptr, order_ptr, offsets_ptr, weights_ptr, out_ptr, H, I,
           stride_h, stride_we, stride_wn, stride_o,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    expert = tl.program_id(0)
-    start = tl.load(offsets_ptr + expert)
-    end = tl.load(offsets_ptr + expert + 1)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < H
+    expert, start, end, n, n_ok = _expert_columns(offsets_ptr, H, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     w = w_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
     for row0 in range(start, end, BLOCK_M):
@@ -81,11 +85,7 @@ def _down(hidden_ptr, w_ptr, order_ptr, offsets_ptr, weights_ptr, out_ptr, H, I,
         for k0 in range(0, I, BLOCK_K):
             k_ok = (k0 + kk) < I
             hv = tl.load(h + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wv = tl.load(w + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(hv, tl.trans(wv), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(hv, tl.trans(wv), acc)
+            acc = _dot_t(hv, tl.load(w + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0), acc, IEEE)
         scale = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
         out = out_ptr + pair[:, None].to(tl.int64) * stride_o + n[None, :]
         tl.store(out, acc * scale[:, None], mask=row_ok[:, None] & n_ok[None, :])

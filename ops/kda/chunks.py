@@ -5,7 +5,8 @@ sub-blocks). A sequence of ``n`` tokens has ``ceil(n / CHUNK)`` chunks, an empty
 their chunks densely, sequence after sequence: a program (or CTA) per chunk slot finds its sequence from these counts.
 
 The count is written once per language, here: ``first_chunk_slots`` for PyTorch (host plans, the Triton path) and
-``CUDA_CHUNK_COUNT``, the device function the CUDA kernels include (the chunk plan, our prepare and scan).
+``chunk_count`` in ``chunk_count.cuh``, the device function the CUDA kernels include (the chunk plan, our prepare
+and scan; it spells ``CHUNK`` out, a test keeps the two equal).
 """
 from __future__ import annotations
 
@@ -14,18 +15,6 @@ import torch
 from kda_compile.ops._common import cdiv
 
 CHUNK = 64
-
-CUDA_CHUNK_COUNT = f"""
-// chunks of a sequence of len tokens: none when it is empty (a negative length, from bad offsets, counts as empty).
-// The int form keeps 32-bit arithmetic where offsets fit an int (the prepare's registers are tight).
-__device__ __forceinline__ int chunk_count(long long len) {{
-    return len > 0 ? (int)((len + {CHUNK - 1}) / {CHUNK}) : 0;
-}}
-__device__ __forceinline__ int chunk_count(int len) {{
-    return len > 0 ? (len + {CHUNK - 1}) / {CHUNK} : 0;
-}}
-"""
-
 
 def chunks_in(tokens: int) -> int:
     """Chunks of one sequence of ``tokens`` tokens."""

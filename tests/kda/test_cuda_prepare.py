@@ -64,15 +64,12 @@ def test_forced_cuda_outside_the_design_runs_triton_and_records_why(monkeypatch)
 
 def test_the_gate_form_picks_pass_one_only():
     """KDA's per-channel and GDN's scalar gate share the kernel's prologue, inverse and pass 2: their sources differ
-    in pass 1 alone."""
-    from kda_compile.ops.kda import cuda_prepare_channel, cuda_prepare_scalar
-
+    in the compile-time switch that picks pass 1 (and the per-channel pass's early slice copies) alone."""
     base = dict(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=True, l2norm=True, has_a_log=True,
                 has_dt_bias=True, beta_sigmoid=True, save_akk=False)
     channel, scalar = src.kernel_source(**base), src.kernel_source(**base, scalar_gate=True)
-    assert cuda_prepare_channel.ISSUE_SLICES in channel  # the per-channel pass issues its slices' copies early
-    channel_only = channel.replace(cuda_prepare_channel.ISSUE_SLICES, "")
-    assert channel_only.replace(cuda_prepare_channel.PASS1, cuda_prepare_scalar.PASS1) == scalar
+    assert "#define SCALAR_GATE 0\n" in channel
+    assert channel.replace("#define SCALAR_GATE 0\n", "#define SCALAR_GATE 1\n") == scalar
     assert src.kernel_source(**base, scalar_gate=False) == channel
 
 

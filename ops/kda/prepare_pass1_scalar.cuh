@@ -1,24 +1,21 @@
-"""Pass 1 of the CUDA prepare kernel (``cuda_prepare_source.py``) for a scalar gate per (token, value head): GDN.
-
-The same math as the Triton kernel's scalar pass (``triton_prepare_scalar.py``): with one decay per token, the
-decay between tokens ``j <= i`` is one number ``2^span(j, i]``, so the ``A`` products are PLAIN ``q k^T`` and
-``k k^T`` of the loaded bf16 tiles (``mma.m16n8k16``: exact products, fp32 accumulation, no TF32 rounding of
-scaled operands), scaled afterwards elementwise by the rows' L2-norm factors and the decay. Exponents are sums
-over their own span, never differences: the gate of each row is computed once (threads 0-63; the finished log
-decay, or with ``HAS_A_LOG`` the in-kernel ``-exp(A_log) softplus(g + dt_bias)``), floored at ``GATE_FLOOR``,
-and each row's gate through it from its 16-row block's start (``pre``) and after it to the block's end (``suf``)
-are direct sums; a cross-block span is ``pre_i + the blocks strictly between + suf_j``, a span inside a block a
-running sum over its own rows (``dspan``). Exact for any gate (``-inf``: a reset), at a cost that does not depend
-on the data. ``qg, kd, x`` take per-row factors, ``decay`` is ``2^G_last`` on every channel (the scan's layout).
-With ``ROW_FACTORS`` the kernel writes those factors (``[slots, HV, 2, 64]`` fp32 through the ``QG`` pointer) in
-place of the ``qg`` / ``kd`` tiles, and the CUDA scan applies them to the raw q / k (``cuda_scan_source.py``).
-
-Leaves ``accq`` / ``acck`` as the per-channel pass does. Uses the key-tile region of pass 1 for its per-row
-scratch (log2 gates, ``pre``, ``suf``, the key rows' L2-norm factors): 1 KiB.
-"""
-from __future__ import annotations
-
-PASS1 = r"""    // ---- pass 1 (scalar gate): per-row gates and spans, then plain q k^T / k k^T over 16-channel slices ----
+// Pass 1 of the prepare kernel (prepare.cu) for a scalar gate per (token, value head): GDN. Included inside
+// kda_prepare_mma's body, after the prologue (it reads the prologue's locals).
+//
+// The same math as the Triton kernel's scalar pass (triton_prepare_scalar.py): with one decay per token, the decay
+// between tokens j <= i is one number 2^span(j, i], so the A products are PLAIN q k^T and k k^T of the loaded bf16
+// tiles (mma.m16n8k16: exact products, fp32 accumulation, no TF32 rounding of scaled operands), scaled afterwards
+// elementwise by the rows' L2-norm factors and the decay. Exponents are sums over their own span, never differences:
+// the gate of each row is computed once (threads 0-63; the finished log decay, or with HAS_A_LOG the in-kernel
+// -exp(A_log) softplus(g + dt_bias)), floored at GATE_FLOOR, and each row's gate through it from its 16-row block's
+// start (pre) and after it to the block's end (suf) are direct sums; a cross-block span is pre_i + the blocks
+// strictly between + suf_j, a span inside a block a running sum over its own rows (dspan). Exact for any gate
+// (-inf: a reset), at a cost that does not depend on the data. qg, kd, x take per-row factors, decay is 2^G_last on
+// every channel (the scan's layout). With ROW_FACTORS the kernel writes those factors ([slots, HV, 2, 64] fp32
+// through the QG pointer) in place of the qg / kd tiles, and the CUDA scan applies them to the raw q / k (scan.cu).
+//
+// Leaves accq / acck as the per-channel pass does. Uses the key-tile region of pass 1 for its per-row scratch (log2
+// gates, pre, suf, the key rows' L2-norm factors): 1 KiB.
+    // ---- pass 1 (scalar gate): per-row gates and spans, then plain q k^T / k k^T over 16-channel slices ----
     float* gl = reinterpret_cast<float*>(smem + UNION_OFF);  // [64] log2 gates, 0 past the sequence
     float* pre = gl + 64;   // [64] the gate from the row's block start through the row (direct sums)
     float* suf = pre + 64;  // [64] the gate after the row to its block's end (direct sums)
@@ -202,4 +199,3 @@ PASS1 = r"""    // ---- pass 1 (scalar gate): per-row gates and spans, then plai
                 }
         }
     }
-"""

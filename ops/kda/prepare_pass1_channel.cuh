@@ -1,55 +1,18 @@
-"""Pass 1 of the CUDA prepare kernel (``cuda_prepare_source.py``) for the per-channel gate (KDA: the in-kernel
-lower-bound gate, or with ``GATE_SOFTPLUS`` the in-kernel softplus gate): per 16-channel slice the gate, its
-block-local cumsum (lane shuffles), the block sums exchanged between warps, ``qg``, ``kd``, ``decay``,
-``x = beta 2^G k`` (into shared memory) and the ``A_qk`` / ``A_kk`` stripes on TF32 tensor cores with the decay
-folded into the operands through per-block anchors (the Triton kernel's ``triton_prepare_channel.py``; every
-exponent a sum over its own span).
-
-A 16-token block whose decay spans at most ``DIAG_RANGE_LIMIT`` (the bounded lower-bound gate) takes its product
-with itself through one anchor, as the stripes do. ``WIDE_BLOCKS`` (gates of any strength) forms that product
-on its own: exponents from the steps clamped at ``-STEP_CLAMP`` and one anchor per 8-column tile, so every
-factor stays in range whatever the data (docs/kda-kernels.md section 4.1); no exact element-by-element pass.
-
-Leaves ``accq[s][nt][e]`` / ``acck[s][nt][e]``: ``A_qk`` and ``A_kk`` (before beta and the triangle masks) of this
-warp's 16 rows against key block s, in the ``mma`` accumulator layout.
-"""
-from __future__ import annotations
-
-# The q / k / gate slices' copies, issued in the prologue right after the v tile's, so their round trips overlap
-# the L2 norms' loads (with PASS1's key-tile layout: 1.5-3.9% less kernel time, H200; docs/kda-kernels.md section 4).
-ISSUE_SLICES = r"""    // q / k / gate slices arrive by cp.async, NSTAGE slices ahead, into [64][16] tiles (16-byte chunks
-    // swizzled by row bit 2); each warp takes its block's mma fragments with ldmatrix
-    unsigned char* stages = smem + STAGE_OFF;
-    auto issue_slice = [&](int sl) {
-        if (sl < KD / 16) {
-            unsigned char* st = stages + (sl % NSTAGE) * STAGE_BYTES;
-            const int row = tid >> 1, ch = tid & 1, c = 16 * sl + 8 * ch;
-            const bool ok = row < nvalid;
-            const u32 dst = smem_addr(st) + row * 32 + ((ch ^ ((row >> 2) & 1)) << 4);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(dst), "l"(q + (ok ? row * qs_row + c : 0)), "r"(ok ? 16 : 0));
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(dst + 2048), "l"(k + (ok ? row * qs_row + c : 0)), "r"(ok ? 16 : 0));
-#if G_BYTES == 2
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                         :: "r"(dst + 4096), "l"(g + (ok ? row * vs_row + c : 0)), "r"(ok ? 16 : 0));
-#else
-            for (int part = 0; part < 2; ++part) {  // fp32 gate: [64][16] fp32, 4 chunks a row, unswizzled
-                const int r2 = (tid + 128 * part) >> 2, ch2 = (tid + 128 * part) & 3;
-                const bool ok2 = r2 < nvalid;
-                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                             :: "r"(smem_addr(st) + 4096 + r2 * 64 + ch2 * 16),
-                                "l"(g + (ok2 ? r2 * vs_row + 16 * sl + 4 * ch2 : 0)), "r"(ok2 ? 16 : 0));
-            }
-#endif
-        }
-        asm volatile("cp.async.commit_group;");
-    };
-#pragma unroll
-    for (int sl = 0; sl < NSTAGE; ++sl) issue_slice(sl);
-"""
-
-PASS1 = r"""    // ---- pass 1 over 16-channel slices ----------------------------------------------------------------
+// Pass 1 of the prepare kernel (prepare.cu) for the per-channel gate (KDA: the in-kernel lower-bound gate, or with
+// GATE_SOFTPLUS the in-kernel softplus gate). Included inside kda_prepare_mma's body, after the prologue: it reads
+// the prologue's locals and the slice copies issue_slice starts. Per 16-channel slice: the gate, its block-local
+// cumsum (lane shuffles), the block sums exchanged between warps, qg, kd, decay, x = beta 2^G k (into shared memory)
+// and the A_qk / A_kk stripes on TF32 tensor cores with the decay folded into the operands through per-block anchors
+// (the Triton kernel's triton_prepare_channel.py; every exponent a sum over its own span).
+//
+// A 16-token block whose decay spans at most DIAG_RANGE_LIMIT (the bounded lower-bound gate) takes its product with
+// itself through one anchor, as the stripes do. WIDE_BLOCKS (gates of any strength) forms that product on its own:
+// exponents from the steps clamped at -STEP_CLAMP and one anchor per 8-column tile, so every factor stays in range
+// whatever the data (docs/kda-kernels.md section 4.1); no exact element-by-element pass.
+//
+// Leaves accq[s][nt][e] / acck[s][nt][e]: A_qk and A_kk (before beta and the triangle masks) of this warp's 16 rows
+// against key block s, in the mma accumulator layout.
+    // ---- pass 1 over 16-channel slices ----------------------------------------------------------------
     // lane elements: rows row0 + 8 hh, channels c0 + {2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9} (mma A layout)
 #if GATE_SOFTPLUS
 #if HAS_A_LOG
@@ -323,4 +286,3 @@ PASS1 = r"""    // ---- pass 1 over 16-channel slices --------------------------
             }
         }
     }
-"""

@@ -1,11 +1,7 @@
-"""CUDA device helpers of the prepare kernel (``cuda_prepare_source.py``): bf16 bit handling, the ``mma.sync``
-products (bf16 and TF32), the 3xTF32 split and the 16 x 16 block products of the triangular solve.
-
-Raw bits only (no ``cuda_bf16.h``: NVRTC may have no include path).
-"""
-from __future__ import annotations
-
-HELPERS = r"""
+// Device helpers of the CUDA prepare kernel (prepare.cu): bf16 bit handling, the mma.sync products (bf16 and
+// TF32), the 3xTF32 split and the 16 x 16 block products of the triangular solve, and the solve's off-diagonal
+// blocks (solve_offdiag). Raw bits only (no cuda_bf16.h: NVRTC may have no include path).
+#pragma once
 typedef unsigned int u32;
 typedef unsigned short bf16;  // raw bits (no cuda_bf16.h: NVRTC may have no include path)
 #define FULL 0xffffffffu
@@ -160,4 +156,3 @@ __device__ __noinline__ void solve_offdiag(float* Ts, float* Ls, float* Zs, int 
     }
 }
 
-"""

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops._common import is_dtensor, record_fallback
-from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
-from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
-from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
-from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
+from kda_compile.ops.kda.backends import fla as fla_backend  # noqa: F401  (registers the FLA backend)
+from kda_compile.ops.kda.prefill import backend as prefill_backend  # noqa: F401  (registers our Triton prefill backend)
+from kda_compile.ops.kda.decode import backend as decode_backend  # noqa: F401  (registers our Triton decode backend)
+from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
 from kda_compile.ops._common import check_inputs_enabled
 from kda_compile.ops.kda.validation import check_input_values
 

@@ -1,0 +1,153 @@
+"""Which kernel runs the KDA prefill's recurrence on CUDA, and the launcher of the CUDA one.
+
+- ``cuda`` (``prefill/cuda/scan_source.py``, compiled by NVRTC): sm_90 or newer (``stmatrix``), bf16 intermediates,
+  K = V = 128, our own prepare kernel's formats (not FLA's), ``o`` and the final state as outputs (FLA's chunk
+  states are not written), an fp32 initial state. One segment: the whole sequence in one program per value block.
+- ``triton`` (``prefill/triton/scan.py``): every call; cuts long sequences into segments (``choose_segments``).
+
+``KDA_COMPILE_SCAN_KERNEL`` = ``auto`` (default) | ``triton`` | ``cuda`` overrides the choice (``cuda`` still
+runs Triton, logged, on calls outside the kernel's design). In ``auto`` the CUDA kernel takes the calls it is
+written for where the segment cost model (``plan.cuda_scan_is_faster``) puts it ahead of the Triton
+scan's segments (not when a segment count was asked for): every anchor shape but the single 65536-token
+sequence with 16 heads. A call it would take that cannot run it (NVRTC missing or failing) runs Triton and is
+recorded as a fallback (logged once, shown by the rewrite report).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kda_compile.ops._common import cuda_index, device_capability, on_device, record_fallback
+from kda_compile.ops._nvrtc import NvrtcUnavailable, load_kernel
+from kda_compile.ops.kda.prefill.cuda.choice import CU_TYPES as _CU
+from kda_compile.ops.kda.prefill.cuda.choice import device_unsupported
+from kda_compile.ops.kda.prefill.cuda.choice import requested_kernel as _requested
+from kda_compile.ops.kda.prefill.cuda import scan_source as src
+
+KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
+_OP = "chunk_kda"
+MAX_SEQUENCES = 65535  # the grid's z dimension
+STAGES = 2  # chunks of tiles in shared memory (scan_source.shared_bytes); 3 measured no faster
+
+
+# One chunk step of the kernel in the segment cost model's units (``plan.segment_cost``: about 6 us, the
+# Triton scan's step on an H100), per value columns a CTA. Measured, one CTA per SM: 1.68 / 1.86 us with 32 / 64
+# columns (H100, 1 x 32768 x 32); 1.75 / 1.97 / 3.3 us with 32 / 64 / 128 (H200, 1 x 8192 x 32 / 64 / 96).
+STEP_COST = {32: 0.28, 64: 0.31, 128: 0.53}
+
+
+def block_v_for(pairs: int, sm_count: int) -> int:
+    """Value columns per CTA for ``pairs`` (sequence, head) pairs: the count whose waves of CTAs (one CTA per SM,
+    ``128 / block_v`` CTAs a pair) cost least by ``STEP_COST`` (the smaller on a tie). Few pairs take 32 (more
+    CTAs, shorter steps: 1.04x the whole forward against 64 at 1 x 8192 x 32); up to two CTAs of 64 a pair per wave,
+    64; more pairs 128, one CTA of 8 warps a pair, whose w / qg / kd tiles are then loaded once instead of once per
+    CTA (H200, same process: the scan 13-21% faster than with 64 on the packed comparison shapes, e.g. 142 -> 123
+    us at 8 x 1024 x 32, 499 -> 394 us at 256 x 128 x 16)."""
+    return min(STEP_COST, key=lambda bv: (scan_waves(pairs, bv, sm_count) * STEP_COST[bv], bv))
+
+
+def scan_waves(pairs: int, block_v: int, sm_count: int) -> int:
+    """Waves of the kernel's CTAs (one resident per SM) for ``pairs`` (sequence, head) pairs."""
+    return -(-pairs * (src.HEAD_DIM // block_v) // sm_count)
+
+
+def requested_kernel() -> str:
+    return _requested(KERNEL_ENV)
+
+
+def outside_design(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool, writes_chunk_states: bool,
+                   writes_o: bool) -> str | None:
+    """Why the scan call is not one the CUDA kernel is written for, or None."""
+    why = device_unsupported(w, min_capability=(9, 0), needs="bf16 mma.sync and stmatrix")
+    if why is not None:
+        return why
+    if w.dtype != torch.bfloat16:
+        return f"the intermediates are {w.dtype} (the kernel takes bfloat16)"
+    if w.shape[-1] != src.HEAD_DIM or u.shape[-1] != src.HEAD_DIM:
+        return f"K = {w.shape[-1]}, V = {u.shape[-1]} (the kernel takes 128 / 128)"
+    if gate_cumsum:
+        return "FLA's intermediates (gate cumsum format)"
+    if writes_chunk_states or not writes_o:
+        return "FLA's chunk states are asked for (the kernel writes o and the final state only)"
+    if initial_state is not None and initial_state.dtype != torch.float32:
+        return f"the initial state is {initial_state.dtype} (the kernel takes float32)"
+    if cu_seqlens.numel() and cu_seqlens.dtype not in _CU:
+        return f"cu_seqlens is {cu_seqlens.dtype} (the kernel takes int32 or int64)"
+    if num_seqs > MAX_SEQUENCES:
+        return f"{num_seqs} sequences (the kernel's grid takes at most {MAX_SEQUENCES})"
+    return None
+
+
+def choose_scan_kernel(w, u, initial_state, cu_seqlens, *, num_seqs: int, gate_cumsum: bool,
+                       writes_chunk_states: bool, writes_o: bool, segments_asked: bool, cuda_faster) -> str:
+    """"cuda" or "triton" for this scan (module docstring); a forced ``cuda`` outside the design is logged as
+    a fallback. ``cuda_faster``: a callable, the cost model's verdict (asked only in ``auto``)."""
+    requested = requested_kernel()
+    if requested == "triton" or (requested == "auto" and segments_asked):
+        return "triton"
+    why = outside_design(w, u, initial_state, cu_seqlens, num_seqs=num_seqs, gate_cumsum=gate_cumsum,
+                         writes_chunk_states=writes_chunk_states, writes_o=writes_o)
+    if why is None:
+        return "cuda" if requested == "cuda" or cuda_faster() else "triton"
+    if requested == "cuda":
+        record_fallback(_OP, "Triton scan kernel", f"the CUDA scan kernel cannot run this call: {why}")
+    return "triton"
+
+
+@functools.lru_cache(maxsize=None)
+def _source(cu_dtype: str, varlen: bool, has_h0: bool, store_ht: bool, stages: int, block_v: int,
+            row_factors: bool = False) -> str:
+    return src.kernel_source(cu_dtype=cu_dtype, varlen=varlen, has_h0=has_h0, store_ht=store_ht, stages=stages,
+                             block_v=block_v, row_factors=row_factors)
+
+
+def scan_kernel(device_index: int, cu_dtype: torch.dtype | None, has_h0: bool, store_ht: bool, block_v: int,
+                row_factors: bool = False):
+    """The compiled kernel for one specialisation (compiled and loaded on first use; ``_nvrtc.load_kernel``);
+    ``cu_dtype``: the offsets' dtype with packed sequences, else None; ``row_factors``: the scalar-gate form that
+    reads the raw q / k and the rows' factors (``scan_source.kernel_source``). The caller has made the device
+    current. Raises NvrtcUnavailable."""
+    major, minor = device_capability(device_index)
+    varlen = cu_dtype is not None
+    source = _source(_CU.get(cu_dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v,
+                     row_factors)
+    return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
+                       shared_bytes=src.shared_bytes(STAGES, block_v, row_factors))
+
+
+def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, *, T: int,
+                     N: int, block_v: int, factors=None) -> None:
+    """Run the CUDA scan: ``o`` (and ``final`` when given) from our prepare kernel's intermediates (the
+    caller checked ``outside_design`` is None), ``block_v`` value columns per CTA (``block_v_for``). With
+    ``factors`` (the scalar-gate prepare's ``row_factors`` output, ``[slots, HV, 2, 64]`` fp32) ``qg`` / ``kd`` are
+    the raw, contiguous q / k ``[..., H, 128]``. With packed sequences the kernel zeroes ``o``'s rows past the last
+    sequence (``o`` need not start zeroed); with at most ``INLINE_SEQS`` of them it counts their chunks from
+    ``cu_seqlens`` and does not read ``chunk_offsets``. Raises NvrtcUnavailable when the kernel cannot be built."""
+    device_index = cuda_index(w.device)
+    HV = w.shape[-2]
+    H = qg.shape[-2] if factors is not None else HV
+    varlen = cu_seqlens.numel() > 0
+    has_h0, store_ht = initial_state is not None, final is not None
+    h0_strides = initial_state.stride() if has_h0 else (0, 0, 0, 0)
+    with on_device(device_index):
+        kernel = scan_kernel(device_index, cu_seqlens.dtype if varlen else None, has_h0, store_ht, block_v,
+                             row_factors=factors is not None)
+        ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
+        params = [ptr(t) for t in (w, u, qg, kd, a_qk, decay, o, initial_state if has_h0 else w,
+                                   final if store_ht else w, cu_seqlens if varlen else w,
+                                   chunk_offsets if varlen else w, factors if factors is not None else w)]
+        params += [ctypes.c_int(T), ctypes.c_int(HV), ctypes.c_int(H)] + [ctypes.c_longlong(s) for s in h0_strides]
+        if N * HV:
+            kernel.launch((src.HEAD_DIM // block_v, HV, N), 2 * block_v, params)
+
+
+def run_or_fall_back(*args, **kwargs) -> bool:
+    """``launch_scan_cuda``; False (with the fallback recorded) when the kernel cannot be built."""
+    try:
+        launch_scan_cuda(*args, **kwargs)
+        return True
+    except NvrtcUnavailable as exc:
+        record_fallback(_OP, "Triton scan kernel", f"the CUDA scan kernel could not be built: {exc}")
+        return False

@@ -37,7 +37,6 @@ Ops layer: nothing here knows of torch.compile beyond declining to run while Dyn
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -47,8 +46,9 @@ from typing import Callable
 import torch
 
 from kda_compile.ops._common import cuda_index, on_device
-from kda_compile.ops._nvrtc import ArgumentBlock, NvrtcUnavailable, current_raw_stream, ensure_thread_context
+from kda_compile.ops._nvrtc import NvrtcUnavailable, current_raw_stream, ensure_thread_context
 from kda_compile.ops.kda.prefill.cuda import chunk_plan as cuda_chunk_plan
+from kda_compile.ops.kda.prefill.cuda.launch import CHUNK_PLAN, PREPARE, SCAN, scan_scalars
 from kda_compile.ops.kda.prefill.cuda import prepare_source as prepare_src
 from kda_compile.ops.kda.prefill.chunks import CHUNK, chunks_in, packed_slot_bound
 from kda_compile.ops.kda.backends.registry import KDAOptions, restricted_to, select_backend
@@ -143,8 +143,8 @@ def _layout(tokens: int, HV: int, slots: int, num_seqs: int, row_factors: bool =
 class Plan:
     """One signature's kernels, grids, argument blocks and workspace layout; calling it runs the forward."""
 
-    def __init__(self, *, device_index, o_shape, final_shape, state_v_first, layout, prepare, prepare_grid, scan,
-                 scan_grid, scan_threads, planner, has_a_log, has_dt_bias, has_h0, varlen, scale,
+    def __init__(self, *, device_index, o_shape, final_shape, state_v_first, layout, prepare, slots, scan, block_v,
+                 planner, has_a_log, has_dt_bias, has_h0, varlen, scale,
                  beta_scale, lower_bound, T, N, H, HV, h0_strides, row_factors=False):
         self.device_index, self.layout = device_index, layout
         self.o_shape = o_shape
@@ -158,19 +158,19 @@ class Plan:
             self.final_stride = (*contiguous[:2], 1, V_) if state_v_first else contiguous
         self.has_a_log, self.has_dt_bias, self.has_h0, self.varlen = has_a_log, has_dt_bias, has_h0, varlen
         self.row_factors = row_factors
-        i32, f32, i64 = ctypes.c_int, ctypes.c_float, ctypes.c_longlong
-        self.prepare_args = ArgumentBlock(16, [i32(T), i32(N), i32(H), i32(HV), f32(scale), f32(beta_scale),
-                                               f32(lower_bound)])
-        self.scan_args = ArgumentBlock(12, [i32(T), i32(HV), i32(H if row_factors else HV)]
-                                       + [i64(s) for s in h0_strides])
+        # the argument blocks of the launch descriptions (launch.py); their pointers are set per call, in order
+        self.prepare_args = PREPARE.block(dict(T=T, N=N, H=H, HV=HV, scale=scale, beta_scale=beta_scale,
+                                               lower_bound=lower_bound))
+        self.scan_args = SCAN.block(scan_scalars(T, HV, H if row_factors else HV, h0_strides))
         # the chunk plan's kernel: more than INLINE_SEQS packed sequences (fewer: the kernels read cu_seqlens alone)
-        self.planner_args = ArgumentBlock(2, [i32(N)]) if planner is not None else None
+        self.planner_args = CHUNK_PLAN.block(dict(N=N)) if planner is not None else None
         # (chunk plan or None, prepare, scan): launched with the argument blocks above on the caller's stream
         self._launches = tuple(
             None if block is None else kernel.launcher(grid, threads, block)
-            for kernel, grid, threads, block in ((planner, (1, 1, 1), cuda_chunk_plan.THREADS, self.planner_args),
-                                                 (prepare, prepare_grid, prepare_src.THREADS, self.prepare_args),
-                                                 (scan, scan_grid, scan_threads, self.scan_args)))
+            for kernel, grid, threads, block in (
+                (planner, CHUNK_PLAN.grid(), CHUNK_PLAN.threads(), self.planner_args),
+                (prepare, PREPARE.grid(slots, HV), PREPARE.threads(), self.prepare_args),
+                (scan, SCAN.grid(block_v, HV, N), SCAN.threads(block_v), self.scan_args)))
         self._lock = threading.Lock()
 
     def __call__(self, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens):
@@ -303,8 +303,7 @@ def _build(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, scale, output_final
         planner = cuda_chunk_plan.chunk_plan_kernel(index, cu_dtype) if planned else None
     return Plan(device_index=index, o_shape=(B, T, HV, V), final_shape=(N, HV, K, V) if output_final_state else None,
                 state_v_first=state_v_first, layout=_layout(B * T, HV, slots, N, row_factors=scalar_gate),
-                prepare=prepare, prepare_grid=(slots, HV, 1), scan=scan,
-                scan_grid=(HEAD_DIM // block_v, HV, N), scan_threads=2 * block_v, planner=planner,
+                prepare=prepare, slots=slots, scan=scan, block_v=block_v, planner=planner,
                 has_a_log=A_log is not None,
                 has_dt_bias=dt_bias is not None, has_h0=h0 is not None, varlen=varlen, scale=scale,
                 beta_scale=2.0 if neg_eig else 1.0, lower_bound=0.0 if lower_bound is None else lower_bound,

@@ -8,7 +8,7 @@ lengths a tile at a time, so any N. Launch plans run it before our CUDA prepare 
 alone). Offsets are not checked here (negative lengths count as empty; ``chunk_kda``'s
 ``check_inputs`` is the place for bad offsets).
 
-Parameters: ``cu_seqlens, chunk_offsets`` (pointers), ``N`` (int).
+Its launch (grid, block, parameters): ``launch.CHUNK_PLAN``.
 """
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ shown by the rewrite report).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -27,6 +26,7 @@ from kda_compile.ops.kda.prefill.cuda.choice import CU_TYPES as _CU
 from kda_compile.ops.kda.prefill.cuda.choice import device_unsupported
 from kda_compile.ops.kda.prefill.cuda.choice import requested_kernel as _requested
 from kda_compile.ops.kda.prefill.cuda import prepare_source as src
+from kda_compile.ops.kda.prefill.cuda.launch import PREPARE
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_SOFTPLUS
 from kda_compile.ops.kda.prefill.triton.prepare_channel import exact_diagonal_needed
 
@@ -132,7 +132,7 @@ def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dt
     cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
     source = _source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors, softplus_gate, wide_blocks,
                      inline_offsets and flags[0])
-    return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}", shared_bytes=src.SHARED_BYTES)
+    return load_kernel(source, PREPARE.kernel, device_index, arch=f"{major}{minor}", shared_bytes=PREPARE.shared_bytes())
 
 
 def prepare_flags(args: dict) -> tuple[bool, ...]:
@@ -173,13 +173,11 @@ def launch_prepare(tensors: tuple, slots: int, args: dict) -> None:
     dt_bias = dt_bias.float().contiguous() if args["HAS_DT_BIAS"] else dt_bias
     with on_device(device_index):
         kernel = kernel_for(device_index, g.dtype, beta.dtype, cu_seqlens.dtype if varlen else None, args)
-        ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
-        params = [ptr(t) for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay, a_kk,
-                                   cu_seqlens if varlen else q, chunk_offsets if varlen else q)]
-        params += [ctypes.c_int(args[name]) for name in ("T", "N", "H", "HV")]
-        params += [ctypes.c_float(args[name]) for name in ("scale", "beta_scale", "lower_bound")]
+        params = PREPARE.params([t.data_ptr() for t in (q, k, v, g, beta, a_log, dt_bias, w, u, qg, kd, a_qk, decay,
+                                                        a_kk, cu_seqlens if varlen else q,
+                                                        chunk_offsets if varlen else q)], args)
         if slots * HV:
-            kernel.launch((slots, HV, 1), src.THREADS, params)
+            kernel.launch(PREPARE.grid(slots, HV), PREPARE.threads(), params)
 
 
 def run_or_fall_back(tensors: tuple, slots: int, args: dict, *, op: str = _OP) -> bool:

@@ -14,7 +14,6 @@ recorded as a fallback (logged once, shown by the rewrite report).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
@@ -25,6 +24,7 @@ from kda_compile.ops.kda.prefill.cuda.choice import CU_TYPES as _CU
 from kda_compile.ops.kda.prefill.cuda.choice import device_unsupported
 from kda_compile.ops.kda.prefill.cuda.choice import requested_kernel as _requested
 from kda_compile.ops.kda.prefill.cuda import scan_source as src
+from kda_compile.ops.kda.prefill.cuda.launch import SCAN, scan_scalars
 
 KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
 _OP = "chunk_kda"
@@ -113,8 +113,8 @@ def scan_kernel(device_index: int, cu_dtype: torch.dtype | None, has_h0: bool, s
     varlen = cu_dtype is not None
     source = _source(_CU.get(cu_dtype, "int") if varlen else "int", varlen, has_h0, store_ht, STAGES, block_v,
                      row_factors)
-    return load_kernel(source, src.KERNEL_NAME, device_index, arch=f"{major}{minor}",
-                       shared_bytes=src.shared_bytes(STAGES, block_v, row_factors))
+    return load_kernel(source, SCAN.kernel, device_index, arch=f"{major}{minor}",
+                       shared_bytes=SCAN.shared_bytes(STAGES, block_v, row_factors))
 
 
 def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seqlens, chunk_offsets, *, T: int,
@@ -134,13 +134,13 @@ def launch_scan_cuda(w, u, qg, kd, a_qk, decay, o, initial_state, final, cu_seql
     with on_device(device_index):
         kernel = scan_kernel(device_index, cu_seqlens.dtype if varlen else None, has_h0, store_ht, block_v,
                              row_factors=factors is not None)
-        ptr = lambda x: ctypes.c_void_p(x.data_ptr())  # noqa: E731
-        params = [ptr(t) for t in (w, u, qg, kd, a_qk, decay, o, initial_state if has_h0 else w,
-                                   final if store_ht else w, cu_seqlens if varlen else w,
-                                   chunk_offsets if varlen else w, factors if factors is not None else w)]
-        params += [ctypes.c_int(T), ctypes.c_int(HV), ctypes.c_int(H)] + [ctypes.c_longlong(s) for s in h0_strides]
+        params = SCAN.params([t.data_ptr() for t in (w, u, qg, kd, a_qk, decay, o, initial_state if has_h0 else w,
+                                                     final if store_ht else w, cu_seqlens if varlen else w,
+                                                     chunk_offsets if varlen else w,
+                                                     factors if factors is not None else w)],
+                             scan_scalars(T, HV, H, h0_strides))
         if N * HV:
-            kernel.launch((src.HEAD_DIM // block_v, HV, N), 2 * block_v, params)
+            kernel.launch(SCAN.grid(block_v, HV, N), SCAN.threads(block_v), params)
 
 
 def run_or_fall_back(*args, **kwargs) -> bool:

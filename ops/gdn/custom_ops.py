@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops.gdn.prefill import backend as chunk_backend  # noqa: F401  (registers our chunk kernels for inference)
+from kda_compile.ops.gdn.prefill import backend as chunk_backend  # noqa: F401  (registers our chunk kernels)
 from kda_compile.ops.gdn.decode import backend as decode_backend  # noqa: F401  (registers our decode kernel)
 from kda_compile.ops.gdn.backends import fla as fla_backend  # noqa: F401  (registers FLA's GDN kernels)
 from kda_compile.ops.gdn.backends import kda as kda_backend  # noqa: F401  (registers the route through the KDA kernels)

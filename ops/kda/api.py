@@ -78,8 +78,7 @@ def chunk_kda(
         chunk_size: 16, 32 or 64 (FLA kernels take 32 or 64).
         disable_recompute: in training, keep FLA's forward intermediates (``w, u, qg, kg, v_new`` and the
             per-chunk states ``h``) for the backward instead of recomputing them there, as FLA does: a
-            faster backward (forward + backward 8.5% faster than FLA's default call on an H100, measured before our
-            scan kernel took over FLA's last two forward kernels) for more memory (at
+            faster backward (docs/kda-kernels.md section 8) for more memory (at
             K = V = 128 in bf16, about 2.25 KB more per token and value head with the in-kernel gate, whose
             cumsum is kept too, 1.8 KB without, against 0.75 KB of FLA's default residuals). Honoured on
             FLA's kernels; with ``cu_seqlens`` (the number of saved states depends on the sequence lengths)

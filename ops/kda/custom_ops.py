@@ -127,8 +127,8 @@ def chunk_kda_inference(
 ) -> tuple[Tensor, Tensor]:
     """``chunk_kda_fwd`` without saving for the backward, called directly by eager inference (see
     ``ops._common.dispatcher_needed``): the same backend and kernels, without the custom-op dispatcher's Python
-    path and the thirteen empty residual outputs the op's schema needs (on an H100 those cost about 0.3 ms of
-    host time per call, more than the kernels of a 2k-token prefill). ``cu_seqlens_cpu`` (the caller's host copy
+    path and the thirteen empty residual outputs the op's schema needs (host time per call that can exceed the
+    kernels of a short prefill: docs/kda-kernels.md section 8). ``cu_seqlens_cpu`` (the caller's host copy
     of ``cu_seqlens``, same values) lets the backend plan packed sequences on the host: no device-side planning
     kernels, no synchronisation."""
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,

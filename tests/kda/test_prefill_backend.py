@@ -11,7 +11,8 @@ import torch
 pytest.importorskip("triton", reason="the backend's module check and the kernel's limit need triton")
 
 from kda_compile.ops.kda.backends import registry as backends  # noqa: E402
-from kda_compile.ops.kda.backends.registry import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
+from kda_compile.ops.kda.backends.registry import (KDAOptions, only_backends, registered_backends,  # noqa: E402
+                                                   select_backend)
 from kda_compile.ops.kda.prefill.backend import (  # noqa: E402
     BOUNDED_GATE_LIMIT, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
 )

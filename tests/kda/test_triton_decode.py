@@ -29,7 +29,8 @@ from triton_device import INTERPRETED, triton_device  # noqa: E402
 DEVICE = triton_device("the Triton decode kernel")
 
 from kda_compile.ops.kda.backends import registry as backends  # noqa: E402
-from kda_compile.ops.kda.backends.registry import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
+from kda_compile.ops.kda.backends.registry import (KDAOptions, only_backends, registered_backends,  # noqa: E402
+                                                   select_backend)
 from kda_compile.ops.kda.decode.backend import TritonDecodeBackend  # noqa: E402
 from kda_compile.ops.kda.decode.kernel import (  # noqa: E402
     SHIPPED_CONFIGS,

@@ -3,8 +3,8 @@
 With ``g_t`` the same on every key channel, KDA's per-channel decay ``diag(exp(g_t))`` is GDN's scalar
 ``exp(g_t)``: the results are GDN's exactly. The call goes through ``torch.ops.kda_compile.chunk_kda_fwd``
 / ``chunk_kda_bwd`` / ``fused_recurrent_kda_fwd``, so KDA's own backend choice applies (on CUDA: FLA's KDA
-kernels, or our Triton prefill and decode kernels when FLA is missing; ``kda_compile.ops.kda.backends.registry``). Decode
-without FLA runs ``decode_kernel`` (``decode/backend.py``: the same decode kernel with the scalar gate) ahead of
+kernels, or our Triton prefill and decode kernels when FLA is missing; ``kda_compile.ops.kda.backends.registry``).
+Decode without FLA runs ``decode_kernel`` (``decode/backend.py``: the same decode kernel with the scalar gate) ahead of
 this route; it comes here under ``only_backends("kda_kernels")`` or when that kernel fails to compile.
 
 Costs of the route (why it ranks below FLA's GDN kernels, docs/gdn.md section 3):

@@ -42,7 +42,8 @@ import torch
 from kda_compile.ops._backend_registry import BackendRegistry
 from kda_compile.ops._common import record_fallback
 from kda_compile.ops.gdn.reference import gdn_reference
-from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS  # noqa: F401  (the KDA route hands the KDA op's slots through)
+# (the KDA route hands the KDA op's residual slots through)
+from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS  # noqa: F401
 from kda_compile.ops.kda.backends.registry import ReferenceBackend as KDAReferenceBackend
 
 

@@ -1,8 +1,8 @@
 """GDN decode (``fused_recurrent_gdn``) on our fused Triton step with the scalar gate (``decode/kernel.py``): the
 ``decode_kernel`` backend.
 
-Registered ABOVE FLA (priority 15 > 10): one step replayed from a CUDA graph takes 0.90x FLA's GPU time at batch
-1 and 0.75-0.77x at batch 64-256 (H200), called eagerly its host path is shorter than FLA's public function's, and its
+Registered ABOVE FLA (priority 15 > 10): one step replayed from a CUDA graph takes less GPU time than FLA's,
+called eagerly its host path is shorter than FLA's public function's, and its
 first call in a fresh process compiles one shipped config (no autotuning): docs/gdn.md section 4. It replaced the
 KDA route, which fed KDA's decode kernel a gate broadcast over the K channels (a ``[B, T, HV, K]`` tensor written
 and read, K exponentials per row where one suffices). ``only_backends("decode_kernel")`` also runs it on CPU under

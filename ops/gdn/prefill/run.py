@@ -6,8 +6,9 @@ parameter (``scalar_gate=True``); allocation, chunk planning, kernel choice and 
 1. prepare, grid (chunks, HV), with the gate's form a compile-time parameter (``SCALAR_GATE``): the CUDA kernel
    (``ops/kda/prefill/cuda/prepare*.py``, bf16, K = V = 128) or the Triton one (``ops/kda/prefill/triton/prepare.py``,
    any dtype, K / V <= 256). With one decay per (token, value head), ``A_qk`` / ``A_kk`` are the plain
-   ``q k^T`` / ``k k^T`` products scaled by a decay matrix of span sums (``ops/kda/prefill/triton/prepare_scalar.py``): exact
-   for any gate, with no exact-diagonal pass, so the speed does not depend on the data;
+   ``q k^T`` / ``k k^T`` products scaled by a decay matrix of span sums
+   (``ops/kda/prefill/triton/prepare_scalar.py``): exact for any gate, with no exact-diagonal pass, so the speed
+   does not depend on the data;
 2. the scan (the CUDA scan with its state in registers, or the Triton scan with its segments), unchanged: the
    prepare writes the chunk decay ``2^G_last`` on every key channel, the layout it reads.
 

@@ -8,8 +8,8 @@ Dynamo cannot see through. Our custom ops own autograd instead.
 The chunked forward runs FLA's gate cumsum and intra-chunk kernels (``w, u, qg, kg, A_qk, A_kk``), then
 our recurrence kernel over those intermediates (``backends/fla_scan.py``) in place of FLA's last two kernels
 (chunk states to memory, then the output from them): the same roundings in the same order, so in bf16
-its outputs equal FLA's bitwise, and the forward takes 0-14% less time (1.00-1.16x FLA's ``chunk_kda`` on
-the benchmark shapes, one H100, 2026-11-22: docs/kda-kernels.md section 6).
+its outputs equal FLA's bitwise, and the forward takes no more time than FLA's ``chunk_kda`` (docs/kda-kernels.md
+section 6).
 Calls our scan kernel does not take (chunk size 32, K or V above 256) run FLA's whole forward, with a
 logged reason that the rewrite report shows.
 

@@ -4,12 +4,9 @@ zeroing of the triangle FLA leaves unwritten in its ``Aqk`` residual.
 Kernels and launchers only (no torch.compile, no custom ops, no backend choice). Device-agnostic, so
 the same launchers run on CPU tensors under ``TRITON_INTERPRET=1``.
 
-All three are memory-bound passes over whole rows, many rows per program. Measured on an H100
-(2026-11-22, 8 x 4096 x 32 heads, K = 128, bf16): the L2 norm runs at the copy bandwidth (0.18 ms per
-tensor forward, 0.35 ms backward, as fla-core 0.6's own kernels, which the FLA path used before). The
-zeroing replaced a broadcast ``masked_fill`` of 0.33 ms per block tensor; a version storing only the
-masked elements took 0.43 ms (partial-sector writes); this whole-row one moves 2 x 134 MB there (an
-estimated 0.09 ms; not profiled on its own).
+All three are memory-bound passes over whole rows, many rows per program: the L2 norm runs at the copy bandwidth,
+and the zeroing writes whole rows (a version storing only the masked elements paid for partial-sector writes;
+docs/kda-kernels.md section 8).
 
 Math (per row ``x`` of the last dimension; eps inside the square root, as FLA and HF)::
 

@@ -20,12 +20,11 @@ registers, and stores it once at the end, only when the final state is requested
 Every program of a head recomputes the prologue over the full K (cheap: K loads per token), so the
 V-split costs no extra state traffic: each state element is still read once and written once. A
 token's q / k / g / beta / v loads are all issued before its prologue math: loaded one at a time
-between the L2-norm reductions, their round trips queued behind each other (batch 64 on an H100:
-101.7 us, 88% of the copy bandwidth, before this order; docs/kda-decode.md).
+between the L2-norm reductions, their round trips queued behind each other (docs/kda-decode.md).
 Grid: ``(cdiv(V, BV), N * HV)``. ``BV`` and ``num_warps`` come from a shipped table by grid size class
 (``shipped_config``; a small grid, batch 1, favours a small ``BV`` to spread the state over more SMs), so the
-first call compiles one kernel and times nothing: 1.3 s in a fresh process against 4.9-5.4 s with autotuning
-over the 13 candidates (H200, GDN, batch 1 / 64; docs/kda-decode.md). ``KDA_COMPILE_DECODE_AUTOTUNE=1``
+first call compiles one kernel and times nothing, seconds less than autotuning over the 13 candidates in a fresh
+process (docs/kda-decode.md). ``KDA_COMPILE_DECODE_AUTOTUNE=1``
 autotunes instead, per (K, V, grid size class, dtypes), at the first call of each.
 
 Gate forms (``SCALAR_GATE``, compile-time): KDA's gate is a ``[K]`` row per token and value head (``g``
@@ -55,10 +54,10 @@ L2NORM_EPS = tl.constexpr(1e-6)  # inside the sqrt (FLA, HF); a plain global is 
 
 AUTOTUNE_ENV = "KDA_COMPILE_DECODE_AUTOTUNE"
 # (BV, num_warps) by grid size class for K = 128: each class's fastest config, or within 5% of it, for the GDN and
-# the KDA step at every batch size of the class (H200, bf16, V = 128, 32 value heads, fp32 state; one step replayed
-# from a CUDA graph, every candidate of ``_configs``): batch 1-2 7.5-8.8 us, 4-8 10.6-15.7 us, 16-32 24.1-42.8 us,
-# 64-256 76.6-282 us. H100 and H200 share the SM design and count, and the kernel streams its state (a memory-bound
-# step), so other GPUs take the same table; autotuning (``AUTOTUNE_ENV``) is there for a GPU where it is not best.
+# the KDA step at every batch size of the class (bf16, V = 128, 32 value heads, fp32 state; one step replayed from a
+# CUDA graph, every candidate of ``_configs``; the times: docs/kda-decode.md). The kernel streams its state (a
+# memory-bound step), so GPUs of the same SM design and count take the same table; autotuning (``AUTOTUNE_ENV``) is
+# there for a GPU where it is not best.
 SHIPPED_CONFIGS = {64: (16, 4), 256: (32, 2), 1024: (64, 4), 4096: (64, 4)}
 INTERPRETER_CONFIG = (32, 1)  # (BV, num_warps) under the Triton interpreter, which cannot benchmark
 

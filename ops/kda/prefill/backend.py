@@ -4,14 +4,12 @@ Registered BELOW FLA (priority 5 < 10) for the chunked op only (its forward, fak
 PREFERRED over it (``preferred_reason``) for the lower-bound gate with ``lower_bound >= -BOUNDED_GATE_LIMIT`` and
 for every in-kernel gate (softplus, any lower bound) of the calls the CUDA prepare kernel serves (bf16, K = V = 128,
 sm_80 or newer: ``cuda_prepare.serves_in_kernel_gates``).
-On an H100 (2026-11-22, bf16, K = V = 128, in-kernel norm / gate / beta; ``docs/kda-kernels.md``) our forward runs
-1.19-1.60x FLA's over seven benchmark shapes with the softplus gate, but its cost depends on the data: with strong
-decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g. Mamba-style
-``A_log = log U(1, 16)`` on raw gates ~ N(0, 1)) the prepare kernel adds its exact-diagonal pass and runs 1.9x
-slower (the Triton prepare, 5.1 vs 2.7 ms at 8 x 4096 x 32), about 0.75x FLA's whole forward, where FLA's cost
-does not depend on the data. The lower-bound gate bounds every step's decay by ``|lower_bound|`` nats, so with
-``lower_bound >= -5`` no block can reach that limit (16 x 5 / ln 2 = 115.4 < 120, the kernel's
-``DIAG_RANGE_LIMIT``) and the speed cannot depend on the data: those calls come here first. So do softplus and
+Our forward is ahead of FLA's with the softplus gate, but the Triton prepare's cost depends on the data: with strong
+decays (a 16-token block whose decay spans more than 2^120 in some channel, e.g. Mamba-style ``A_log = log U(1, 16)``
+on raw gates ~ N(0, 1)) it adds its exact-diagonal pass and falls behind FLA's whole forward, whose cost does not
+depend on the data (docs/kda-kernels.md section 8). The lower-bound gate bounds every step's decay by
+``|lower_bound|`` nats, so with ``lower_bound >= -5`` no block can reach that limit (16 x 5 / ln 2 = 115.4 < 120, the
+kernel's ``DIAG_RANGE_LIMIT``) and the speed cannot depend on the data: those calls come here first. So do softplus and
 other in-kernel gates where the CUDA prepare kernel runs: its ``wide_blocks`` form takes any decay with no exact
 pass (docs/kda-kernels.md section 4.1). Other calls opt in with ``only_backends("triton_chunk")``
 (``kda_compile.ops.kda.backends.registry``); without FLA this backend serves CUDA instead of the reference.
@@ -47,7 +45,7 @@ from kda_compile.ops._common import (
     triton_compile_errors,
 )
 from kda_compile.ops.kda.backends.registry import REFERENCE, KDAOptions, register_backend
-from kda_compile.ops.kda.prefill.chunks import CHUNK  # our prepare's chunk, hence that of the FLA residuals it can write
+from kda_compile.ops.kda.prefill.chunks import CHUNK  # our prepare's chunk: that of the FLA residuals it can write
 from kda_compile.ops.kda.backends.fla import FLABackend, glue_kernels
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -102,7 +100,7 @@ class TritonChunkBackend:
             return f"the prefill kernels take float16/bfloat16/float32 inputs, got {dtype}"
         if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
             return f"the prefill kernels keep K, V <= {MAX_HEAD_DIM} on chip, got K={K}, V={V}"
-        if dtype == torch.float32 and K > 128:  # measured on an H200: the scan's fp32 tiles overflow shared memory
+        if dtype == torch.float32 and K > 128:  # the scan's fp32 tiles overflow shared memory
             return f"float32 inputs with K > 128 need more shared memory than the scan kernel has, got K={K}"
         return _kernel_unusable()
 
@@ -151,7 +149,7 @@ class TritonChunkBackend:
         if path == OWN_RESIDUALS and opts.use_qk_l2norm_in_kernel:
             # FLA's backward takes the normalised q / k, kept in q's dtype as FLA keeps them. Our forward
             # still normalises in fp32 in its kernel: feeding it the rounded copies instead cost accuracy
-            # (bf16, packed sequences, V = 100 on an H100: dA_log 2.5e-2 from the recurrence, over FLA's 2e-2).
+            # (docs/kda-kernels.md section 8).
             l2norm_fwd = glue_kernels().l2norm_fwd
             (qn, q_rstd), (kn, k_rstd) = l2norm_fwd(q.contiguous()), l2norm_fwd(k.contiguous())
             normalised = [qn, q_rstd, kn, k_rstd]

@@ -1,9 +1,9 @@
 """Eager KDA and GDN prefill inference on our CUDA kernels with the host work done once per call signature.
 
 An eager ``chunk_kda`` call through the ordinary path checks its arguments, chooses a backend and kernels, plans
-the chunks of packed sequences, allocates a dozen tensors and builds each kernel's ctypes argument list: about
-540 Python calls, 250 us of host time on an H100 (idle GPU, 1 x 2048 x 32), where the kernels take 170 us. Here a
-*plan* keeps, per call signature, what that work decided: the loaded prepare and scan kernels (and, for more than
+the chunks of packed sequences, allocates a dozen tensors and builds each kernel's ctypes argument list: hundreds
+of Python calls, more host time than a short prefill's kernels take (docs/kda-kernels.md section 8). Here a *plan*
+keeps, per call signature, what that work decided: the loaded prepare and scan kernels (and, for more than
 ``INLINE_SEQS`` packed sequences, ``cuda_chunk_plan``'s kernel, which replaces the planning ops; with fewer the
 two kernels find their chunks from ``cu_seqlens`` alone), their
 grids and argument blocks with the scalars filled in, and the byte layout of one workspace holding every
@@ -78,7 +78,7 @@ def _meta(t):
 def _environment_reader():
     """A function returning the values of ``_ENVIRONMENT`` (None where unset) as ``os.environ`` has them. On CPython
     it reads the mapping ``os.environ`` keeps its values in (``_data``, kept in sync by every ``os.environ`` write):
-    ``os.environ.get`` encodes its key on every call, 2 us each on a slow host, more than the rest of a signature."""
+    ``os.environ.get`` encodes its key on every call, which costs more than the rest of a signature."""
     data, encode = getattr(os.environ, "_data", None), getattr(os.environ, "encodekey", None)
     if isinstance(data, dict) and encode is not None:
         keys = tuple(encode(name) for name in _ENVIRONMENT)

@@ -14,8 +14,8 @@ launches (three when the scan is split into segments):
 The number of segments ``P`` and the choice of the CUDA scan are the plan's (``plan.py``: ``scan_segments``,
 ``cuda_pair_served``).
 
-For bf16, K = V = 128 the prepare step (``prefill/cuda/prepare.py``) and the recurrence (``prefill/cuda/scan.py``, one segment)
-have CUDA kernels; the recurrence takes it where the plan's cost model puts it ahead of the Triton scan's
+For bf16, K = V = 128 the prepare step (``prefill/cuda/prepare.py``) and the recurrence (``prefill/cuda/scan.py``,
+one segment) have CUDA kernels; the recurrence takes it where the plan's cost model puts it ahead of the Triton scan's
 segments (``plan.cuda_scan_is_faster``).
 
 Device-agnostic (no ``torch.cuda`` calls beyond the SM count), so the same launchers run on CPU tensors
@@ -57,11 +57,10 @@ def _scan_configs(configs, named_args, **kwargs):
     """Launch configurations the scan and summary kernels may use, best first (``early_config_prune``).
 
     - bf16 products with a state block of <= 32 columns and ``num_stages=1`` are miscompiled by Triton
-      3.6 on sm_90: measured on an H100, wrong outputs (relative error ~1) or an illegal memory access
+      3.6 on sm_90: wrong outputs (relative error ~1) or an illegal memory access
       for BK = 64 at 4 warps and BK = 128 at 8 warps, while 2 stages and BV = 64 are right everywhere
       (docs/kda-kernels.md section 3). Those configurations are never used.
-    - bf16 with BK <= 128: 8 warps with 2 stages leads (0.45 ms against 0.53 ms with one stage,
-      T = 8192, 32 heads, K = V = 128, H100).
+    - bf16 with BK <= 128: 8 warps with 2 stages leads (docs/kda-kernels.md section 8).
     - BK = 256 needs one stage (two exceed the 227 KiB of shared memory).
     ``state_block`` gives bf16 BV = 64, so the first rule is a guard against a narrower choice there.
     """

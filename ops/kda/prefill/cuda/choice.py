@@ -1,5 +1,6 @@
-"""What the KDA prefill's CUDA kernels (``prefill/cuda/prepare.py``, ``prefill/cuda/scan.py``) share in choosing themselves:
-the ``auto | triton | cuda`` switch read from the environment, and the device conditions every such kernel has."""
+"""What the KDA prefill's CUDA kernels (``prefill/cuda/prepare.py``, ``prefill/cuda/scan.py``) share in choosing
+themselves: the ``auto | triton | cuda`` switch read from the environment, and the device conditions every such
+kernel has."""
 from __future__ import annotations
 
 

@@ -132,7 +132,8 @@ def prepare_kernel(device_index: int, g_dtype: torch.dtype, beta_dtype: torch.dt
     cu = _CU.get(cu_dtype, "int") if flags[0] else "int"
     source = _source(_ELEM[g_dtype], _ELEM[beta_dtype], cu, flags, scalar_gate, row_factors, softplus_gate, wide_blocks,
                      inline_offsets and flags[0])
-    return load_kernel(source, PREPARE.kernel, device_index, arch=f"{major}{minor}", shared_bytes=PREPARE.shared_bytes())
+    return load_kernel(source, PREPARE.kernel, device_index, arch=f"{major}{minor}",
+                       shared_bytes=PREPARE.shared_bytes())
 
 
 def prepare_flags(args: dict) -> tuple[bool, ...]:

@@ -29,22 +29,20 @@ from kda_compile.ops.kda.prefill.cuda.launch import SCAN, scan_scalars
 KERNEL_ENV = "KDA_COMPILE_SCAN_KERNEL"
 _OP = "chunk_kda"
 MAX_SEQUENCES = 65535  # the grid's z dimension
-STAGES = 2  # chunks of tiles in shared memory (scan_source.shared_bytes); 3 measured no faster
+STAGES = 2  # chunks of tiles in shared memory (scan_source.shared_bytes); 3 are no faster (docs/kda-kernels.md, 8)
 
 
-# One chunk step of the kernel in the segment cost model's units (``plan.segment_cost``: about 6 us, the
-# Triton scan's step on an H100), per value columns a CTA. Measured, one CTA per SM: 1.68 / 1.86 us with 32 / 64
-# columns (H100, 1 x 32768 x 32); 1.75 / 1.97 / 3.3 us with 32 / 64 / 128 (H200, 1 x 8192 x 32 / 64 / 96).
+# One chunk step of the kernel in the segment cost model's units (``plan.segment_cost``: one step of the Triton
+# scan), per value columns a CTA, one CTA per SM: measured step times against the Triton scan's, docs/kda-kernels.md
+# section 5.
 STEP_COST = {32: 0.28, 64: 0.31, 128: 0.53}
 
 
 def block_v_for(pairs: int, sm_count: int) -> int:
     """Value columns per CTA for ``pairs`` (sequence, head) pairs: the count whose waves of CTAs (one CTA per SM,
     ``128 / block_v`` CTAs a pair) cost least by ``STEP_COST`` (the smaller on a tie). Few pairs take 32 (more
-    CTAs, shorter steps: 1.04x the whole forward against 64 at 1 x 8192 x 32); up to two CTAs of 64 a pair per wave,
-    64; more pairs 128, one CTA of 8 warps a pair, whose w / qg / kd tiles are then loaded once instead of once per
-    CTA (H200, same process: the scan 13-21% faster than with 64 on the packed comparison shapes, e.g. 142 -> 123
-    us at 8 x 1024 x 32, 499 -> 394 us at 256 x 128 x 16)."""
+    CTAs, shorter steps); up to two CTAs of 64 a pair per wave, 64; more pairs 128, one CTA of 8 warps a pair, whose
+    w / qg / kd tiles are then loaded once instead of once per CTA (docs/kda-kernels.md section 8)."""
     return min(STEP_COST, key=lambda bv: (scan_waves(pairs, bv, sm_count) * STEP_COST[bv], bv))
 
 

@@ -32,8 +32,8 @@ value of ``-inf``: a reset. The triangular inverse (``prefill/triton/prepare_sol
 The L2 norms are computed from the loaded tiles when K fits one slice, else in a first pass over K.
 
 Layouts: q, k ``[TT, H, K]``; v ``[TT, HV, V]``; g ``[TT, HV, K]`` (scalar: ``[TT, HV]``); beta ``[TT, HV]``
-(TT = B * T packed tokens, contiguous). Outputs ``w, qg, kd`` ``[TT, HV, K]``, ``u`` ``[TT, HV, V]``, ``A_qk`` and ``Akk``
-``[TT, HV, BT]`` (row t holds its chunk's row; zeros above the diagonal), ``G`` ``[TT, HV, K]``,
+(TT = B * T packed tokens, contiguous). Outputs ``w, qg, kd`` ``[TT, HV, K]``, ``u`` ``[TT, HV, V]``, ``A_qk`` and
+``Akk`` ``[TT, HV, BT]`` (row t holds its chunk's row; zeros above the diagonal), ``G`` ``[TT, HV, K]``,
 ``decay`` ``[chunks, HV, K]``. ``W`` doubles as scratch: pass 1 stores ``beta 2^G k`` there and pass 2
 overwrites it with ``T`` times it (same program, after a barrier).
 """

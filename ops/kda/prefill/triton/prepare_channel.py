@@ -22,8 +22,8 @@ Triton only. Numerics (g <= 0, so G decreases along the chunk):
   exactly, element by element with the decay masked to ``-inf`` above the diagonal before exp2
   (``exact_diagonal``: slow, in a second pass over K that runs only when some slice needs it and
   reloads its inputs). Launches that cannot need it (``exact_diagonal_needed``: the lower-bound gate
-  with ``lower_bound >= -MAX_BOUNDED_DECAY``) compile without it (``EXACT_DIAGONAL``): its code alone cost
-  6-8% of the kernel's time on an H100 (register allocation around it; docs/kda-kernels.md section 2.3).
+  with ``lower_bound >= -MAX_BOUNDED_DECAY``) compile without it (``EXACT_DIAGONAL``): its code alone costs
+  time through the register allocation around it (docs/kda-kernels.md section 8).
 - Every decay exponent is summed over its own span, never taken as a difference of cumulative sums
   from the chunk start (after a huge gate both sums carry it, and their difference keeps ``ulp(9600) =
   2^-10`` of a short span after it: 1e-4 relative). Inside a 16-row block a row's cumsum ``L`` runs from
@@ -39,9 +39,9 @@ Layout: the chunk is held as ``[NB = 4, BC = 16, BKC]`` (16-row blocks x a K sli
 (block sums, anchors) broadcast along the middle axis. Tiles are loaded and stored as 2-D ``[64, BKC]`` and
 reshaped (``load_tile``): with ``BKC = 16`` Triton then puts each block in one warp, lanes along its rows, so the
 block scans and sums are shuffles; the block sums are exchanged between warps once per slice (``block_gates``).
-On an H100 this layout made the kernel 1.33-1.34x faster, 2.5x with strong decays (2026-11-22;
-``docs/kda-kernels.md`` section 2.1). The ``A`` matrices are built as four column stripes ``[64, 16]`` (key block
-s), each from two ``[64, BKC] x [BKC, 16]`` tensor-core products per K slice (TF32, ``A_PRECISION``).
+Why this layout, and what it gained: ``docs/kda-kernels.md`` sections 2.1 and 8. The ``A`` matrices are built as
+four column stripes ``[64, 16]`` (key block s), each from two ``[64, BKC] x [BKC, 16]`` tensor-core products per K
+slice (TF32, ``A_PRECISION``).
 """
 import math
 
@@ -262,7 +262,7 @@ def stripe_products(aqk, akk, qe, ke, key, middle, PRECISION: tl.constexpr, NB: 
     Diagonal entries of slow channels are left out (``exact_diagonal`` adds them). The operands are rounded to
     TF32 (``tf32_round``) for every input dtype: truncated (what the tensor cores do to fp32 bits), the biased
     products of ``A_kk`` gave bf16 inputs with nearly collinear keys a final state 1.26x FLA's error from the fp64
-    recurrence (H200; docs/kda-kernels.md section 4)."""
+    recurrence (docs/kda-kernels.md section 8)."""
     q_op = tl.reshape(qe * middle[:, None, :], [NB * BC, BKC])
     k_op = tl.reshape(ke * middle[:, None, :], [NB * BC, BKC])
     key_t = tl.trans(key)

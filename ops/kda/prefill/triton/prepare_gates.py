@@ -1,6 +1,6 @@
 """The gate forms of the prepare kernel (``prefill/triton/prepare.py``), in log2 units: what both the per-channel
-gate (KDA, ``prefill/triton/prepare_channel.py``) and the per-head scalar gate (GDN, ``prefill/triton/prepare_scalar.py``) apply
-to their raw tiles.
+gate (KDA, ``prefill/triton/prepare_channel.py``) and the per-head scalar gate (GDN,
+``prefill/triton/prepare_scalar.py``) apply to their raw tiles.
 
 Triton only. ``GATE_FLOOR`` is the saturating value of ``-inf``: any span containing such a step sums to <= -150
 and decays by 2^-150, which is 0 in fp32; the floor keeps ``-inf`` from producing ``inf - inf`` and every sum of a

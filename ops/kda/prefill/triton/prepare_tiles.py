@@ -48,8 +48,7 @@ def load_beta(Beta, rows, ok, beta_scale, HV: tl.constexpr, BETA_SIGMOID: tl.con
 def l2_sums(Q, Kt, rows, ok, K: tl.constexpr, stride: tl.constexpr):
     """Sums of squares ``[BT]`` of the chunk's q and k rows over all K channels. 64-channel tiles in an unrolled
     loop: every load is issued before the first sum waits (a loop of dependent 16-channel iterations left each
-    load's latency exposed: 12% of the KDA kernel's stall samples on an H100, 2026-11-22; docs/kda-kernels.md
-    section 2.2)."""
+    load's latency exposed: docs/kda-kernels.md section 8)."""
     q_sq = tl.zeros([rows.shape[0]], dtype=tl.float32)
     k_sq = tl.zeros([rows.shape[0]], dtype=tl.float32)
     for k0 in tl.static_range(0, K, 64):

@@ -39,7 +39,7 @@ The chunk's tiles (``w, qg, kd`` ``[64, 128]``, ``u`` ``[64, BV]``, ``A_qk`` ``[
 16-byte columns of fixed rows, whole chunks without row checks. One barrier per chunk, for reusing a stage. One
 CTA of ``BV / 16`` warps per (value block, head, sequence): grid ``(128 / BV, HV, N)``, BV = 32 (more CTAs, for
 few heads), 64, or 128 for many (sequence, head) pairs (one CTA a pair loads the chunk's w / qg / kd tiles once;
-``cuda_scan.block_v_for``). With packed sequences a CTA finds its sequence's first chunk from ``cu_seqlens`` alone when
+``scan.block_v_for``). With packed sequences a CTA finds its sequence's first chunk from ``cu_seqlens`` alone when
 there are at most ``INLINE_SEQS`` of them (else from ``chunk_offsets``), and the CTAs zero the rows of ``o`` past the
 last sequence, so ``o`` need not start zeroed.
 

@@ -364,7 +364,7 @@ def ops_source_digest() -> str:
 
     root = pathlib.Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu", ".cuh")):  # kernels' CUDA too
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -35,3 +35,11 @@ def test_a_missing_source_names_the_file_and_the_package(package, tmp_path):
     (tmp_path / package / "bad.cu").write_text('#include "gone.cuh"\n')
     with pytest.raises(FileNotFoundError, match=r"'gone.cuh'"):
         cuda_source(package, "bad.cu")
+
+
+def test_the_kernels_chunk_count_is_the_chunk_of_the_host_plans():
+    """``chunk_count.cuh`` spells out ``CHUNK``: the CUDA kernels and the host plans count a sequence's chunks alike."""
+    from kda_compile.ops.kda.prefill.chunks import CHUNK
+
+    text = cuda_source("kda_compile.ops.kda.prefill.cuda", "chunk_count.cuh")
+    assert text.count(f"+ {CHUNK - 1}) / {CHUNK}") == 2, text

@@ -14,9 +14,9 @@ from kda_compile.ops.dsa import cuda_pool_keys_source as dsa_pool_rows
 from kda_compile.ops.dsa import cuda_topk
 from kda_compile.ops.dsa import wgmma_indexer_source as dsa_indexer
 from kda_compile.ops.dsa import wgmma_sparse_source as dsa_sparse
-from kda_compile.ops.kda import cuda_chunk_plan
-from kda_compile.ops.kda import cuda_prepare_source as prepare
-from kda_compile.ops.kda import cuda_scan_source as scan
+from kda_compile.ops.kda.prefill.cuda import chunk_plan as cuda_chunk_plan
+from kda_compile.ops.kda.prefill.cuda import prepare_source as prepare
+from kda_compile.ops.kda.prefill.cuda import scan_source as scan
 from kda_compile.ops.mla import wgmma_source as mla
 
 

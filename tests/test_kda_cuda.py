@@ -9,7 +9,7 @@ import torch
 
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.kda.backends import only_backends
+from kda_compile.ops.kda.backends.registry import only_backends
 from kda_compile.testing import assert_rel_close
 
 pytestmark = pytest.mark.cuda
@@ -96,7 +96,7 @@ def test_bounded_gate_runs_our_kernels_within_bf16_rounding_of_fla(case):
     (prefill_backend.preferred_reason): outputs and gradients against FLA's call, to bf16 rounding (our
     kernels keep other intermediates in bf16 than FLA's; both are held to FLA's tolerances of the fp64
     recurrence in tests/kda/test_triton_chunk.py)."""
-    from kda_compile.ops.kda.backends import KDAOptions, select_backend
+    from kda_compile.ops.kda.backends.registry import KDAOptions, select_backend
 
     opts = OPTIONS[2]
     tensors, extra = _inputs(*case, opts)

@@ -146,8 +146,8 @@ def make_inputs(shape: GDNShape, heads: tuple[int, int], dim: int, device: str, 
 def _provider(name: str, decode: bool):
     """``(function, context manager factory)`` for a provider, or ``(None, reason)``."""
     from kda_compile.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    from kda_compile.ops.gdn import backends as gdn_backends
-    from kda_compile.ops.kda import backends as kda_backends
+    from kda_compile.ops.gdn.backends import registry as gdn_backends
+    from kda_compile.ops.kda.backends import registry as kda_backends
 
     ours = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
     if name == "ours":

@@ -172,7 +172,7 @@ def _prefill_providers():
     from fla.ops.kda import chunk_kda as fla_chunk
 
     from kda_compile.ops import chunk_kda
-    from kda_compile.ops.kda.backends import only_backends
+    from kda_compile.ops.kda.backends.registry import only_backends
 
     return {
         # our kernels: the default for the bounded lower-bound gate, opt-in otherwise; the backward is FLA's
@@ -184,7 +184,7 @@ def _prefill_providers():
 
 def _log_prefill_backend(device) -> None:
     """Say which backend "ours (own kernels)" runs on (a fallback would make the row meaningless)."""
-    from kda_compile.ops.kda.backends import KDAOptions, only_backends, select_backend
+    from kda_compile.ops.kda.backends.registry import KDAOptions, only_backends, select_backend
 
     with only_backends("triton_chunk"):
         chosen = select_backend("chunk_kda", torch.device(device), torch.bfloat16, K, V, KDAOptions(scale=K ** -0.5))
@@ -346,7 +346,7 @@ def _bench_decode(providers, gate, batches, device, rows, table, profile=False):
                       use_beta_sigmoid_in_kernel=True, **_gate_kwargs(gate, H, device))
         common.pop("safe_gate", None)  # not an argument of fused_recurrent_kda
         state_bytes = 2 * B * H * K * V * 4  # fp32 state read + written
-        from kda_compile.ops.kda.backends import only_backends
+        from kda_compile.ops.kda.backends.registry import only_backends
 
         def fla_path(recurrent=providers["kda_compile"][1], **kwargs):  # our op, forced onto FLA's kernel
             with only_backends("fla"):

@@ -276,7 +276,7 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
 
 def _log_ours_backend(gate: str, device) -> None:
     """Which backend ``ours`` (the op's own choice) runs on for this gate."""
-    from kda_compile.ops.kda.backends import KDAOptions, select_backend
+    from kda_compile.ops.kda.backends.registry import KDAOptions, select_backend
 
     lower = gate == "lower_bound"
     opts = KDAOptions(scale=K ** -0.5, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,

@@ -34,7 +34,7 @@ class TileConfig:
 # 16-wide value block under a masked 32-wide key block (d_qk 24, d_v 12: the MLA layer of a tiny test
 # model) and the 128 x 64, 3-stage tile returned wrong rows in float16, NaN in bfloat16, and an illegal
 # memory access without a mask; 32-wide blocks were right (as were 16 unmasked columns, a 64 x 32 tile
-# and float32), the same narrow-block family as the KDA scan's (ops/kda/triton_chunk.py).
+# and float32), the same narrow-block family as the KDA scan's (ops/kda/prefill/run.py).
 MIN_HEAD_BLOCK = 32
 
 

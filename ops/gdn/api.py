@@ -10,10 +10,10 @@ import torch
 
 from kda_compile.ops._common import dispatcher_needed, gradients_needed
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
-from kda_compile.ops.gdn import backends as gdn_backends
+from kda_compile.ops.gdn.backends import registry as gdn_backends
 from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
-from kda_compile.ops.kda import fast_path
+from kda_compile.ops.kda.prefill import fast_path
 from kda_compile.ops.kda.api import deferred_argument_error, planned_call
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
                                             reject_unsupported_kwargs, state_layout_alias)
@@ -86,7 +86,7 @@ def chunk_gated_delta_rule(
     Backends (docs/gdn.md): on CUDA, inference with bf16 / fp16 and K = V = 128 runs our chunk kernels with the
     scalar gate; other calls FLA's GDN kernels when fla-core 0.6 is installed, else the KDA kernels with the gate
     broadcast over K; elsewhere the reference math. The choice is logged
-    (``kda_compile.ops.gdn.backends``; ``only_backends`` overrides it).
+    (``kda_compile.ops.gdn.backends.registry``; ``only_backends`` overrides it).
     """
     plan_key = None
     if cp_context is None and not kwargs and not check_inputs:  # eager inference may skip the host work below

@@ -19,11 +19,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops.gdn import chunk_backend  # noqa: F401  (registers our chunk kernels for inference)
-from kda_compile.ops.gdn import decode_backend  # noqa: F401  (registers our decode kernel)
-from kda_compile.ops.gdn import fla_backend  # noqa: F401  (registers FLA's GDN kernels)
-from kda_compile.ops.gdn import kda_backend  # noqa: F401  (registers the route through the KDA kernels)
-from kda_compile.ops.gdn.backends import REFERENCE, GDNOptions, backend_named, select_backend
+from kda_compile.ops.gdn.prefill import backend as chunk_backend  # noqa: F401  (registers our chunk kernels)
+from kda_compile.ops.gdn.decode import backend as decode_backend  # noqa: F401  (registers our decode kernel)
+from kda_compile.ops.gdn.backends import fla as fla_backend  # noqa: F401  (registers FLA's GDN kernels)
+from kda_compile.ops.gdn.backends import kda as kda_backend  # noqa: F401  (registers the route through the KDA kernels)
+from kda_compile.ops.gdn.backends.registry import REFERENCE, GDNOptions, backend_named, select_backend
 from kda_compile.ops.kda.custom_ops import (backward_source, fake_forward_outputs, final_state_shape, gradient_outputs,
                                             pad_residuals, run_time_checks)
 

@@ -10,7 +10,8 @@ import torch
 from kda_compile.ops._argument_errors import deferred_error, sizes
 from kda_compile.ops._common import dispatcher_needed, gradients_needed, record_fallback  # noqa: F401  (re-exported)
 from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
-from kda_compile.ops.kda import custom_ops, fast_path
+from kda_compile.ops.kda import custom_ops
+from kda_compile.ops.kda.prefill import fast_path
 from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
                                             reject_unsupported_kwargs, state_layout_alias,
                                             validate_kda_arguments)
@@ -77,8 +78,7 @@ def chunk_kda(
         chunk_size: 16, 32 or 64 (FLA kernels take 32 or 64).
         disable_recompute: in training, keep FLA's forward intermediates (``w, u, qg, kg, v_new`` and the
             per-chunk states ``h``) for the backward instead of recomputing them there, as FLA does: a
-            faster backward (forward + backward 8.5% faster than FLA's default call on an H100, measured before our
-            scan kernel took over FLA's last two forward kernels) for more memory (at
+            faster backward (docs/kda-kernels.md section 8) for more memory (at
             K = V = 128 in bf16, about 2.25 KB more per token and value head with the in-kernel gate, whose
             cumsum is kept too, 1.8 KB without, against 0.75 KB of FLA's default residuals). Honoured on
             FLA's kernels; with ``cu_seqlens`` (the number of saved states depends on the sequence lengths)
@@ -121,7 +121,7 @@ def chunk_kda(
     Differentiable w.r.t. q, k, v, g, beta, initial_state, A_log and dt_bias. On CUDA the work runs in
     FLA's kernels when fla-core 0.6 is installed, otherwise in our Triton prefill forward (backward by the
     reference math); on CPU in the reference math. Which backend serves a call, and why a faster one
-    could not, is logged once and shown by the rewrite report (``kda_compile.ops.kda.backends``).
+    could not, is logged once and shown by the rewrite report (``kda_compile.ops.kda.backends.registry``).
     """
     plan_key = None
     if cp_context is None and not kwargs and not return_intermediate_states and not check_inputs:

@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops._common import is_dtensor, record_fallback
-from kda_compile.ops.kda import fla_backend  # noqa: F401  (registers the FLA backend)
-from kda_compile.ops.kda import prefill_backend  # noqa: F401  (registers our Triton prefill backend)
-from kda_compile.ops.kda import decode_backend  # noqa: F401  (registers our Triton decode backend)
-from kda_compile.ops.kda.backends import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
+from kda_compile.ops.kda.backends import fla as fla_backend  # noqa: F401  (registers the FLA backend)
+from kda_compile.ops.kda.prefill import backend as prefill_backend  # noqa: F401  (registers our Triton prefill backend)
+from kda_compile.ops.kda.decode import backend as decode_backend  # noqa: F401  (registers our Triton decode backend)
+from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
 from kda_compile.ops import envs
 from kda_compile.ops.kda.validation import check_input_values
 
@@ -127,8 +127,8 @@ def chunk_kda_inference(
 ) -> tuple[Tensor, Tensor]:
     """``chunk_kda_fwd`` without saving for the backward, called directly by eager inference (see
     ``ops._common.dispatcher_needed``): the same backend and kernels, without the custom-op dispatcher's Python
-    path and the thirteen empty residual outputs the op's schema needs (on an H100 those cost about 0.3 ms of
-    host time per call, more than the kernels of a 2k-token prefill). ``cu_seqlens_cpu`` (the caller's host copy
+    path and the thirteen empty residual outputs the op's schema needs (host time per call that can exceed the
+    kernels of a short prefill: docs/kda-kernels.md section 8). ``cu_seqlens_cpu`` (the caller's host copy
     of ``cu_seqlens``, same values) lets the backend plan packed sequences on the host: no device-side planning
     kernels, no synchronisation."""
     opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,

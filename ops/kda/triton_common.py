@@ -32,8 +32,7 @@ def round_to_bf16(x):
 def tf32_round(x):
     """float32 ``x`` rounded to the nearest TF32 value (10 mantissa bits), for ``input_precision="tf32"``
     products: Hopper's tensor cores drop the 13 low bits of an fp32 operand (truncation, a biased error
-    twice as large). Measured on an H100 (T = 64, K = 32, V = 60, negative eigenvalues, an initial
-    state): output error 2.0e-3 with truncated operands, 6e-4 emulated with rounded ones. Identity when
+    twice as large: docs/kda-kernels.md section 8). Identity when
     interpreted (the interpreter multiplies in full fp32)."""
     if INTERPRETED:
         y = x.to(tl.float32)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 
 from kda_compile.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from kda_compile.ops.gdn.backends import only_backends
+from kda_compile.ops.gdn.backends.registry import only_backends
 from kda_compile.testing import KDAShape, assert_rel_close, gdn_inputs, make_gdn_args
 from tests.gdn.helpers import TENSORS, expected_fp64, loss_weights
 

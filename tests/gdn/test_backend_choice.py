@@ -1,7 +1,7 @@
 """Which GDN backend serves a call, on the host (no GPU needed: the choice reads devices and flags only)."""
 import torch
 
-from kda_compile.ops.gdn import fla_backend
+from kda_compile.ops.gdn.backends import fla as fla_backend
 from kda_compile.ops.gdn.custom_ops import _options
 
 CUDA = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""GDN on our chunk kernels with the scalar gate (ops/gdn/prefill.py, chunk_backend.py; the prepare kernel's
+"""GDN on our chunk kernels with the scalar gate (ops/gdn/prefill/run.py, prefill/backend.py; the prepare kernel's
 ``SCALAR_GATE`` form): on CPU the Triton prepare and scan under the Triton interpreter, through the public
 function with ``only_backends("chunk_kernels")``, against the fp64 token loop; the backend's choice on the host.
 
@@ -11,8 +11,9 @@ import pytest
 import torch
 from kda_compile.ops import chunk_gated_delta_rule
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.gdn import chunk_backend, fla_backend
-from kda_compile.ops.gdn.backends import only_backends, select_backend
+from kda_compile.ops.gdn.prefill import backend as chunk_backend
+from kda_compile.ops.gdn.backends import fla as fla_backend
+from kda_compile.ops.gdn.backends.registry import only_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
 from triton_device import INTERPRETED, triton_device
 
@@ -192,7 +193,7 @@ def test_fla_reuses_kdas_chunk_index_cache(monkeypatch):
 def test_scalar_gate_launcher_refuses_per_channel_options(per_channel_only):
     """GDN runs KDA's launcher with ``scalar_gate=True``: the lower-bound gate and FLA's residuals belong to the
     per-channel gate and are refused before any launch."""
-    from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill
+    from kda_compile.ops.kda.prefill.run import chunk_kda_prefill
 
     x = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError, match="scalar gate takes no lower_bound and saves no residuals"):

@@ -1,4 +1,4 @@
-"""GDN on our chunk kernels on CUDA (``chunk_kernels`` backend, ops/gdn/prefill.py): the CUDA prepare kernel's
+"""GDN on our chunk kernels on CUDA (``chunk_kernels`` backend, ops/gdn/prefill/run.py): the CUDA prepare kernel's
 scalar-gate form against the Triton one (the reference implementation of the same algorithm) and both against
 the fp64 token loop; the default backend choice for bf16 / fp16, K = V = 128 inference; extreme gates; fault
 isolation across packed sequences; opcheck of the op on this backend; the host-planned packed path.
@@ -14,9 +14,11 @@ import pytest
 import torch
 from kda_compile.ops import chunk_gated_delta_rule
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.gdn.backends import only_backends, select_backend
+from kda_compile.ops.gdn.backends.registry import only_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
-from kda_compile.ops.kda import cuda_prepare, cuda_scan, fast_path
+from kda_compile.ops.kda.prefill.cuda import prepare as cuda_prepare
+from kda_compile.ops.kda.prefill.cuda import scan as cuda_scan
+from kda_compile.ops.kda.prefill import fast_path
 
 from kda_compile.testing import KDAShape, make_gdn_args, rel_error
 from tests.gdn.helpers import expected_fp64, op_flags, op_tensors
@@ -54,7 +56,7 @@ def _errors(args, o, final):
 def _intermediates(args, kernel):
     """The prepare kernel's outputs (as the scan receives them) and the forward's, with one prepare kernel and the
     Triton scan (with the CUDA scan, the CUDA prepare writes row factors instead of ``qg`` / ``kd``)."""
-    from kda_compile.ops.kda import triton_chunk as tc
+    from kda_compile.ops.kda.prefill import run as tc
 
     captured, original = {}, tc.launch_scan
 
@@ -101,9 +103,9 @@ def test_cuda_prepare_matches_triton_prepare_and_the_recurrence(case):
 @pytest.mark.parametrize("case", CASES)
 def test_row_factor_pair_matches_the_tile_pair_and_the_recurrence(case):
     """With the CUDA prepare and scan, the prepare writes each row's q / k factors and the scan scales the raw q / k
-    (``triton_chunk.cuda_pair_served``): the same forward as the prepare's ``qg`` / ``kd`` tiles through the Triton
+    (``plan.cuda_pair_served``): the same forward as the prepare's ``qg`` / ``kd`` tiles through the Triton
     scan, within the intermediates' tolerance, and as close to the fp64 recurrence."""
-    from kda_compile.ops.kda import triton_chunk as tc
+    from kda_compile.ops.kda.prefill import run as tc
 
     args = _args(**CASES[case])
     seen, original = [], tc.launch_scan_cuda

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kda_compile.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from kda_compile.ops.gdn import fla_backend
-from kda_compile.ops.gdn.backends import only_backends, select_backend
+from kda_compile.ops.gdn.backends import fla as fla_backend
+from kda_compile.ops.gdn.backends.registry import only_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
 from kda_compile.ops._common import clear_fallback_events, fallback_events
 from kda_compile.testing import KDAShape, assert_rel_close, make_gdn_args

@@ -1,4 +1,4 @@
-"""GDN decode on our fused Triton step with the scalar gate (ops/gdn/decode.py, decode_backend.py; the KDA decode
+"""GDN decode on our fused Triton step with the scalar gate (ops/gdn/decode/kernel.py, decode/backend.py; the KDA decode
 kernel's ``SCALAR_GATE`` form): against the fp64 token loop through the public function with
 ``only_backends("decode_kernel")``, on CUDA or on CPU under the Triton interpreter; the backend's choice on the host;
 ``@pytest.mark.cuda`` tests of the default choice, opcheck and torch.compile on a GPU.
@@ -12,8 +12,9 @@ import pytest
 import torch
 from kda_compile.ops import fused_recurrent_gated_delta_rule
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.gdn import decode_backend, fla_backend
-from kda_compile.ops.gdn.backends import only_backends, registered_backends, select_backend
+from kda_compile.ops.gdn.decode import backend as decode_backend
+from kda_compile.ops.gdn.backends import fla as fla_backend
+from kda_compile.ops.gdn.backends.registry import only_backends, registered_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
 from triton_device import INTERPRETED, triton_device
 
@@ -71,7 +72,7 @@ def test_matches_recurrence(case, dtype):
 def test_tokens_outside_every_sequence_are_zero():
     """The launcher with cu_seqlens [0, 1, 3] over T = 5 (the public function refuses offsets short of T): tokens 3
     and 4 belong to no sequence and read 0."""
-    from kda_compile.ops.gdn.decode import fused_recurrent_gdn_triton
+    from kda_compile.ops.gdn.decode.kernel import fused_recurrent_gdn_triton
 
     args = make_gdn_args(KDAShape(1, 3, 1, 2, 16, 40), seed=6, device=DEVICE, cu_seqlens=[0, 1, 3],
                          gate_form="in_kernel", initial_state=True)
@@ -132,8 +133,8 @@ def test_scalar_form_is_the_broadcast_form(gate_form):
     """The kernel with one gate per (token, value head) against the same kernel fed the gate broadcast over K (the
     KDA route's input): the same per-channel values, so bitwise the same results interpreted (the GPU may contract
     the multiplies differently: 1e-6 there)."""
-    from kda_compile.ops.gdn.kda_backend import per_channel_bias, per_channel_gate
-    from kda_compile.ops.kda.triton_decode import fused_recurrent_kda_triton
+    from kda_compile.ops.gdn.backends.kda import per_channel_bias, per_channel_gate
+    from kda_compile.ops.kda.decode.kernel import fused_recurrent_kda_triton
 
     args = make_gdn_args(KDAShape(2, 3, 1, 2, 60, 40), seed=9, device=DEVICE, gate_form=gate_form, qk_l2norm=True,
                          beta_sigmoid=True, allow_neg_eigval=True, initial_state=True)
@@ -150,7 +151,7 @@ def test_scalar_form_is_the_broadcast_form(gate_form):
 
 
 def test_launcher_refuses_lower_bound_with_the_scalar_gate():
-    from kda_compile.ops.kda.triton_decode import fused_recurrent_kda_triton
+    from kda_compile.ops.kda.decode.kernel import fused_recurrent_kda_triton
 
     x = torch.zeros(1, 1, 1, 16)
     with pytest.raises(ValueError, match="the scalar gate takes no lower_bound"):

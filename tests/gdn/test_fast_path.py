@@ -1,4 +1,4 @@
-"""Launch plans of eager GDN prefill inference (``chunk_gated_delta_rule`` through ops/kda/fast_path.py with the
+"""Launch plans of eager GDN prefill inference (``chunk_gated_delta_rule`` through ops/kda/prefill/fast_path.py with the
 scalar gate): a planned call returns exactly what the ordinary path returns (bitwise: the same kernels on the same
 inputs), plans are used only where GDN's backend choice runs our CUDA chunk kernels, and a planned call can be
 captured in a CUDA graph. The machinery is KDA's (tests/kda/test_fast_path.py); these tests cover what GDN adds:
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kda_compile.ops import chunk_gated_delta_rule
-from kda_compile.ops.gdn.backends import only_backends
-from kda_compile.ops.kda import fast_path
+from kda_compile.ops.gdn.backends.registry import only_backends
+from kda_compile.ops.kda.prefill import fast_path
 from tests.kda.test_fast_path import (_Calls, _fresh_plans, check_captured_in_a_cuda_graph,  # noqa: F401
                                       check_gradients_take_the_op, check_no_plan_elsewhere,
                                       check_planned_equals_ordinary, env)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kda_compile.ops  # noqa: F401  (registers torch.ops.kda_compile.*)
-from kda_compile.ops.gdn.backends import only_backends
+from kda_compile.ops.gdn.backends.registry import only_backends
 from kda_compile.testing import KDAShape, make_gdn_args
 from tests.gdn.helpers import op_flags, op_tensors
 from triton_device import INTERPRETED

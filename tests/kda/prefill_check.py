@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill
+from kda_compile.ops.kda.prefill.run import chunk_kda_prefill
 
 from .recurrence import compare_with_recurrence
 

@@ -138,7 +138,7 @@ def _ours_prefill(prepare: str, scan: str):
 
 
 def _fla_backend(**kw):
-    from kda_compile.ops.kda.backends import only_backends
+    from kda_compile.ops.kda.backends.registry import only_backends
     with only_backends("fla"):
         return chunk_kda(**kw)
 
@@ -183,7 +183,7 @@ def assert_not_worse_than_fla(args) -> dict:
     """Every provider's o and final state within ``REL_MARGIN`` / ``ABS_SLACK`` of FLA's error from the fp64
     recurrence; returns {provider: (ours, FLA's)} for the report. Where FLA's result is not finite (measured:
     FLA's ``chunk_kda`` on -inf finished gates gives NaN), ours must be finite and within the dtype's tolerance,
-    on FLA's own intermediates too (the "fla" backend floors such gates first: ops/kda/fla_backend.py)."""
+    on FLA's own intermediates too (the "fla" backend floors such gates first: ops/kda/backends/fla.py)."""
     want = reference(args, with_grads=False)
     tol = tolerances_for(args["q"].dtype, args["q"].device)
     fla_errors, report = {}, {}

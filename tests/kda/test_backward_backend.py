@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda
-from kda_compile.ops.gdn import backends as gdn_backends
-from kda_compile.ops.kda import backends as kda_backends
+from kda_compile.ops.gdn.backends import registry as gdn_backends
+from kda_compile.ops.kda.backends import registry as kda_backends
 from kda_compile.testing import KDAShape, make_gdn_args, make_kda_args
 
 

@@ -1,4 +1,4 @@
-"""The CUDA prepare kernel (ops/kda/cuda_prepare*.py): its choice and fallbacks (CPU), and on CUDA its
+"""The CUDA prepare kernel (ops/kda/prefill/cuda/prepare*.py): its choice and fallbacks (CPU), and on CUDA its
 intermediates against the Triton prepare kernel's, ``A_qk`` and the inverse against float64, the whole
 forward against the fp64 recurrence, and repeatability."""
 import math
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.kda import cuda_prepare
-from kda_compile.ops.kda import cuda_prepare_source as src
+from kda_compile.ops.kda.prefill.cuda import prepare as cuda_prepare
+from kda_compile.ops.kda.prefill.cuda import prepare_source as src
 from kda_compile.ops.kda.reference import kda_gate, kda_reference, l2norm
-from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY
+from kda_compile.ops.kda.prefill.triton.prepare import MAX_BOUNDED_DECAY
 from kda_compile.testing import rel_error
 
 from .recurrence import tolerances_for
@@ -64,15 +64,12 @@ def test_forced_cuda_outside_the_design_runs_triton_and_records_why(monkeypatch)
 
 def test_the_gate_form_picks_pass_one_only():
     """KDA's per-channel and GDN's scalar gate share the kernel's prologue, inverse and pass 2: their sources differ
-    in pass 1 alone."""
-    from kda_compile.ops.kda import cuda_prepare_channel, cuda_prepare_scalar
-
+    in the compile-time switch that picks pass 1 (and the per-channel pass's early slice copies) alone."""
     base = dict(g_dtype="bf16", beta_dtype="bf16", cu_dtype="int", varlen=True, l2norm=True, has_a_log=True,
                 has_dt_bias=True, beta_sigmoid=True, save_akk=False)
     channel, scalar = src.kernel_source(**base), src.kernel_source(**base, scalar_gate=True)
-    assert cuda_prepare_channel.ISSUE_SLICES in channel  # the per-channel pass issues its slices' copies early
-    channel_only = channel.replace(cuda_prepare_channel.ISSUE_SLICES, "")
-    assert channel_only.replace(cuda_prepare_channel.PASS1, cuda_prepare_scalar.PASS1) == scalar
+    assert "#define SCALAR_GATE 0\n" in channel
+    assert channel.replace("#define SCALAR_GATE 0\n", "#define SCALAR_GATE 1\n") == scalar
     assert src.kernel_source(**base, scalar_gate=False) == channel
 
 
@@ -157,7 +154,7 @@ def _inputs(B, T, H, HV, *, offsets=None, g_dtype=torch.bfloat16, beta_dtype=tor
 
 def _run(kernel, x, *, l2norm=True, sigmoid=True, use_a_log=True, use_dt=True, save=False, lower_bound=LB):
     """chunk_kda_prefill with one prepare kernel; its outputs and the prepare kernel's intermediates."""
-    from kda_compile.ops.kda import triton_chunk as tc
+    from kda_compile.ops.kda.prefill import run as tc
 
     captured, original, original_cuda = {}, tc.launch_scan, tc.launch_scan_cuda
 

@@ -1,4 +1,4 @@
-"""The CUDA scan kernel (ops/kda/cuda_scan*.py): its choice, cost rule and fallbacks (CPU), and on CUDA the
+"""The CUDA scan kernel (ops/kda/prefill/cuda/scan*.py): its choice, cost rule and fallbacks (CPU), and on CUDA the
 whole forward with it against the Triton scan and the fp64 recurrence, and repeatability."""
 import pytest
 import torch
@@ -6,9 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.kda import cuda_scan
-from kda_compile.ops.kda import cuda_scan_source as src
-from kda_compile.ops.kda import triton_chunk
+from kda_compile.ops.kda.prefill.cuda import scan as cuda_scan
+from kda_compile.ops.kda.prefill.cuda import scan_source as src
+from kda_compile.ops.kda.prefill import plan
+from kda_compile.ops.kda.prefill import run as triton_chunk
 from kda_compile.ops.kda.reference import kda_reference
 from kda_compile.testing import kda_inputs, rel_error
 
@@ -79,7 +80,7 @@ def test_the_cuda_scan_needs_sm_90(monkeypatch):
         is_cuda, device = True, torch.device("cuda", 0)
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    from kda_compile.ops.kda import cuda_choice
+    from kda_compile.ops.kda.prefill.cuda import choice as cuda_choice
 
     monkeypatch.setattr(cuda_choice, "device_capability", lambda index: (8, 0))
     why = cuda_scan.outside_design(CudaTensorLike(), None, None, None, num_seqs=1, gate_cumsum=False,
@@ -99,8 +100,8 @@ def test_cost_rule_prefers_the_cuda_scan_except_with_few_heads_on_long_sequences
     65536-token sequence with 16 heads (1.71 against 1.34 ms), and for a sequence with 2 heads."""
     def faster(B, T, H):
         sms = 132
-        P = triton_chunk.choose_segments(B, H, 2, 4, T // 64, sms)
-        return triton_chunk.cuda_scan_cost(B, H, T // 64, sms) <= triton_chunk.segment_cost(
+        P = plan.choose_segments(B, H, 2, 4, T // 64, sms)
+        return plan.cuda_scan_cost(B, H, T // 64, sms) <= plan.segment_cost(
             B, H, 2, 4, T // 64, sms, P)
 
     for shape in ((1, 8192, 32), (8, 4096, 32), (1, 32768, 32), (8, 1024, 32), (1, 8192, 64), (16, 2048, 32),

@@ -221,7 +221,7 @@ def test_triton_decode_extreme_gates(value):
 # CUDA: every backend through the public ops (run on the GPU box)
 # ------------------------------------------------------------------------------------------------
 def _backend_op(op, name):
-    from kda_compile.ops.kda.backends import only_backends
+    from kda_compile.ops.kda.backends.registry import only_backends
 
     def call(**kw):
         with only_backends(name):
@@ -249,7 +249,7 @@ def test_cuda_triton_prefill_extreme_gates(value, pattern, seed, dtype):
 @pytest.mark.parametrize("value, pattern", [(float("-inf"), "run"), (-1e30, "random"), (-100.0, "channels")])
 def test_cuda_prefill_k128_extreme_gates_through_the_cuda_scan(monkeypatch, value, pattern):
     # bf16, K = V = 128: the Triton prepare (finished gates are outside the CUDA prepare's design) feeds the CUDA scan.
-    from kda_compile.ops.kda import cuda_scan
+    from kda_compile.ops.kda.prefill.cuda import scan as cuda_scan
 
     from .prefill_check import check
     args = make_kda_args(KDAShape(1, 200, 1, 2, 128, 128), seed=9, dtype=torch.bfloat16, initial_state=True,

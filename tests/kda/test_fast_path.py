@@ -1,4 +1,4 @@
-"""Launch plans of eager KDA prefill inference (ops/kda/fast_path.py): a planned call returns exactly what the
+"""Launch plans of eager KDA prefill inference (ops/kda/prefill/fast_path.py): a planned call returns exactly what the
 ordinary path returns (bitwise: the same kernels on the same inputs), plans are used only where the ordinary path
 would run our CUDA kernels, the value checks still run, and a planned call can be captured in a CUDA graph."""
 import contextlib
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kda_compile.ops import chunk_kda
-from kda_compile.ops.kda import fast_path
-from kda_compile.ops.kda.backends import only_backends
+from kda_compile.ops.kda.prefill import fast_path
+from kda_compile.ops.kda.backends.registry import only_backends
 
 K = V = 128
 LB = -5.0
@@ -42,7 +42,9 @@ def test_the_environment_reader_sees_every_change(monkeypatch):
 
 def test_the_signature_reads_the_switches_the_kernel_choice_reads():
     pytest.importorskip("triton")
-    from kda_compile.ops.kda import cuda_prepare, cuda_scan, triton_chunk
+    from kda_compile.ops.kda.prefill.cuda import prepare as cuda_prepare
+    from kda_compile.ops.kda.prefill.cuda import scan as cuda_scan
+    from kda_compile.ops.kda.prefill import run as triton_chunk
     from kda_compile.ops.envs import CHECK_INPUTS as CHECK_INPUTS_ENV
 
     for name in (triton_chunk.SEGMENTS_ENV, cuda_prepare.KERNEL_ENV, cuda_scan.KERNEL_ENV, CHECK_INPUTS_ENV):

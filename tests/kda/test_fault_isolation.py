@@ -191,7 +191,7 @@ def test_triton_decode_isolates_sequences(name, value, layout):
 # CUDA: every backend through the public ops (run on the GPU box)
 # ------------------------------------------------------------------------------------------------
 def _with_backends(op, *names, **extra):
-    from kda_compile.ops.kda.backends import only_backends
+    from kda_compile.ops.kda.backends.registry import only_backends
 
     def call(**kw):
         with only_backends(*names):

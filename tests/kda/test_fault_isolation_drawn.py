@@ -104,8 +104,9 @@ def test_reference_isolates_drawn_faults(bad_call, seed, gate_form, op):
 def _backend(name):
     """Only backend ``name`` (and the reference) serves the call; ``cuda_kernels``: the Triton chunk backend
     with our NVRTC prepare and scan kernels forced on."""
-    from kda_compile.ops.kda import cuda_prepare, cuda_scan
-    from kda_compile.ops.kda.backends import only_backends
+    from kda_compile.ops.kda.prefill.cuda import prepare as cuda_prepare
+    from kda_compile.ops.kda.prefill.cuda import scan as cuda_scan
+    from kda_compile.ops.kda.backends.registry import only_backends
 
     forced = (cuda_prepare.KERNEL_ENV, cuda_scan.KERNEL_ENV) if name == "cuda_kernels" else ()
     with mock.patch.dict(os.environ, dict.fromkeys(forced, "cuda")), \

@@ -2,7 +2,7 @@
 functions, so the op layer's side of that path (the q/k L2 norm and beta sigmoid around FLA's kernels,
 their backward chain, residual shapes and the zeroed triangles, dtype conversions, which gradient is
 which, what autograd keeps alive) is checked without CUDA. The L2 norm and the triangle zeroing are our
-own Triton kernels (``triton_glue.py``), which run here under the Triton interpreter. The real FLA
+own Triton kernels (``backends/fla_glue.py``), which run here under the Triton interpreter. The real FLA
 kernels are checked on the GPU box (tests marked ``cuda``).
 
 The stand-in follows fla-core 0.6's contracts as its source writes them: ``fused_beta_sigmoid_fwd``
@@ -26,8 +26,8 @@ import torch
 
 from kda_compile.ops import chunk_kda
 from kda_compile.ops._common import autograd_inside_op
-from kda_compile.ops.kda import fla_backend
-from kda_compile.ops.kda.backends import only_backends
+from kda_compile.ops.kda.backends import fla as fla_backend
+from kda_compile.ops.kda.backends.registry import only_backends
 from kda_compile.ops.kda.reference import kda_gate, kda_reference
 from kda_compile.testing import KDAShape, assert_rel_close, make_kda_args
 from triton_device import triton_device
@@ -307,7 +307,7 @@ def test_disable_recompute_hands_flas_intermediates_to_its_backward(fake_fla, na
 def test_calls_our_scan_does_not_take_run_flas_whole_forward_with_the_reason_recorded(fake_fla):
     """Chunk size 32 (or K / V above 256): FLA's own recurrence and output kernels, and the report says why."""
     from kda_compile.ops._common import clear_fallback_events, fallback_events
-    from kda_compile.ops.kda.backends import KDAOptions
+    from kda_compile.ops.kda.backends.registry import KDAOptions
 
     args = make_kda_args(KDAShape(1, 40, 1, 1, 8, 8), device=DEVICE, seed=6, dtype=torch.float64)
     opts = KDAOptions(scale=8 ** -0.5, chunk_size=32)

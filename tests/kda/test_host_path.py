@@ -72,7 +72,7 @@ def test_gradients_still_take_the_op(device, monkeypatch):
                          ids=["empty-and-partial-chunks", "tokens-past-the-last", "all-empty"])
 def test_host_planned_chunks_match_device_planning(offsets):
     device = triton_device("the Triton prefill kernels")
-    from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill
+    from kda_compile.ops.kda.prefill.run import chunk_kda_prefill
 
     tail = 0 if offsets[-1] == 130 else 20  # tokens after the last sequence (they belong to none)
     T = offsets[-1] + tail

@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kda_compile.ops import chunk_kda
-from kda_compile.ops.kda import cuda_prepare, fast_path, triton_chunk
-from kda_compile.ops.kda import cuda_prepare_source as prepare_src
+from kda_compile.ops.kda.prefill.cuda import prepare as cuda_prepare
+from kda_compile.ops.kda.prefill import fast_path
+from kda_compile.ops.kda.prefill import run as triton_chunk
+from kda_compile.ops.kda.prefill.cuda import prepare_source as prepare_src
 from kda_compile.ops.kda.reference import kda_reference
 from kda_compile.testing import rel_error
 

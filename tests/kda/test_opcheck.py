@@ -143,13 +143,13 @@ class _ResidualBackend:
         return [((1,), torch.float32)] if save else []
 
     def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save):
-        from kda_compile.ops.kda.backends import REFERENCE
+        from kda_compile.ops.kda.backends.registry import REFERENCE
         o, final, _ = REFERENCE.chunk_forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts,
                                               output_final_state, save)
         return o, final, ([q.new_ones(1, dtype=torch.float32)] if save else [])
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
-        from kda_compile.ops.kda.backends import REFERENCE
+        from kda_compile.ops.kda.backends.registry import REFERENCE
         assert len(residuals) == 1 and residuals[0].numel() == 1, "called without the forward's residuals"
         type(self).backward_calls += 1
         return REFERENCE.chunk_backward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, [], do, dht, opts)
@@ -159,7 +159,7 @@ def test_differentiating_a_forward_that_saved_nothing_recomputes(monkeypatch):
     """``chunk_kda_fwd(save_for_backward=False)`` differentiated anyway (opcheck does; the public
     functions do not) must not hand the serving backend's backward empty residuals: its gradients are
     the reference's, equal to those of a forward that saved."""
-    from kda_compile.ops.kda import backends
+    from kda_compile.ops.kda.backends import registry as backends
 
     monkeypatch.setattr(backends.REGISTRY, "entries", [(100, _ResidualBackend()), *backends.REGISTRY.entries])
     args = _public_args("plain", True, True, "cpu", requires_grad=True)

@@ -1,4 +1,4 @@
-"""How ``chunk_kda`` calls reach our Triton prefill backend (ops/kda/prefill_backend.py): what it declines,
+"""How ``chunk_kda`` calls reach our Triton prefill backend (ops/kda/prefill/backend.py): what it declines,
 its training paths, its preference for the bounded lower-bound gate, and the backend restriction across
 threads. Host logic only: runs wherever triton is importable (the kernels are tested in
 test_triton_chunk.py)."""
@@ -10,9 +10,10 @@ import torch
 
 pytest.importorskip("triton", reason="the backend's module check and the kernel's limit need triton")
 
-from kda_compile.ops.kda import backends  # noqa: E402
-from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
-from kda_compile.ops.kda.prefill_backend import (  # noqa: E402
+from kda_compile.ops.kda.backends import registry as backends  # noqa: E402
+from kda_compile.ops.kda.backends.registry import (KDAOptions, only_backends, registered_backends,  # noqa: E402
+                                                   select_backend)
+from kda_compile.ops.kda.prefill.backend import (  # noqa: E402
     BOUNDED_GATE_LIMIT, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
 )
 
@@ -40,7 +41,7 @@ def test_bounded_gates_stay_within_the_kernels_limit():
     """``BOUNDED_GATE_LIMIT`` nats per step over a 16-token block stays within the kernel's limit, and the
     prepare kernel leaves its exact-diagonal pass out only for lower-bound gates whose 16 steps stay within
     ``DIAG_RANGE_LIMIT``: every call the backend prefers is one of them."""
-    from kda_compile.ops.kda.triton_chunk_prepare import DIAG_RANGE_LIMIT, MAX_BOUNDED_DECAY, exact_diagonal_needed
+    from kda_compile.ops.kda.prefill.triton.prepare import DIAG_RANGE_LIMIT, MAX_BOUNDED_DECAY, exact_diagonal_needed
     from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND, GATE_PRECOMPUTED, GATE_SOFTPLUS
 
     assert 16 * BOUNDED_GATE_LIMIT / math.log(2.0) <= DIAG_RANGE_LIMIT.value
@@ -84,7 +85,8 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
     assert chosen(lower_bound=-1.0) == "everything"  # precomputed gates are not bounded
     # Other in-kernel gates come to ours where the CUDA prepare kernel serves them (any decay, no exact pass);
     # elsewhere the Triton prepare's exact pass would make their speed depend on the data.
-    from kda_compile.ops.kda import cuda_choice, cuda_prepare
+    from kda_compile.ops.kda.prefill.cuda import choice as cuda_choice
+    from kda_compile.ops.kda.prefill.cuda import prepare as cuda_prepare
     monkeypatch.setattr(cuda_prepare.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cuda_choice, "device_capability", lambda index: (9, 0))
     monkeypatch.setattr(cuda_choice, "cuda_index", lambda device: 0)

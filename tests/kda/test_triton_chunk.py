@@ -1,4 +1,4 @@
-"""Our fused Triton KDA prefill (ops/kda/triton_chunk*.py) and its backend on CUDA, against the fp64 token
+"""Our fused Triton KDA prefill (ops/kda/prefill/run.py, plan.py) and its backend on CUDA, against the fp64 token
 recurrence (tests/kda/recurrence.py); the backend's host logic is in test_prefill_backend.py.
 
 Runs on CUDA, or on CPU under the Triton interpreter (one fixed config)::
@@ -30,13 +30,14 @@ from triton_device import INTERPRETED, triton_device  # noqa: E402
 
 DEVICE = triton_device("the Triton prefill kernels")
 
-from kda_compile.ops.kda import backends  # noqa: E402
-from kda_compile.ops.kda.backends import KDAOptions, only_backends, select_backend  # noqa: E402
-from kda_compile.ops.kda.prefill_backend import (  # noqa: E402
+from kda_compile.ops.kda.backends import registry as backends  # noqa: E402
+from kda_compile.ops.kda.backends.registry import KDAOptions, only_backends, select_backend  # noqa: E402
+from kda_compile.ops.kda.prefill.backend import (  # noqa: E402
     BOUNDED_GATE_LIMIT, FLA_FORWARD, OWN_RESIDUALS, REFERENCE_BACKWARD, TritonChunkBackend, training_path,
 )
-from kda_compile.ops.kda.triton_chunk import chunk_kda_prefill, choose_segments  # noqa: E402
-from kda_compile.ops.kda.triton_chunk_prepare import MAX_BOUNDED_DECAY, exact_diagonal_needed  # noqa: E402
+from kda_compile.ops.kda.prefill.plan import choose_segments  # noqa: E402
+from kda_compile.ops.kda.prefill.run import chunk_kda_prefill  # noqa: E402
+from kda_compile.ops.kda.prefill.triton.prepare import MAX_BOUNDED_DECAY, exact_diagonal_needed  # noqa: E402
 from kda_compile.ops.kda.triton_common import GATE_LOWER_BOUND  # noqa: E402
 
 from .prefill_check import check, triton_prefill, weaken_decays  # noqa: E402
@@ -121,7 +122,7 @@ def test_segment_workspace_is_written_before_read(monkeypatch, initial_state):
     """The segment summaries and the combine's scratch start as NaN: every value the scan reads must have
     been written first. Without an initial state segment 0's M columns are skipped by the summary kernel
     and must not be read by the combine either (three segments: segment 2 applies two summaries)."""
-    import kda_compile.ops.kda.triton_chunk as triton_chunk
+    import kda_compile.ops.kda.prefill.run as triton_chunk
 
     real = triton_chunk._fp32_buffer
     monkeypatch.setattr(triton_chunk, "_fp32_buffer", lambda like, *shape: real(like, *shape).fill_(float("nan")))
@@ -283,7 +284,7 @@ def test_compile_failure_falls_back_once_per_variant(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
     from kda_compile.ops._common import clear_fallback_events, fallback_events
-    from kda_compile.ops.kda import prefill_backend
+    from kda_compile.ops.kda.prefill import backend as prefill_backend
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""The fused Triton KDA decode step (ops/kda/triton_decode.py) and its backend, against the fp64
+"""The fused Triton KDA decode step (ops/kda/decode/kernel.py) and its backend, against the fp64
 token recurrence (tests/kda/recurrence.py).
 
 Runs on CUDA, or on CPU under the Triton interpreter (one fixed config, BV = 32)::
@@ -28,10 +28,11 @@ from triton_device import INTERPRETED, triton_device  # noqa: E402
 
 DEVICE = triton_device("the Triton decode kernel")
 
-from kda_compile.ops.kda import backends  # noqa: E402
-from kda_compile.ops.kda.backends import KDAOptions, only_backends, registered_backends, select_backend  # noqa: E402
-from kda_compile.ops.kda.decode_backend import TritonDecodeBackend  # noqa: E402
-from kda_compile.ops.kda.triton_decode import (  # noqa: E402
+from kda_compile.ops.kda.backends import registry as backends  # noqa: E402
+from kda_compile.ops.kda.backends.registry import (KDAOptions, only_backends, registered_backends,  # noqa: E402
+                                                   select_backend)
+from kda_compile.ops.kda.decode.backend import TritonDecodeBackend  # noqa: E402
+from kda_compile.ops.kda.decode.kernel import (  # noqa: E402
     SHIPPED_CONFIGS,
     fused_recurrent_kda_triton,
     grid_class,
@@ -262,7 +263,7 @@ def test_shipped_configs_fit_every_head_dim(monkeypatch, interpreted):
 def test_default_launch_does_not_autotune(monkeypatch):
     """The first call of a new launch key compiles the shipped config only (a fresh process's first decode step
     costs one compile, not 13 compiles and timings); KDA_COMPILE_DECODE_AUTOTUNE=1 autotunes."""
-    from kda_compile.ops.kda import triton_decode
+    from kda_compile.ops.kda.decode import kernel as triton_decode
 
     monkeypatch.setattr(triton_decode, "_TUNED", {})
     monkeypatch.delenv(triton_decode.AUTOTUNE_ENV, raising=False)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kda_compile.ops.kda.reference import l2norm
-from kda_compile.ops.kda.triton_fla_scan import scan_fla_intermediates
+from kda_compile.ops.kda.backends.fla_scan import scan_fla_intermediates
 from kda_compile.testing import assert_rel_close
 from triton_device import INTERPRETED, triton_device
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of the FLA path (ops/kda/triton_glue.py): the row L2 norm, its backward, and
+"""The Triton kernels of the FLA path (ops/kda/backends/fla_glue.py): the row L2 norm, its backward, and
 the zeroing of the triangles above the diagonal of per-chunk blocks, against torch math in float64.
 
 Runs on CUDA, or on CPU under the Triton interpreter. Tolerances (relative error): the kernels compute
@@ -16,7 +16,7 @@ from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the Triton glue kernels")
 
-from kda_compile.ops.kda.triton_glue import L2NORM_EPS, l2norm_bwd, l2norm_fwd, zero_above_diagonal_  # noqa: E402
+from kda_compile.ops.kda.backends.fla_glue import L2NORM_EPS, l2norm_bwd, l2norm_fwd, zero_above_diagonal_  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}

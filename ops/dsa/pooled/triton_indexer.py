@@ -1,24 +1,24 @@
 """Triton kernels for glm5_next's pooled DSA indexer: fused pool scores, written as exact top-k sort keys.
 
 Kernels and launcher only (no torch.compile, no dispatch). The pooled keys ``pk [B, NP, D]`` and which pools
-are complete and valid come from ``pooled.prepare`` with the pools formed by one kernel (the CPU path's math in
-one pass over the key cache: ``cuda_pool_keys.py``, which copies whole token rows, for 16-bit keys on sm_80+, else
-``triton_pool_keys.py``). For a tile of BLOCK_M queries x
+are complete and valid come from ``pooled.reference.prepare`` with the pools formed by one kernel (the CPU path's math
+in one pass over the key cache: ``pooled/cuda_keys.py``, which copies whole token rows, for 16-bit keys on sm_80+, else
+``pooled/triton_keys.py``). For a tile of BLOCK_M queries x
 BLOCK_N pools the kernel loads the pool-key tile once, loops over the H_I indexer heads (one
 ``[BLOCK_M, D] x [D, BLOCK_N]`` dot each) and accumulates ``w[i, h] * relu(scale * q[i, h] . pk[p])`` in
 float32: the ``[S, H_I, NP]`` logits never exist. It writes, instead of the score, the int64 order key of
-``pooled._order_keys`` (order-preserving fp32 bits << 31 | inverted pool index; -1 for a pool the query may not
-take: incomplete, invalid, or with its last token ``first[b] + p * P + P - 1`` past the query's position). Tiles
+``pooled.reference._order_keys`` (order-preserving fp32 bits << 31 | inverted pool index; -1 for a pool the query may
+not take: incomplete, invalid, or with its last token ``first[b] + p * P + P - 1`` past the query's position). Tiles
 no query can see skip the head loop.
 
 The selection is the CPU path's merge: per query block, pool blocks of ``POOL_BLOCK`` pools are written into
 an int64 buffer ``[B, S_blk, p_blk]`` (under ``KEY_BUFFER_BYTES``) and merged into a running ``torch.topk`` of
-``slots`` keys (``pooled.pool_slots``); the keys are distinct, so the result is exact with the tie rule (equal
+``slots`` keys (``pooled.reference.pool_slots``); the keys are distinct, so the result is exact with the tie rule (equal
 scores: the lower pool) on any device. A block's pools stop at the last pool its queries can see from key 0
 (causal prefill: half the work). Every launch and size is fixed by shapes and ``q_offset``: nothing is read
 back from the device, so a call can be captured in a CUDA graph (after one call has compiled the kernels).
 Each query block's rows are then written whole in HF's slot layout (the pools' tokens, the visible tail, -1 for
-padding and padded queries) by one kernel, ``triton_pool_layout.write_rows`` (the CPU path's ``write_pools`` and
+padding and padded queries) by one kernel, ``triton_layout.write_rows`` (the CPU path's ``write_pools`` and
 ``finish``, bit for bit).
 
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``pooled_keys_heads_kernel``: one query per
@@ -35,32 +35,32 @@ import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.dsa import cuda_pool_keys
-from kda_compile.ops.dsa.pooled import (mask_first_and_pools, merge_best, output_width, pool_reach, prepare,
-                                        visible_count)
-from kda_compile.ops.dsa.triton_pool_layout import write_rows
-from kda_compile.ops.dsa.triton_indexer import SHORT_QUERIES, interpreted
-from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton
+from kda_compile.ops.dsa.pooled import cuda_keys
+from kda_compile.ops.dsa.pooled.reference import (mask_first_and_pools, merge_best, output_width, pool_reach, prepare,
+                                                  visible_count)
+from kda_compile.ops.dsa.pooled.triton_layout import write_rows
+from kda_compile.ops.dsa.indexer.triton_indexer import SHORT_QUERIES, interpreted
+from kda_compile.ops.dsa.pooled.triton_keys import pooled_keys_triton
 
 KEY_BUFFER_BYTES = 256 << 20  # one [B, S_blk, p_blk] int64 key buffer (plus the running top-k it merges into)
 POOL_BLOCK = 16384  # pools scored per merge step (T = 256k tokens at P = 16 in one step; tests lower it)
 
 
 def form_pools(k, gate, key_valid, ape):
-    """(key_valid bool or None, first [B], pk, pool_valid): ``pooled.mask_first_and_pools``'s contract from the CUDA
-    kernels that read whole token rows (``cuda_pool_keys.py``) where they serve the call, else from the Triton
-    kernel. Floating key flags that lie in the copied rows (HF's cache) are read there: no separate pass makes
+    """(key_valid bool or None, first [B], pk, pool_valid): ``pooled.reference.mask_first_and_pools``'s contract from
+    the CUDA kernels that read whole token rows (``pooled/cuda_keys.py``) where they serve the call, else from the
+    Triton kernel. Floating key flags that lie in the copied rows (HF's cache) are read there: no separate pass makes
     the mask."""
     flags = key_valid if key_valid is not None and key_valid.dtype != torch.bool else None
-    layout = cuda_pool_keys.serving_layout(k, gate, ape.shape[0], flags)  # once per call (host time)
+    layout = cuda_keys.serving_layout(k, gate, ape.shape[0], flags)  # once per call (host time)
     if layout is not None:
         try:
             if layout.v_off >= 0:
-                return cuda_pool_keys.pools_from_rows(k, gate, key_valid, ape, layout)
+                return cuda_keys.pools_from_rows(k, gate, key_valid, ape, layout)
             return mask_first_and_pools(k, gate, key_valid, ape,
-                                        functools.partial(cuda_pool_keys.pooled_keys_cuda, layout=layout))
+                                        functools.partial(cuda_keys.pooled_keys_cuda, layout=layout))
         except NvrtcUnavailable as exc:
-            cuda_pool_keys.record_unavailable(exc)
+            cuda_keys.record_unavailable(exc)
     return mask_first_and_pools(k, gate, key_valid, ape, pooled_keys_triton)
 
 
@@ -189,7 +189,7 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
 
     q [B, S, H_I, D], k [B, T, D] (float16 / bfloat16 / float32, any strides), weights [B, S, H_I], gate
     [B, T, D], ape [P, D] floating, key_valid / query_mask None or bool. Same selection and layout as
-    ``pooled.pooled_indexer_topk_reference`` (bitwise where the float32 scores are exact)."""
+    ``pooled.reference.pooled_indexer_topk_reference`` (bitwise where the float32 scores are exact)."""
     b, s_len, heads, dim = q.shape
     pool = ape.shape[0]
     out = torch.full((b, s_len, output_width(topk, pool, select_tail)), -1, dtype=torch.int32, device=q.device)
@@ -198,7 +198,7 @@ def pooled_indexer_topk_triton(q, k, gate, weights, key_valid, ape, query_mask, 
     key_valid, first, pos, pk, pool_valid, slots, n_sel = prepare(q, k, gate, key_valid, ape, topk, q_offset,
                                                                   form_pools=form_pools)
     n_pools = k.shape[1] // pool  # the pools that can be complete (pooled.pool_slots)
-    # every row is written whole by write_rows (triton_pool_layout.py): pools, tail, padding
+    # every row is written whole by write_rows (pooled/triton_layout.py): pools, tail, padding
     count = visible_count(key_valid, pos, q_offset, b, k.shape[1]) if select_tail and pool > 1 else None
     if slots > 0:
         weights = weights.float()  # the CPU path's rounding of the head weights

@@ -1,5 +1,5 @@
 /* The pool-forming kernel over whole token rows (KERNEL_NAME) and, with MASK_FLAGS, the first-key kernel, one
-   NVRTC module; cuda_pool_keys_source.py describes them and prepends the specialisation's #defines (IS_BF16, POOL,
+   NVRTC module; pooled/cuda_keys_source.py describes them and prepends the specialisation's #defines (IS_BF16, POOL,
    CPL, APE_IN_REGISTERS, SPANS, PAIRS, MASK and its values, MAX_WARPS, KERNEL_NAME, FIRST_NAME, FIRST_THREADS). */
 #include "pool_rows_device.cuh"
 #include "pool_first_key.cuh"

@@ -1,11 +1,11 @@
 """CUDA C++ source of the Hopper (sm_90a) DSA sparse-attention forward: gathered latent rows, warpgroup MMA.
 
-The kernel is ``wgmma_sparse.cu`` (with the shared helpers of ``ops/hopper/``), compiled at run time by NVRTC
-(``kda_compile.ops._nvrtc``); this module holds the geometry the launcher (``wgmma_sparse.py``) sizes by and
-prepends each specialisation's ``#define``s. The absorbed MQA form of DeepSeek-V3.2 / GLM-5: every query head attends to the same
-gathered key rows ``kv[b, idx, kvh, :]`` of 512 latent (+ 64 rope) channels, and the value is the row's first 512
-channels. The schedule is that of our MLA decode kernel (``ops/mla/wgmma_source.py``; both include ``ops/hopper/latent_tile.cuh``),
-with the contiguous TMA tiles replaced by a gather:
+The kernel is ``wgmma_forward.cu`` (with the shared helpers of ``ops/hopper/``), compiled at run time by NVRTC
+(``kda_compile.ops._nvrtc``); this module holds the geometry the launcher (``sparse/wgmma_forward.py``) sizes by and
+prepends each specialisation's ``#define``s. The absorbed MQA form of DeepSeek-V3.2 / GLM-5: every query head attends to
+the same gathered key rows ``kv[b, idx, kvh, :]`` of 512 latent (+ 64 rope) channels, and the value is the row's first
+512 channels. The schedule is that of our MLA decode kernel (``ops/mla/decode/wgmma_decode_source.py``; both include
+``ops/hopper/latent_tile.cuh``), with the contiguous TMA tiles replaced by a gather:
 
 - A program (384 threads, three warpgroups) owns 64 query heads of one KV head of one query token and one
   contiguous range (split) of its top-k list; grid (token x head blocks, splits), head block fastest, so the
@@ -32,12 +32,13 @@ with the contiguous TMA tiles replaced by a gather:
   natural-log lse (-inf, and o = 0, for a row that saw no valid index), the contract of the Triton kernel's
   split form, so its combine kernel merges the splits.
 
-Compile-time switches (``#define``): ``IS_BF16`` (1: bf16, 0: f16), ``ROPE`` (1: 576-channel rows, 0: 512), ``PARTIAL``.
+Compile-time switches (``#define``): ``IS_BF16`` (1: bf16, 0: f16), ``ROPE`` (1: 576-channel rows, 0: 512),
+``PARTIAL``.
 """
 from __future__ import annotations
 
 from kda_compile.ops._nvrtc import cuda_source
-from kda_compile.ops.mla.wgmma_source import RESCALE_THRESHOLD
+from kda_compile.ops.mla.decode.wgmma_decode_source import RESCALE_THRESHOLD
 
 ROWS = 64  # query heads per program = the wgmma M
 TILE_TOKENS = 64  # gathered rows per tile
@@ -71,9 +72,9 @@ def kernel_source(*, elem: str, rope: bool, partial: bool) -> str:
     if elem not in ("bf16", "f16"):
         raise ValueError(f"elem must be 'bf16' or 'f16', got {elem!r}")
     defines = "".join(f"#define {name} {value}\n" for name, value in (
-        ("IS_BF16", int(elem == "bf16")), ("ROPE", int(bool(rope))), ("PARTIAL", int(bool(partial))), ("RESCALE_THRESHOLD", f"{RESCALE_THRESHOLD}f"),
-        ("ROWS", ROWS), ("TILE_TOKENS", TILE_TOKENS), ("PANEL_BYTES", PANEL_BYTES), ("P_BYTES", P_BYTES),
-        ("TILE_BYTES", tile_bytes(rope)), ("THREADS", THREADS), ("STAT_BYTES", STAT_BYTES),
-        ("P_BUFFER_BYTES", p_buffer_bytes(rope)), ("BAR_VALUES", 3),
+        ("IS_BF16", int(elem == "bf16")), ("ROPE", int(bool(rope))), ("PARTIAL", int(bool(partial))),
+        ("RESCALE_THRESHOLD", f"{RESCALE_THRESHOLD}f"), ("ROWS", ROWS), ("TILE_TOKENS", TILE_TOKENS),
+        ("PANEL_BYTES", PANEL_BYTES), ("P_BYTES", P_BYTES), ("TILE_BYTES", tile_bytes(rope)), ("THREADS", THREADS),
+        ("STAT_BYTES", STAT_BYTES), ("P_BUFFER_BYTES", p_buffer_bytes(rope)), ("BAR_VALUES", 3),
         ("GATHER_THREADS", GATHER_THREADS)))
-    return defines + cuda_source(__package__, "wgmma_sparse.cu")
+    return defines + cuda_source(__package__, "wgmma_forward.cu")

@@ -1,10 +1,10 @@
 /* The absorbed-MLA decode kernel (sm_90a): TMA copies of the latent tiles, warpgroup MMA; the schedule is
-   described in wgmma_source.py, which prepends the specialisation's #defines (IS_BF16, IS_CAUSAL, MASK_KIND,
-   PARTIAL, the DBG_* switches) and the geometry (ROWS, TILE_TOKENS, PANEL_BYTES, TILE_BYTES, THREADS, STAT_BYTES,
-   RESCALE_THRESHOLD). */
-#include "../hopper/ptx.cuh"
-#include "../hopper/wgmma.cuh"
-#include "../hopper/latent_tile.cuh"
+   described in decode/wgmma_decode_source.py, which prepends the specialisation's #defines (IS_BF16, IS_CAUSAL,
+   MASK_KIND, PARTIAL, the DBG_* switches) and the geometry (ROWS, TILE_TOKENS, PANEL_BYTES, TILE_BYTES, THREADS,
+   STAT_BYTES, RESCALE_THRESHOLD). */
+#include "../../hopper/ptx.cuh"
+#include "../../hopper/wgmma.cuh"
+#include "../../hopper/latent_tile.cuh"
 
 #define CHUNKS_PER_ROW 72          /* (512 + 64) channels x 2 bytes / 16 */
 #define LATENT_CHUNKS 64

@@ -1,4 +1,4 @@
-"""Triton kernel forming glm5_next's pooled indexer keys: the softmax-gated pools of ``pooled.pooled_keys`` in one
+"""Triton kernel forming glm5_next's pooled indexer keys: the softmax-gated pools of ``reference.pooled_keys`` in one
 pass over the key cache.
 
 Kernel and launcher only (no torch.compile, no dispatch). Pool ``p`` of batch row ``b`` holds the tokens
@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
-from kda_compile.ops.dsa.pooled import empty_pools
-from kda_compile.ops.dsa.triton_indexer import interpreted
+from kda_compile.ops.dsa.pooled.reference import empty_pools
+from kda_compile.ops.dsa.indexer.triton_indexer import interpreted
 
 
 @triton.jit
@@ -81,7 +81,7 @@ def form_pools_kernel(
 
 
 def pooled_keys_triton(k, gate, key_valid, ape, first):
-    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``pooled.pooled_keys`` in one kernel.
+    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``pooled.reference.pooled_keys`` in one kernel.
 
     k / gate [B, T, D] (any strides, floating), key_valid bool [B, T] or None (every key valid: the pools start at
     token 0 and ``first``, zeros, is not read), ape [P, D], first int64 [B]."""

@@ -1,4 +1,4 @@
-/* Device functions of the pool-forming kernels over whole token rows (cuda_pool_keys_source.py describes them):
+/* Device functions of the pool-forming kernels over whole token rows (pooled/cuda_keys_source.py describes them):
    16-bit element conversions and pair products (IS_BF16), the pool's softmax weights (POOL), the flag test, and
    the cp.async copies of a pool's spans into a warp's stage (SPANS, MASK). */
 typedef unsigned short ELEM;  // raw 16-bit values (no cuda_fp16.h / cuda_bf16.h: NVRTC may have no include path)

@@ -1,5 +1,5 @@
 """Triton kernel for the DSA lightning indexer: fused blockwise scores, written as int32 codes, then an
-exact top-k by radix select (``triton_topk.py``).
+exact top-k by radix select (``indexer/triton_topk.py``).
 
 Kernel and launcher only (no torch.compile, no dispatch). For a tile of BLOCK_M queries x BLOCK_N keys
 the kernel loads the key tile once, loops over the H_I indexer heads (one [BLOCK_M, D] x [D, BLOCK_N]
@@ -11,7 +11,7 @@ tie rule (equal scores: lower index first), the same result as ``torch.topk`` ov
 ``reference.order_keys`` on any GPU.
 
 Fewer than ``SHORT_QUERIES`` queries (decode, short chunks) take ``indexer_codes_heads_kernel`` instead: one
-query per program, its H_I heads as the MMA's rows; on an sm_90 GPU the CUDA kernel of ``wgmma_indexer.py``
+query per program, its H_I heads as the MMA's rows; on an sm_90 GPU the CUDA kernel of ``indexer/wgmma_indexer.py``
 (the same codes, a deeper key stream; ``wgmma_indexer.choose_kernel``) runs them where it can, and without
 ``cu_seqlens``, when the top-k takes its CUDA kernel too, both compute the visible ranges themselves
 (``_few_queries_on_cuda``: two launches per call).
@@ -33,10 +33,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kda_compile.ops._common import (cdiv, cuda_index, device_capability, next_power_of_2, sm_count,
                                      triton_interpreted as interpreted)
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.dsa import cuda_topk, wgmma_indexer
+from kda_compile.ops.dsa.indexer import cuda_topk, wgmma_indexer
 from kda_compile.ops.dsa.reference import visible_ranges
-from kda_compile.ops.dsa.triton_topk import (cuda_select_takes, record_cuda_topk_unavailable, score_codes,
-                                              topk_from_codes)
+from kda_compile.ops.dsa.indexer.triton_topk import (cuda_select_takes, record_cuda_topk_unavailable, score_codes,
+                                                     topk_from_codes)
 
 KEY_BUFFER_BYTES = 256 << 20
 PROGRAMS_PER_SM = 8  # decode: programs per SM the key stream is cut into

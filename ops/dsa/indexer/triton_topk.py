@@ -31,7 +31,7 @@ row split pays a launch per round and keeps 8-bit digits (``TILED_BITS``, ``SPLI
 H200 numbers beside them).
 
 On a GPU, a few rows of at most 32k codes (decode: ``B * rows`` under ``SPLIT_BELOW_PROGRAMS_PER_SM`` per SM) run
-the same select in CUDA instead (``cuda_topk.py``: one CTA per row, one launch; 64 rows of 32k 30 us against the
+the same select in CUDA instead (``indexer/cuda_topk.py``: one CTA per row, one launch; 64 rows of 32k 30 us against the
 row split's 75, H200); ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them here. Three Triton kernels run this select
 (``topk_from_codes`` picks one with ``choose_path``):
 
@@ -64,7 +64,7 @@ row split's 75, H200); ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them here. Three
      chunk there; chunk 0 writes the -1 padding.
 
   The histograms summed over chunks are those the one-program kernel builds, and both paths step through
-  them with the same steps (``triton_radix_select.py``), so they write the same indices. A
+  them with the same steps (``indexer/triton_radix_select.py``), so they write the same indices. A
   row's codes are read once per round and once more to count and to compact, plus a few histogram loads and
   atomic adds per program.
 """
@@ -79,9 +79,9 @@ from kda_compile.ops._common import (arg_error, cdiv, cuda_index, kernel_switch,
                                      sm_count)
 from kda_compile.ops._common import triton_interpreted as interpreted
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.dsa import cuda_topk
-from kda_compile.ops.dsa.triton_radix_select import (compact, compact_codes, digit_histogram, pad_to_topk, radix_init,
-                                                      radix_step, round_hist, select_rule)
+from kda_compile.ops.dsa.indexer import cuda_topk
+from kda_compile.ops.dsa.indexer.triton_radix_select import (compact, compact_codes, digit_histogram, pad_to_topk,
+                                                             radix_init, radix_step, round_hist, select_rule)
 
 CODE_HIDDEN = -(2**31)  # the code of a key the query may not see: below every visible code
 MAX_TILE = 4096  # codes per loaded tile of the tiled kernel's wide rows (16 per thread at 8 warps)
@@ -410,8 +410,8 @@ KERNEL_ENV = "KDA_COMPILE_TOPK_KERNEL"  # auto | triton | cuda: the few-row sele
 
 
 def cuda_kernel_serves(device_type: str, width: int, grid_rows: int, sms: int) -> str | None:
-    """Why the CUDA kernel (``cuda_topk.py``, one CTA per row) does not take a select, or None when it does: rows
-    of at most ``cuda_topk.MAX_WIDTH`` codes on a GPU, too few to fill it with the tiled kernel (decode: ``B *
+    """Why the CUDA kernel (``indexer/cuda_topk.py``, one CTA per row) does not take a select, or None when it does:
+    rows of at most ``cuda_topk.MAX_WIDTH`` codes on a GPU, too few to fill it with the tiled kernel (decode: ``B *
     rows`` under ``SPLIT_BELOW_PROGRAMS_PER_SM`` per SM; 64 rows of 32k: docs/dsa.md section 4)."""
     if device_type != "cuda" or interpreted():
         return "not a CUDA tensor"
@@ -478,8 +478,8 @@ def topk_from_codes(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, row
     (int64 [S]; ``hi`` at most ``width``).
 
     With neither ``chunks`` nor ``resident`` given, a few rows of at most ``cuda_topk.MAX_WIDTH`` codes on a GPU
-    (decode) take the CUDA kernel (``cuda_topk.py``; ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them on Triton) and
-    otherwise ``choose_path`` picks the Triton kernel. ``resident``: True forces
+    (decode) take the CUDA kernel (``indexer/cuda_topk.py``; ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them on Triton)
+    and otherwise ``choose_path`` picks the Triton kernel. ``resident``: True forces
     the register-resident kernel (``width`` at most ``MAX_RESIDENT_WIDTH``), False the tiled kernels (then
     ``row_split_chunks`` chooses, one program per row for an uncaptured call over few codes). ``chunks`` forces a
     tiled kernel: 1 one program per row, more the row split into that many chunks per row."""

@@ -1,9 +1,9 @@
 /* The DSA indexer score kernel for a few queries (sm_90a): keys streamed by TMA, warpgroup MMA with the query
-   heads in registers; the design is described in wgmma_indexer_source.py, which prepends the specialisation's
+   heads in registers; the design is described in indexer/wgmma_indexer_source.py, which prepends the specialisation's
    #defines (IS_BF16, HAS_KEY_MASK, WEIGHT_KIND, STAGES, PROGRAMS_PER_SM) and the geometry (HEADS, DIM, TILE_KEYS,
    THREADS, PANEL_BYTES, TILE_BYTES, REDUCE_BYTES). */
-#include "../hopper/ptx.cuh"
-#include "../hopper/wgmma.cuh"
+#include "../../hopper/ptx.cuh"
+#include "../../hopper/wgmma.cuh"
 
 /* d [64 x 64] (+)= A [64 x 16] B^T with A (the query heads) in registers, B in shared memory (K-major, 128-byte
    swizzle): one wgmma.mma_async m64n64k16 (the register-A overload of wgmma.cuh's form). */

@@ -1,6 +1,6 @@
 """Triton flash-attention kernels: forward, and backward as dK/dV + dQ passes (FlashAttention-2 style).
 
-Kernels only (no torch.compile, no dispatch); launchers live in ``triton_attention.py``.
+Kernels only (no torch.compile, no dispatch); launchers live in ``triton_flash.py``.
 One program owns a tile of query rows (forward, dQ) or of keys (dK/dV) and walks the other side in
 tiles with an online softmax, so no [Sq, Sk] score matrix exists. Everything the SDPA backends
 cannot do is here: softcap (Gemma 2), sliding window with masks, GQA with any layout, d_qk != d_v,

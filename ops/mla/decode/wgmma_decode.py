@@ -1,9 +1,9 @@
-"""Launcher of the Hopper warpgroup-MMA absorbed-MLA decode kernel (``wgmma_source.py``), compiled by NVRTC.
+"""Launcher of the Hopper warpgroup-MMA absorbed-MLA decode kernel (``wgmma_decode_source.py``), compiled by NVRTC.
 
 Same contract as ``triton_decode.mla_decode_attention`` (same outputs, layouts and split merge), for the
 shapes the kernel is written for: an sm_90 GPU, bfloat16 / float16, latent 512 + rope 64 (every
 DeepSeek-V2/V3 and Kimi MLA layer), rows of the query and cache contiguous and 16-byte aligned.
-``unsupported_reason`` says why a call is outside that set; ``decode_kernels.py`` chooses between the
+``unsupported_reason`` says why a call is outside that set; ``decode/kernels.py`` chooses between the
 kernels. The caches are read through TMA descriptors (``cache_tensor_maps``), cached per layout and address.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 
 from kda_compile.ops._common import cdiv, cuda_index, half_rows_problem, hopper_problem
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
-from kda_compile.ops.mla import wgmma_source as src
-from kda_compile.ops.mla.triton_decode import (allocate_decode_outputs, choose_num_splits, mask_for_kernel,
-                                               merge_decode_splits, sm_count)
+from kda_compile.ops.mla.decode import wgmma_decode_source as src
+from kda_compile.ops.mla.decode.triton_decode import (allocate_decode_outputs, choose_num_splits, mask_for_kernel,
+                                                      merge_decode_splits, sm_count)
 
 ARCH = "90a"
 _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}

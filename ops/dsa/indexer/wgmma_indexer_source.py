@@ -1,10 +1,11 @@
 """CUDA C++ source of the Hopper (sm_90a) DSA indexer score kernel for a few queries (decode, short chunks).
 
 The kernel is ``wgmma_indexer.cu`` (with the shared helpers of ``ops/hopper/``), compiled at run time by NVRTC
-(``kda_compile.ops._nvrtc``); this module holds the geometry the launcher (``wgmma_indexer.py``) sizes by and
-prepends each specialisation's ``#define``s. It writes the same int32 score codes as the Triton kernels of ``triton_indexer.py``
-(``triton_topk.score_codes``: order-preserving codes of the float32 score, ``INT32_MIN`` for a key the query may
-not see), for one query's H_I <= 64 indexer heads of 128 channels against a stream of cached keys:
+(``kda_compile.ops._nvrtc``); this module holds the geometry the launcher (``indexer/wgmma_indexer.py``) sizes by and
+prepends each specialisation's ``#define``s. It writes the same int32 score codes as the Triton kernels of
+``indexer/triton_indexer.py`` (``triton_topk.score_codes``: order-preserving codes of the float32 score, ``INT32_MIN``
+for a key the query may not see), for one query's H_I <= 64 indexer heads of 128 channels against a stream of cached
+keys:
 
     score[s] = sum_h w[h] * relu(scale * q[h] . k[s])
 
@@ -31,8 +32,8 @@ H200, CUDA-graph replay, 64 heads x 128, bf16: batch 64 x 32k keys (537 MB) 149 
 the Triton heads-as-rows kernel and 140 us for torch's row sum over as many bytes (the read bandwidth this GPU
 reaches); 16 queries x 4-token chunks x 16k keys 47 against 83 us (docs/dsa.md section 4).
 
-Compile-time switches (``#define``): ``IS_BF16`` (1: bf16, 0: f16), ``STAGES``, ``HAS_KEY_MASK``, ``WEIGHT_KIND`` (the
-weights are read in their own dtype: float32, bfloat16 or float16).
+Compile-time switches (``#define``): ``IS_BF16`` (1: bf16, 0: f16), ``STAGES``, ``HAS_KEY_MASK``, ``WEIGHT_KIND``
+(the weights are read in their own dtype: float32, bfloat16 or float16).
 """
 from __future__ import annotations
 
@@ -77,7 +78,8 @@ def kernel_source(*, elem: str, has_key_mask: bool, weight: str = "f32", stages:
     if not 2 <= stages <= 8:
         raise ValueError(f"stages must be 2 to 8, got {stages!r}")
     defines = "".join(f"#define {name} {value}\n" for name, value in (
-        ("IS_BF16", int(elem == "bf16")), ("HAS_KEY_MASK", int(bool(has_key_mask))), ("WEIGHT_KIND", WEIGHT_KINDS.index(weight)), ("STAGES", stages),
-        ("PROGRAMS_PER_SM", programs_per_sm(stages)), ("HEADS", HEADS), ("DIM", DIM), ("TILE_KEYS", TILE_KEYS),
-        ("THREADS", THREADS), ("PANEL_BYTES", PANEL_BYTES), ("TILE_BYTES", TILE_BYTES), ("REDUCE_BYTES", REDUCE_BYTES)))
+        ("IS_BF16", int(elem == "bf16")), ("HAS_KEY_MASK", int(bool(has_key_mask))),
+        ("WEIGHT_KIND", WEIGHT_KINDS.index(weight)), ("STAGES", stages), ("PROGRAMS_PER_SM", programs_per_sm(stages)),
+        ("HEADS", HEADS), ("DIM", DIM), ("TILE_KEYS", TILE_KEYS), ("THREADS", THREADS), ("PANEL_BYTES", PANEL_BYTES),
+        ("TILE_BYTES", TILE_BYTES), ("REDUCE_BYTES", REDUCE_BYTES)))
     return defines + cuda_source(__package__, "wgmma_indexer.cu")

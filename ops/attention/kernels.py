@@ -4,7 +4,7 @@ Order of preference (forward and backward are chosen independently; both only ex
 backend-independent ``out`` and ``lse``, so any backward can follow any forward):
 
 1. torch SDPA backend kernels (``sdpa.py``: cuDNN > flash > memory-efficient, first that accepts);
-2. our Triton flash-attention kernel (``triton_kernel.py``) for what SDPA cannot do: softcap,
+2. our Triton flash-attention kernel (``triton_flash_kernels.py``) for what SDPA cannot do: softcap,
    dropout (its Philox mask is regenerated in our backward), GQA/windows/masks SDPA refuses, a float
    ``attn_mask`` gradient and a gradient through ``lse``;
 3. the plain-torch reference (materialises [B, H, Sq, Sk]) only for float64, without Triton, or when
@@ -52,7 +52,7 @@ def forced_backend() -> str:
 @functools.lru_cache(maxsize=None)
 def triton_unavailable() -> str | None:
     """None when the Triton kernels import, else why not."""
-    return module_unusable("kda_compile.ops.attention.triton_attention")
+    return module_unusable("kda_compile.ops.attention.triton_flash")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def cuda_forward(q, k, v, attn_mask, sinks, scale, softcap, dropout_p, is_causal
                                      sliding_window, rng)
         return as_bshd(out), lse
     if impl == "triton":
-        from kda_compile.ops.attention.triton_attention import triton_attention_forward
+        from kda_compile.ops.attention.triton_flash import triton_attention_forward
 
         if why:
             record_fallback("attention", "triton", why)
@@ -234,7 +234,7 @@ def _has_floor_biased_rows(attn_mask, is_causal: bool, sliding_window: int, sq: 
 
 def _row_delta(out, grad_out):
     if not triton_unavailable():
-        from kda_compile.ops.attention.triton_attention import triton_row_delta
+        from kda_compile.ops.attention.triton_flash import triton_row_delta
 
         return triton_row_delta(out, grad_out)
     return torch.einsum("bhsd,bhsd->bhs", grad_out.float(), out.float())
@@ -256,7 +256,7 @@ def cuda_backward(grad_out, grad_lse, q, k, v, out, lse, rng, attn_mask, sinks, 
                                                        mask_needs_grad)
         return as_bshd(dq), as_bshd(dk), as_bshd(dv), dmask, dsinks
     if impl == "triton":
-        from kda_compile.ops.attention.triton_attention import triton_attention_backward
+        from kda_compile.ops.attention.triton_flash import triton_attention_backward
 
         if why:
             record_fallback("attention_backward", "triton", why)

@@ -1,9 +1,9 @@
 """CUDA C++ source of the Hopper (sm_90a) absorbed-MLA decode kernel: TMA copies, warpgroup MMA (wgmma).
 
 The kernel is ``wgmma_decode.cu`` (with the shared helpers of ``ops/hopper/``), compiled at run time by NVRTC
-(``kda_compile.ops._nvrtc``); this module holds the geometry the launcher (``wgmma_decode.py``) sizes by and
-prepends each specialisation's ``#define``s. Triton 3.6 cannot express this schedule for 64 heads x (512 + 64) channels (see
-docs/mla-decode-kernels.md section 2). Here:
+(``kda_compile.ops._nvrtc``); this module holds the geometry the launcher (``decode/wgmma_decode.py``) sizes by and
+prepends each specialisation's ``#define``s. Triton 3.6 cannot express this schedule for 64 heads x (512 + 64)
+channels (see docs/mla-decode-kernels.md section 2). Here:
 
 - A program (384 threads, three warpgroups) owns 64 rows of the flattened (query, head) axis of one
   batch element and one KV split; grid (row blocks, splits, B), row block fastest, so the programs

@@ -1,5 +1,5 @@
 /* The DSA top-k of a few rows held in registers, one CTA or a cluster of two per row (a radix select over the
-   int32 score codes, then a compaction in key order); described in cuda_topk.py, which prepends THREADS, PER
+   int32 score codes, then a compaction in key order); described in indexer/cuda_topk.py, which prepends THREADS, PER
    (codes a thread holds) and CLUSTER (CTAs per row). */
 #define FULL 0xffffffffu
 #if CLUSTER > 1

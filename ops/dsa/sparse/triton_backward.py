@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops._common import cdiv, next_power_of_2
-from kda_compile.ops.dsa.triton_sparse import LOG2E, gather_scores, head_widths, interpreted
+from kda_compile.ops.dsa.sparse.triton_forward import LOG2E, gather_scores, head_widths, interpreted
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""The steps of the DSA top-k's exact radix select, shared by its kernels (``triton_topk.py``, whose docstring
+"""The steps of the DSA top-k's exact radix select, shared by its kernels (``indexer/triton_topk.py``, whose docstring
 has the select and the code layout): the select state, a round's digit histogram, the step to the next digit, the
 rule at the threshold, and the compaction in key order with the tie rule.
 

@@ -1,10 +1,10 @@
 /* The DSA sparse-attention forward (sm_90a): gathered latent rows, warpgroup MMA; the schedule is described in
-   wgmma_sparse_source.py, which prepends the specialisation's #defines (IS_BF16, ROPE, PARTIAL) and the geometry
-   (ROWS, TILE_TOKENS, PANEL_BYTES, P_BYTES, TILE_BYTES, THREADS, STAT_BYTES, P_BUFFER_BYTES, BAR_VALUES,
+   sparse/wgmma_forward_source.py, which prepends the specialisation's #defines (IS_BF16, ROPE, PARTIAL) and the
+   geometry (ROWS, TILE_TOKENS, PANEL_BYTES, P_BYTES, TILE_BYTES, THREADS, STAT_BYTES, P_BUFFER_BYTES, BAR_VALUES,
    GATHER_THREADS, RESCALE_THRESHOLD). */
-#include "../hopper/ptx.cuh"
-#include "../hopper/wgmma.cuh"
-#include "../hopper/latent_tile.cuh"
+#include "../../hopper/ptx.cuh"
+#include "../../hopper/wgmma.cuh"
+#include "../../hopper/latent_tile.cuh"
 #define ROW_CHUNKS (64 + 8 * ROPE)   /* 16-byte chunks of a row: 512 (+ 64) channels */
 #define FULL_MASK 0xffffffffu
 

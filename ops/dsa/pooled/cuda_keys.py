@@ -1,8 +1,8 @@
-"""Launcher of the CUDA pool-forming kernel (``cuda_pool_keys_source.py``, NVRTC): glm5_next's pool keys read as whole
+"""Launcher of the CUDA pool-forming kernel (``pooled/cuda_keys_source.py``, NVRTC): glm5_next's pool keys read as whole
 token rows, for the cache layout Hugging Face keeps (keys, gates and the validity flag side by side in one ``[B, T, 2D +
 1]`` tensor) and for separate key and gate tensors with contiguous rows.
 
-``pooled_keys_cuda`` has the contract of ``triton_pool_keys.pooled_keys_triton``; ``pools_from_rows`` also reads the key
+``pooled_keys_cuda`` has the contract of ``triton_keys.pooled_keys_triton``; ``pools_from_rows`` also reads the key
 flags where they lie in the copied rows (the op's ``key_valid`` given as HF's cache column) and returns the bool mask
 and each row's first valid key with the pools, so no separate pass over the flags makes them. ``serving_layout`` picks
 the kernel of a call and works out its row layout, once, for the launch (``choose_kernel`` says only which kernel;
@@ -22,8 +22,8 @@ import torch
 from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_choice, kernel_switch, on_device,
                                     record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
-from kda_compile.ops.dsa import cuda_pool_keys_source as src
-from kda_compile.ops.dsa.pooled import empty_pools
+from kda_compile.ops.dsa.pooled import cuda_keys_source as src
+from kda_compile.ops.dsa.pooled.reference import empty_pools
 
 KERNEL_ENV = "KDA_COMPILE_POOL_KERNEL"
 KERNELS = ("auto", "triton", "cuda")
@@ -156,7 +156,7 @@ def _stage_bytes(layout: RowLayout, pool: int) -> tuple[int, int]:
 
 
 def pooled_keys_cuda(k, gate, key_valid, ape, first, layout: RowLayout | None = None):
-    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``triton_pool_keys.pooled_keys_triton``'s result
+    """(pk [B, NP, D] in k's dtype, pool_valid bool [B, NP]): ``triton_keys.pooled_keys_triton``'s result
     from this kernel, ``key_valid`` None or bool [B, T]. The caller checked ``choose_kernel`` is "cuda" (``layout``:
     the one ``serving_layout`` gave, else worked out here). Raises NvrtcUnavailable."""
     mode = src.MASK_NONE if key_valid is None else src.MASK_INPUT

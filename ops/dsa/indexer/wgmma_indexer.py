@@ -16,7 +16,7 @@ import torch
 from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice, kernel_switch,
                                     on_device, record_fallback, sm_count)
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
-from kda_compile.ops.dsa import wgmma_indexer_source as src
+from kda_compile.ops.dsa.indexer import wgmma_indexer_source as src
 
 ARCH = "90a"
 KERNEL_ENV = "KDA_COMPILE_INDEXER_KERNEL"

@@ -1,5 +1,5 @@
 """glm5_next's pooled DSA indexer in plain torch, blockwise: the op's CPU path, the reference of its CUDA
-kernels (``triton_pooled.py``, which share this file's pooling, merge and layout steps) and the math the tests
+kernels (``pooled/triton_indexer.py``, which share this file's pooling, merge and layout steps) and the math the tests
 check against Hugging Face's ``Glm5NextTextIndexer``.
 
 The keys are grouped into pools of ``P`` consecutive tokens starting at each row's first valid key
@@ -40,7 +40,7 @@ import torch
 
 from kda_compile.ops.dsa.reference import BLOCK_BYTES, ORDER_INDEX_MASK
 
-logger = logging.getLogger("kda_compile.ops.dsa.pooled")
+logger = logging.getLogger("kda_compile.ops.dsa.pooled.reference")
 
 POOL_BLOCK = 1024  # pools scored per step of the running top-k (tests lower it to exercise the merge)
 QUERY_BLOCK = 1 << 30  # an upper bound on the query block (the byte budget decides; tests lower it)
@@ -171,7 +171,7 @@ def prepare(q, k, gate, key_valid, ape, topk: int, q_offset: int, form_pools=Non
     ``first`` zeros: no [B, T] mask is made). ``slots`` (``pool_slots``) is an int from shapes; ``n_sel`` = HF's
     ``min(topk // P, n_kept)`` is an int64 0-dim tensor on the device (it places the tail; never read on the host).
     ``form_pools(k, gate, key_valid, ape)``: what makes the mask, the first valid keys and the pools (default
-    ``mask_first_and_pools``; the CUDA path passes its own, ``triton_pooled.form_pools``)."""
+    ``mask_first_and_pools``; the CUDA path passes its own, ``triton_indexer.form_pools``)."""
     b, s_len = q.shape[:2]
     t_len, pool = k.shape[1], ape.shape[0]
     pos = q_offset + torch.arange(s_len, device=q.device, dtype=torch.long)

@@ -1,4 +1,4 @@
-"""Launchers for the Triton attention kernels (``triton_kernel.py``): layouts, tile configs, row vectors.
+"""Launchers for the Triton attention kernels (``triton_flash_kernels.py``): layouts, tile configs, row vectors.
 
 Device-agnostic (no ``torch.cuda`` calls), so the same launchers run on CPU tensors under
 ``TRITON_INTERPRET=1``, where one small fixed tile config is used (the interpreter cannot autotune).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_compile.ops._common import cdiv, next_power_of_2, triton_interpreted as _interpreted
-from kda_compile.ops.attention.triton_kernel import (
+from kda_compile.ops.attention.triton_flash_kernels import (
     attn_bwd_delta_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,

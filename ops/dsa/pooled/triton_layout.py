@@ -1,16 +1,16 @@
 """Triton kernel writing the pooled indexer's output rows in Hugging Face's slot layout, in one launch.
 
-The CPU path (``pooled.write_pools`` then ``pooled.finish``) expands the chosen pools into their tokens, computes
-the visible tail, scatters it after the ``n_sel`` pools and blanks the padded queries: about thirty small PyTorch
-kernels per call, most of a batch-1 decode step's GPU time and, in eager calls, far more host time. Here one
-program writes one whole row of ``out`` ``[B, S, topk (+ P - 1)]`` (int32):
+The CPU path (``pooled.reference.write_pools`` then ``pooled.reference.finish``) expands the chosen pools into their
+tokens, computes the visible tail, scatters it after the ``n_sel`` pools and blanks the padded queries: about thirty
+small PyTorch kernels per call, most of a batch-1 decode step's GPU time and, in eager calls, far more host time. Here
+one program writes one whole row of ``out`` ``[B, S, topk (+ P - 1)]`` (int32):
 
 - columns ``< slots * P``: the token ``first[b] + pool * P + j`` of slot ``c // P`` (``j = c % P``), the pool read
-  from the running top-k's int64 order key (``pooled._order_keys``: the inverted pool index in the low 31 bits;
-  -1 where the slot holds no pool);
+  from the running top-k's int64 order key (``pooled.reference._order_keys``: the inverted pool index in the low 31
+  bits; -1 where the slot holds no pool);
 - with the tail, columns ``n_sel * P + j`` (``j < P - 1``, ``n_sel`` a device scalar) instead hold the visible
   tail: ``first[b] + count - count % P + j`` where ``j < count % P``, the token exists, the query sees it and it is
-  a valid key (``count``: the query's visible valid keys, ``pooled.visible_count``), else -1;
+  a valid key (``count``: the query's visible valid keys, ``pooled.reference.visible_count``), else -1;
 - every other column, and every column of a padded query (``query_mask`` False), -1.
 
 The same values as the CPU path, bit for bit (tests/dsa/test_triton_pooled.py compares the whole op with it).
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kda_compile.ops._common import next_power_of_2
 from kda_compile.ops.dsa.reference import ORDER_INDEX_MASK
-from kda_compile.ops.dsa.triton_indexer import interpreted
+from kda_compile.ops.dsa.indexer.triton_indexer import interpreted
 
 BLOCK_COLUMNS = 1024  # columns a program writes per step of its row
 

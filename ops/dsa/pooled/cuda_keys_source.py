@@ -1,4 +1,4 @@
-"""The pool-forming kernel that reads whole token rows: ``pool_rows.cu`` (``cuda_pool_keys.py`` launches it).
+"""The pool-forming kernel that reads whole token rows: ``pool_rows.cu`` (``pooled/cuda_keys.py`` launches it).
 
 glm5_next's cache stores each token's key, gate scores and validity flag side by side in one row
 (``cat([k, gate, valid])``, ``2 D + 1`` elements: 514 bytes at D = 128), so the keys and gates a pool needs are
@@ -8,7 +8,7 @@ kernel copies each pool's span with 16-byte ``cp.async`` copies from the 16-byte
 (every copied chunk holds a byte of the span, so it stays inside the allocation) and reads the elements from
 shared memory.
 
-The math is ``triton_pool_keys.form_pools_kernel``'s (``pooled.pooled_keys``), per channel ``d``::
+The math is ``triton_keys.form_pools_kernel``'s (``pooled.reference.pooled_keys``), per channel ``d``::
 
     g[j]  = softmax_j(gate[tok_j, d] + ape[j, d])                 (float32; tokens past T or not valid excluded)
     pk[d] = sum_j round(round(g[j]) * k[tok_j, d])                (rounded to k's dtype, summed in float32)

@@ -1,6 +1,6 @@
-"""Launcher of the Hopper warpgroup-MMA DSA sparse-attention forward (``wgmma_sparse_source.py``, NVRTC).
+"""Launcher of the Hopper warpgroup-MMA DSA sparse-attention forward (``sparse/wgmma_forward_source.py``, NVRTC).
 
-Same contract as ``triton_sparse.sparse_attention_fwd_triton`` (outputs, layouts, the split-K policy and its
+Same contract as ``triton_forward.sparse_attention_fwd_triton`` (outputs, layouts, the split-K policy and its
 combine kernel) for the calls the kernel is written for: an sm_90 GPU, bfloat16 / float16, the absorbed MQA form
 (no separate value tensor: the value is the key row's first 512 channels), rows of 512 latent (+ 64 rope)
 channels, query heads per KV head a multiple of 64, rows of q and k contiguous and 16-byte aligned.
@@ -17,7 +17,7 @@ import torch
 from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice, kernel_switch,
                                     on_device, sm_count)
 from kda_compile.ops._nvrtc import load_kernel
-from kda_compile.ops.dsa import wgmma_sparse_source as src
+from kda_compile.ops.dsa.sparse import wgmma_forward_source as src
 
 ARCH = "90a"
 KERNEL_ENV = "KDA_COMPILE_SPARSE_ATTENTION_KERNEL"
@@ -79,9 +79,9 @@ def compiled(dtype: torch.dtype, rope: bool, partial: bool, device_index: int):
 def sparse_attention_fwd_wgmma(q, k, indices, scale: float, *, topk_splits: int | None = None):
     """(o [B, S, Hq, 512] contiguous in q's dtype, lse [B, S, Hq] float32): q [B, S, Hq, D], k [B, T, Hkv, D]
     (D = 512 or 576; the value is k[..., :512]), indices int32 [B, S, topk] (-1: none), any strides. The caller
-    checked ``choose_kernel`` is "cuda". ``topk_splits`` (None: ``triton_sparse.choose_topk_splits``) > 1 writes
+    checked ``choose_kernel`` is "cuda". ``topk_splits`` (None: ``triton_forward.choose_topk_splits``) > 1 writes
     float32 partials merged by the Triton combine kernel. Raises NvrtcUnavailable."""
-    from kda_compile.ops.dsa.triton_sparse import choose_topk_splits, combine_splits, effective_splits
+    from kda_compile.ops.dsa.sparse.triton_forward import choose_topk_splits, combine_splits, effective_splits
 
     b, s_len, hq, d_qk = q.shape
     topk = indices.shape[-1]

@@ -1,7 +1,7 @@
 """The DSA top-k of a few rows of at most ``MAX_WIDTH`` codes (decode) in one CUDA launch: ``cuda_topk.cu``,
 compiled at run time with NVRTC; this module chooses its specialisation and launches it.
 
-The select is the one of ``triton_topk.py`` (its docstring): an exact radix select over the int32 score codes,
+The select is the one of ``indexer/triton_topk.py`` (its docstring): an exact radix select over the int32 score codes,
 most significant 8-bit digit first, then a compaction in ascending key order with the tie rule (equal codes: lower
 key index first), -1 up to ``topk``. The result is defined by that rule alone, so it equals the Triton kernels'
 bit for bit (tested). Here one CTA (``THREADS`` threads, twice as many for rows wider than ``WIDE_ROW``) owns

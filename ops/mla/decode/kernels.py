@@ -1,9 +1,9 @@
 """Which kernel runs an absorbed MLA call on CUDA: the Hopper wgmma kernel or the Triton split kernel.
 
-- ``wgmma`` (``wgmma_decode.py``, CUDA compiled by NVRTC): sm_90 GPUs, bfloat16 / float16, latent 512
+- ``wgmma`` (``decode/wgmma_decode.py``, CUDA compiled by NVRTC): sm_90 GPUs, bfloat16 / float16, latent 512
   + rope 64, at least ``WGMMA_MIN_ROWS`` query rows (Sq x H). Measured on an H100 at batch 64 /
   cache 4k (2026-11-22, docs/mla-decode-kernels.md): 1.3x the Triton kernel at 64 heads, 2.0x at 128.
-- ``triton`` (``triton_decode.py``): every other call (any GPU, any width, float32, fewer rows: at 32
+- ``triton`` (``decode/triton_decode.py``): every other call (any GPU, any width, float32, fewer rows: at 32
   heads and one query the Triton kernel's 32-row blocks are as fast as a half-empty 64-row wgmma block).
 
 ``KDA_COMPILE_MLA_DECODE_KERNEL`` = ``auto`` (default) | ``triton`` | ``wgmma`` overrides the choice
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from kda_compile.ops._common import kernel_switch, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.mla import wgmma_decode
-from kda_compile.ops.mla.triton_decode import mla_decode_attention
+from kda_compile.ops.mla.decode import wgmma_decode
+from kda_compile.ops.mla.decode.triton_decode import mla_decode_attention
 
 KERNEL_ENV = "KDA_COMPILE_MLA_DECODE_KERNEL"
 KERNELS = ("auto", "triton", "wgmma")

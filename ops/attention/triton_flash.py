@@ -30,11 +30,8 @@ class TileConfig:
     num_stages: int
 
 
-# Head-dim blocks are at least 32 wide. On sm_90 (triton 3.6, H100, 2026-11-22) the forward with a
-# 16-wide value block under a masked 32-wide key block (d_qk 24, d_v 12: the MLA layer of a tiny test
-# model) and the 128 x 64, 3-stage tile returned wrong rows in float16, NaN in bfloat16, and an illegal
-# memory access without a mask; 32-wide blocks were right (as were 16 unmasked columns, a 64 x 32 tile
-# and float32), the same narrow-block family as the KDA scan's (ops/kda/triton_chunk.py).
+# Head-dim blocks are at least 32 wide: 16-wide value blocks under a masked 32-wide key block returned wrong
+# rows on sm_90 with Triton 3.6, the same narrow-block family as the KDA scan's (docs/attention.md section 2).
 MIN_HEAD_BLOCK = 32
 
 

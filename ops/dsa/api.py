@@ -5,8 +5,8 @@ Plain Python (argument checks, then one custom-op call each), so Dynamo traces t
 break; ``register_autograd`` on the attention op supplies its backward. Eager calls that need neither autograd
 nor the dispatcher (``_common.dispatcher_needed``: no tracing, dispatch mode, functorch transform or tensor
 subclass) call the op's implementation directly (``custom_ops.*_impl``, the same code the op runs), as KDA's and
-GDN's do: the custom-op dispatcher's Python path costs 20-30 us of host time per call (H200, eager decode of one
-query over 8k keys), about the GPU time of a whole decode layer in a CUDA graph.
+GDN's do: the custom-op dispatcher's Python path costs about the GPU time of a whole decode layer in a CUDA graph
+in host time per call (docs/dsa.md, section 4, "Tuning measurements", "host time").
 """
 from __future__ import annotations
 

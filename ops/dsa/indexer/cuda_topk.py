@@ -12,8 +12,8 @@ allows), so the key order is the (CTA, thread) order and the compaction is one b
 cluster, the first CTA's counts added to the second's offsets). A round's 256-bin histogram is built in shared
 memory, one per warp (summed after the round), so warps never contend for a bin; a cluster adds its two CTAs'
 histograms through distributed shared memory; a round whose chosen bin is wholly in the top-k ends the select.
-The Triton row split pays a launch per round (seven launches: 75 us for 64 rows of 32k on an H200; one CTA per
-row 30 us, clusters of two with 1024 threads 21 us; docs/dsa.md section 4).
+The Triton row split pays a launch per round (seven launches; the times of both: docs/dsa.md, section 4, "Tuning
+measurements", "top-k paths").
 
 Parameters: ``codes, Lo, Hi, out`` (pointers: int32 ``[B, rows, width]``, int64 ``[S]`` visible ranges, int32
 ``[B, rows, topk]``), the codes' and the output's element strides (long long), ``row0`` (long long: row
@@ -45,8 +45,8 @@ def per_thread(width: int, threads: int = THREADS) -> int:
 
 def threads_for(width: int) -> int:
     """Threads of a CTA for rows of ``width`` codes: ``THREADS``, twice as many for rows wider than
-    ``WIDE_ROW`` (H200, CUDA graph, top-k 2048: 64 rows of 32k 22.3 -> 21.1 us on clusters of two, 128 rows
-    32.3 -> 28.4 us on one CTA each; at 16k and below the smaller CTA is as fast or faster)."""
+    ``WIDE_ROW`` (at 16k and below the smaller CTA is as fast or faster; docs/dsa.md, section 4, "Tuning measurements",
+    "top-k paths")."""
     return 2 * THREADS if width > WIDE_ROW else THREADS
 
 

@@ -149,8 +149,8 @@ def indexer_codes_heads_kernel(
 def _config(dim: int, dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages). The fp32 score tile [BLOCK_M, BLOCK_N] stays in
     registers across the head loop; the key tile [BLOCK_N, D] is loaded once per program. bf16 / fp16 at
-    D = 128 from an H200 sweep (docs/dsa.md section 4): 64 x 128 with 4 warps, 3 stages scored 493 TFLOP/s at
-    16k causal (64 x 256 / 8 warps 472, 64 x 128 / 8 warps 446, 128 x 128 / 8 warps 419)."""
+    D = 128: 64 x 128 with 4 warps, 3 stages, the fastest of the sweep (docs/dsa.md, section 4, "Tuning measurements",
+    "indexer tiles")."""
     if interpreted():
         return 16, 16, 1, 1
     if dtype == torch.float32 or dim > 128:
@@ -159,10 +159,9 @@ def _config(dim: int, dtype: torch.dtype):
 
 
 def _heads_config(dim: int, dtype: torch.dtype):
-    """(BLOCK_N, num_warps, num_stages) of the heads-as-rows kernel. bf16 / fp16 at 64 heads x 128 from an H200
-    sweep (batch 64 x 32k keys in a CUDA graph): 64 keys per tile, 4 warps, 3 stages 191 us (2.8 TB/s of keys);
-    64 / 4 / 4 204 us, 128 / 8 / 3 233 us, 128 / 4 / 3 247 us, 256 / 8 / 3 251 us; 4 to 16 programs per SM
-    within 2%."""
+    """(BLOCK_N, num_warps, num_stages) of the heads-as-rows kernel. bf16 / fp16 at 64 heads x 128: 64 keys per
+    tile, 4 warps, 3 stages, the fastest of the sweep (docs/dsa.md, section 4, "Tuning measurements", "indexer
+    tiles")."""
     if interpreted():
         return 16, 1, 1
     if dtype == torch.float32 or dim > 128:
@@ -174,8 +173,8 @@ def key_descriptor(k: torch.Tensor, block_n: int, block_d: int):
     """A TMA descriptor of the keys [B, T, D] for the heads-as-rows kernel, or None where the pointer loads run:
     ``DECODE_KEY_DESCRIPTOR`` off, keys not in half precision, a GPU before Hopper (sm_90), ``D`` not a power of
     two, or a layout TMA cannot address (last stride not 1, other strides or the base not 16-byte aligned).
-    TMA streams the keys faster (H200, batch 64 x 32k keys: 160 us against 177 us with pointer loads, 3.35
-    TB/s; batch 64 x 8k 54 against 58 us). The Triton interpreter runs the descriptor path too."""
+    TMA streams the keys faster than the pointer loads (docs/dsa.md, section 4, "Tuning measurements", "indexer tiles").
+    The Triton interpreter runs the descriptor path too."""
     if not DECODE_KEY_DESCRIPTOR or k.dtype not in (torch.float16, torch.bfloat16) or k.shape[2] != block_d:
         return None
     if not interpreted() and (k.device.type != "cuda" or device_capability(cuda_index(k.device))[0] < 9):

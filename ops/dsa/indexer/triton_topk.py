@@ -27,12 +27,12 @@ in ascending key order) bit for bit, whatever the digit width.
 The digit width trades rounds against the cost of a histogram, which Triton builds from about ``BITS`` warp
 ballots plus ``2**BITS / 32`` popcounts per code: a 16-bin round costs a few times less per resolved bit than a
 256-bin one. Where a round is only another loop iteration (the two one-launch kernels) 4-bit digits win; the
-row split pays a launch per round and keeps 8-bit digits (``TILED_BITS``, ``SPLIT_BITS``, ``RESIDENT_BITS``,
-H200 numbers beside them).
+row split pays a launch per round and keeps 8-bit digits (``TILED_BITS``, ``SPLIT_BITS``, ``RESIDENT_BITS``;
+the measurements behind them: docs/dsa.md, section 4, "Tuning measurements").
 
 On a GPU, a few rows of at most 32k codes (decode: ``B * rows`` under ``SPLIT_BELOW_PROGRAMS_PER_SM`` per SM) run
-the same select in CUDA instead (``indexer/cuda_topk.py``: one CTA per row, one launch; 64 rows of 32k 30 us against the
-row split's 75, H200); ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them here. Three Triton kernels run this select
+the same select in CUDA instead (``indexer/cuda_topk.py``: one CTA per row, one launch instead of the row split's
+seven); ``KDA_COMPILE_TOPK_KERNEL=triton`` keeps them here. Three Triton kernels run this select
 (``topk_from_codes`` picks one with ``choose_path``):
 
 - **Register-resident row** (``resident_topk_kernel``, one launch, one program per row): the program loads its
@@ -88,10 +88,8 @@ MAX_TILE = 4096  # codes per loaded tile of the tiled kernel's wide rows (16 per
 SMALL_TILE = 512  # ... and of rows up to SMALL_TILE_WIDTH codes
 SMALL_TILE_WIDTH = 16384
 
-# Row split (few long rows). Chosen from the costs of the one-program kernel (one row of 32k keys: 76 us on an
-# H200, about 2 us per 4096-wide tile and round); measured with these values (H200, CUDA graph, codes of real
-# indexer scores): one row of 32k 30 us, 16 rows of 32k 37 us, 64 rows of 32k 75 us (82 with 3 programs per
-# SM, 121 with one program per row).
+# Row split (few long rows). Chosen from the costs of the one-program kernel per tile and round, and measured
+# with these values (docs/dsa.md, section 4, "Tuning measurements", "top-k row split").
 SPLIT_TILE = 1024  # codes per loaded tile of the row-split kernels (8 per thread at 4 warps)
 SPLIT_BELOW_PROGRAMS_PER_SM = 2  # split while B * rows < this many programs per SM
 SPLIT_PROGRAMS_PER_SM = 6  # aim for about this many (chunk, row) programs per SM
@@ -100,14 +98,11 @@ SPLIT_MIN_CHUNK_TILES = 2  # each chunk streams at least this many tiles
 INTERPRETER_SMS = 4  # the SM count assumed under the Triton interpreter (so CPU tests take both paths)
 INTERPRETER_SPLIT_TILE = 16
 
-# Digit widths and the register-resident rows. H200, CUDA graph, codes of real indexer scores (64 heads x 128,
-# top-k 2048). A round's histogram costs about log2(bins) warp ballots plus bins / 32 popcounts per code, so
-# 4-bit digits are cheaper per resolved bit than 8-bit ones where a round costs no launch: the tiled kernel
-# with 4-bit digits takes 4096 causal rows of 16k keys in 1.02 ms (1.29 with 8-bit; 0.94 with the tiles of
-# ``tiled_config``), 4096 x 4k in 148 us (175; 136), 1024 x 32k 604 us (605). The row split pays a launch per
-# round: 8-bit digits (64 x 32k 75 us, 4-bit 82). The register-resident kernel wins for a few dozen rows of at
-# most 8k keys (64 x 8k 26.9 us: row split 36.9, tiles 49.7) and loses for wider rows (64 x 32k 98.6 us, one row
-# of 32k 97.5, 1024 x 32k 797) and for prefill.
+# Digit widths and the register-resident rows. A round's histogram costs about log2(bins) warp ballots plus
+# bins / 32 popcounts per code, so 4-bit digits are cheaper per resolved bit than 8-bit ones where a round costs
+# no launch (the tiled and resident kernels); the row split pays a launch per round and keeps 8-bit digits. The
+# register-resident kernel wins for a few dozen rows of at most 8k keys and loses for wider rows and for prefill
+# (docs/dsa.md, section 4, "Tuning measurements", "top-k digit widths").
 MAX_RESIDENT_WIDTH = 65536  # widest row (codes, rounded up to a power of two) the resident kernel can hold
 AUTO_RESIDENT_WIDTH = 8192  # widest row it takes when the path is chosen automatically
 AUTO_RESIDENT_ROWS_PER_SM = 0.25  # ... for B * rows from this many per SM up to SPLIT_BELOW_PROGRAMS_PER_SM
@@ -390,10 +385,9 @@ def choose_path(width: int, grid_rows: int, sms: int, uncaptured: bool) -> tuple
     Batched decode over short rows takes the resident kernel (``_auto_resident``); a grid of rows that fills the
     GPU, or short rows, the tiled kernel; few long rows the row split. Outside a CUDA-graph capture the split's
     seven launches cost host time: under ``SPLIT_EAGER_MIN_CODES`` codes in all the tiled kernel runs instead (one
-    launch; H200, eager indexer call: one row of 8k keys 0.17 ms with one program per row, 0.76 ms split), and rows
-    of at most ``EAGER_RESIDENT_WIDTH`` codes take the resident kernel (one launch; 64 rows of 32k: 98 us of GPU
-    time against the split's 75 us and six launches fewer). In a CUDA graph the split wins at every decode shape
-    (one row of 32k: 30 us against 85 tiled; 64 rows of 32k: 75 us against 98 resident)."""
+    launch), and rows of at most ``EAGER_RESIDENT_WIDTH`` codes take the resident kernel (one launch, more GPU time
+    than the split but six launches fewer). In a CUDA graph the split wins at every decode shape (docs/dsa.md, section
+    4, "Tuning measurements", "top-k paths")."""
     width_p2 = max(16, next_power_of_2(width))
     if _auto_resident(width_p2, grid_rows, sms):
         return "resident", 1
@@ -446,18 +440,17 @@ def record_cuda_topk_unavailable(exc: Exception) -> None:
 
 
 def tiled_config(width: int) -> tuple[int, int]:
-    """(codes per tile, warps) of the one-program-per-row tiled kernel for rows of ``width`` codes. H200 sweep with
-    4-bit digits (causal rows, CUDA graph): rows up to 16k codes take 512-code tiles, 4 warps up to 8k (4096 x 4k
-    136 us; 1024 / 4 148, 2048 / 8 180) and 8 above (4096 x 16k 938 us; 1024 / 4 987, 2048 / 8 1016); wider rows
-    4096-code tiles with 8 warps (1024 x 32k 609 us; 2048 / 8 611, 1024 / 8 648, 512 / 4 680)."""
+    """(codes per tile, warps) of the one-program-per-row tiled kernel for rows of ``width`` codes: rows up to 16k
+    codes take 512-code tiles, 4 warps up to 8k and 8 above; wider rows 4096-code tiles with 8 warps (the sweep:
+    docs/dsa.md, section 4, "Tuning measurements", "top-k tiles")."""
     if width <= SMALL_TILE_WIDTH:
         return SMALL_TILE, 4 if width <= 8192 else 8
     return min(MAX_TILE, next_power_of_2(width // 8)), 8
 
 
 def resident_warps(width_p2: int) -> int:
-    """Warps of the register-resident kernel for rows of ``width_p2`` codes (H200 sweep: 16 warps at 8k and 16k,
-    i.e. 16 and 32 codes per thread; 32 warps at 32k, 32 per thread, 16% faster than 16 warps)."""
+    """Warps of the register-resident kernel for rows of ``width_p2`` codes: 16 warps at 8k and 16k (16 and 32 codes
+    per thread), 32 warps at 32k (32 per thread; docs/dsa.md, section 4, "Tuning measurements", "top-k tiles")."""
     if width_p2 > 16384:
         return 32
     return max(4, min(16, width_p2 // 512))

@@ -28,9 +28,8 @@ flight and does little per byte.
   their codes are written hidden. With a null ``Lo`` the ranges of a call without packed sequences are computed
   in the kernel (``query_count``, ``key_count``, ``causal``), so decode launches no range kernels.
 
-H200, CUDA-graph replay, 64 heads x 128, bf16: batch 64 x 32k keys (537 MB) 149 us, 3.6 TB/s, against 160 us for
-the Triton heads-as-rows kernel and 140 us for torch's row sum over as many bytes (the read bandwidth this GPU
-reaches); 16 queries x 4-token chunks x 16k keys 47 against 83 us (docs/dsa.md section 4).
+Against the Triton heads-as-rows kernel and the device's read bandwidth: docs/dsa.md, section 4, "Tuning measurements",
+"wgmma indexer".
 
 Compile-time switches (``#define``): ``IS_BF16`` (1: bf16, 0: f16), ``STAGES``, ``HAS_KEY_MASK``, ``WEIGHT_KIND``
 (the weights are read in their own dtype: float32, bfloat16 or float16).
@@ -45,12 +44,12 @@ TILE_KEYS = 64  # keys per tile = the wgmma N
 THREADS = 128
 PANEL_BYTES = 64 * 128  # 64 rows of 128 bytes (64 half-precision channels)
 TILE_BYTES = 2 * PANEL_BYTES
-STAGES = 3  # with four programs per SM (H200, batch 64 x 32k keys: 149 us; 2 stages x 5 programs 153, 4 x 3 154)
+STAGES = 3  # with four programs per SM (the sweep of stages x programs: docs/dsa.md section 4, "wgmma indexer")
 REDUCE_BYTES = 2 * 4 * TILE_KEYS * 4  # [2 buffers][4 warps][64 columns] float32
 KERNEL_NAME = "dsa_indexer_wgmma"
 
 
-SM_SHARED_BYTES = 228 * 1024  # shared memory of an H100 / H200 SM (each resident program also reserves 1 KB)
+SM_SHARED_BYTES = 228 * 1024  # shared memory of an sm_90 SM (each resident program also reserves 1 KB)
 MAX_PROGRAMS_PER_SM = 5  # 65536 registers / (5 x 128 threads): 102 registers a thread (six would spill)
 
 

@@ -126,7 +126,7 @@ def serving_layout(k, gate, pool: int, flags=None) -> RowLayout | None:
         why = layout if isinstance(layout, str) else None
         if why is None and layout.spans == 2 and requested == "auto":
             # separate key and gate tensors with 16-byte aligned rows: the Triton kernel's own vector loads are
-            # faster there (H200, batch 64 x 32k: 465 us against 705 us for this kernel's two spans)
+            # faster there (docs/dsa.md, section 4, "Tuning measurements", "pool keys")
             return None
     if why is None and warps_per_cta(layout, pool, cuda_index(k.device)) == 0:
         why = (f"two stages of a pool's rows ({2 * _stage_bytes(layout, pool)[0]} bytes) exceed the GPU's shared "

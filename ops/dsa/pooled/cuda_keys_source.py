@@ -3,7 +3,8 @@
 glm5_next's cache stores each token's key, gate scores and validity flag side by side in one row
 (``cat([k, gate, valid])``, ``2 D + 1`` elements: 514 bytes at D = 128), so the keys and gates a pool needs are
 one contiguous span of ``P`` rows. Views of such rows have no 16-byte aligned row starts, and a kernel that
-indexes ``k[b, t, d]`` element by element issues 2-byte loads (the Triton kernel reaches 1.5 TB/s there). This
+indexes ``k[b, t, d]`` element by element issues 2-byte loads (the Triton kernel's rate there: docs/dsa.md, section 4,
+"Tuning measurements", "pool keys"). This
 kernel copies each pool's span with 16-byte ``cp.async`` copies from the 16-byte boundary below its first byte
 (every copied chunk holds a byte of the span, so it stays inside the allocation) and reads the elements from
 shared memory.

@@ -11,8 +11,8 @@ and the pool is valid when all ``P`` tokens exist and are valid. This is the ref
 product, its float32 sum and the softmax of an all-excluded pool read as zeros); the float32 exponent and the
 summation order may differ from torch's in the last bit. One program forms ``BLOCK_P`` pools of one row: it
 reads their ``P x D`` keys and gates once (``2 * T * D`` elements per call in all), where the torch reference
-runs about eight kernels per block of pools with ``[B, pools, P, D]`` float32 temporaries (18 ms per decode
-step at batch 64 over 32k cached tokens on an H200).
+runs about eight kernels per block of pools with ``[B, pools, P, D]`` float32 temporaries (docs/dsa.md, section 4,
+"Tuning measurements", "pool keys").
 """
 from __future__ import annotations
 
@@ -93,8 +93,8 @@ def pooled_keys_triton(k, gate, key_valid, ape, first):
         return pk, pool_valid
     block_d = max(16, next_power_of_2(d))
     block_j = next_power_of_2(pool)
-    # one warp per 2k-element tile (one pool of 16 x 128): at batch 64 x 32k keys on an H200, with a key mask 466 us
-    # (2.3 TB/s of keys and gates) against 710 us for four pools on four warps, without one 474 against 597 us
+    # one warp per 2k-element tile (one pool of 16 x 128): faster than four pools on four warps, with or without a
+    # key mask (docs/dsa.md, section 4, "Tuning measurements", "pool keys")
     block_p = 1 if interpreted() else max(1, 2048 // (block_j * block_d))
     has_valid = key_valid is not None
     valid_u8 = key_valid.view(torch.uint8) if has_valid else pool_valid.view(torch.uint8)  # (not read without)

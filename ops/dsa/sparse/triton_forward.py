@@ -15,7 +15,7 @@ heads d_v is split over two programs (each recomputes the scores, and then reads
 separately instead of reusing the key tile), which measured faster than 64-head blocks.
 
 Split-K (flash decoding) for small grids. At decode (S = 1) the grid is B x 2 programs at 128 heads: 128
-at batch 64 (one per SM on an H100), 2 at batch 1 (130 SMs idle, each program walking all 2048 indices).
+at batch 64 (one per SM on a 132-SM GPU), 2 at batch 1 (130 SMs idle, each program walking all 2048 indices).
 With ``topk_splits`` > 1 the token's top-k list is cut into contiguous ranges of whole BLOCK_K chunks, one
 program each; a split program writes its own normalised output ``acc / l`` and natural-log lse (-inf for a
 split without a valid index) to float32 scratch [B, S, splits, Hq, d_v] and [B, S, splits, Hq], and
@@ -291,18 +291,17 @@ def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype, queries
                    ) -> SparseConfig:
     """Fixed configs (no autotuning: deterministic launches, and the interpreter cannot tune).
 
-    Prefill (more than ``SHORT_QUERIES`` queries), from the H100 sweep of ``python -m kda_compile.bench dsa
-    --modes configs`` (deepseek_v32 widths, 4k prefill, top-k 2048, bf16; docs/dsa.md): 128 heads per program
-    with d_v split over two programs (186 TFLOP/s: each gathered key chunk serves 128 heads; the split keeps the
-    [128, 256] accumulator in registers) beat 64 heads x 64 keys (158) and 64 x 32 (139). Float32 or smaller
-    groups use smaller head blocks (shared memory; at least 16, the MMA's minimum).
+    Prefill (more than ``SHORT_QUERIES`` queries), from the sweep of ``python -m kda_compile.bench dsa
+    --modes configs`` (docs/dsa.md, section 4, "Tuning measurements", "sparse attention tiles"): 128 heads per program
+    with d_v split over two programs (each gathered key chunk serves 128 heads; the split keeps the [128, 256]
+    accumulator in registers) beat 64 heads x 64 keys and 64 x 32. Float32 or smaller groups use smaller head blocks
+    (shared memory; at least 16, the MMA's minimum).
 
     Decode and short chunks attend every chunk without a branch, so the next chunk's gathers are pipelined
     under the current chunk's dots; that needs a stage of shared memory more than 128 heads x 576 leave (254
     KiB), and 64 heads with d_v = 512 whole and the key tile reused as the value (no score recomputation) is
-    the faster tile there anyway (H200, T = 32k, graph-replayed: batch 64 171 us, 213 TFLOP/s, against 262 us
-    for the prefill tile with the branch; batch 16 60 against 85 us). ``topk_splits`` stays None (automatic,
-    ``choose_topk_splits``)."""
+    the faster tile there anyway (docs/dsa.md, section 4, "Tuning measurements", "sparse attention tiles").
+    ``topk_splits`` stays None (automatic, ``choose_topk_splits``)."""
     if interpreted():
         return SparseConfig(16, 16, 1, 1, 1)
     wide = max(d_qk, d_v) > 256
@@ -320,18 +319,15 @@ def default_config(groups: int, d_qk: int, d_v: int, dtype: torch.dtype, queries
 # The split-K policy's wave model, in units of one BLOCK_K chunk of one program (the gather of 32 rows of 576
 # bf16 = 36 KiB and its dots at the DeepSeek-V3.2 decode widths). The wide half-precision configs hold one
 # program per SM (a [128, 256] float32 accumulator plus a 128 x 576 query), so programs run in waves of one per
-# SM. Calibrated on an H200 (graph-replayed decode, T = 32k): batch 1 ran 31 us with 32 splits, 34 with 16,
-# 38 with 64; batch 16 85 us with 4 splits (97 with 8, 148 with 2, 262 unsplit); batch 64 262 us unsplit, 291
-# with 2, 316 with 4.
+# SM. Calibrated on graph-replayed decode (docs/dsa.md, section 4, "Tuning measurements", "split-K").
 RESIDENT_PROGRAMS = 1  # programs resident per SM
 PROGRAM_CHUNKS = 2.0  # per program: the query tile load (128 x 576 bf16 = 144 KiB at 128 heads) and epilogue
 PARTIAL_CHUNKS = 3.0  # per split program: its float32 partial (128 KiB at 128 heads x 256 columns), and
 # the same again spread over the GPU when the combine kernel reads it back
 COMBINE_CHUNKS = 1.0  # the combine kernel's launch and its short grid
 COMBINE_TILE = 4096  # float32 partials one combine program loads at once (32 a thread at 4 warps)
-# Above this many splits the combine loads every split at once (H200, 128 heads x 512, L2 flushed: 32 splits 25.4 ->
-# 10.6 us, 64 splits 44.9 -> 12.5); at 4 or 5 splits one split after the other is faster (12.2 / 9.4 against 16.4 /
-# 13.6 us).
+# Above this many splits the combine loads every split at once; at 4 or 5 splits one split after the other is
+# faster (docs/dsa.md, section 4, "Tuning measurements", "split-K").
 COMBINE_AT_ONCE_ABOVE = 8
 INTERPRETED_SMS = 4  # a pretend SM count on CPU (the interpreter), so small test shapes split
 
@@ -365,7 +361,7 @@ def choose_topk_splits(base_programs: int, chunks: int, sms: int) -> int:
     program (written and read back), a query tile load per program and a second launch. On 132 SMs with two
     programs per token (DeepSeek-V3.2's 128 heads in two blocks) and 64 chunks: batch 1 -> 32 splits (64
     programs of two chunks), batch 16 -> 4, batch 64 -> 1 (128 programs already hold one SM each: more splits
-    only add waves), the choices the H200 timings above favour; with the decode tile's 32 chunks of 64 keys,
+    only add waves), the choices the measured timings favour; with the decode tile's 32 chunks of 64 keys,
     batch 1 -> 32, batch 16 -> 4, batch 64 -> 1."""
     if chunks <= 1 or base_programs >= 2 * sms * RESIDENT_PROGRAMS:
         return 1

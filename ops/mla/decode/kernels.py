@@ -1,8 +1,8 @@
 """Which kernel runs an absorbed MLA call on CUDA: the Hopper wgmma kernel or the Triton split kernel.
 
 - ``wgmma`` (``decode/wgmma_decode.py``, CUDA compiled by NVRTC): sm_90 GPUs, bfloat16 / float16, latent 512
-  + rope 64, at least ``WGMMA_MIN_ROWS`` query rows (Sq x H). Measured on an H100 at batch 64 /
-  cache 4k (2026-11-22, docs/mla-decode-kernels.md): 1.3x the Triton kernel at 64 heads, 2.0x at 128.
+  + rope 64, at least ``WGMMA_MIN_ROWS`` query rows (Sq x H); faster than the Triton kernel from 64 heads
+  (docs/mla-decode-kernels.md section 5).
 - ``triton`` (``decode/triton_decode.py``): every other call (any GPU, any width, float32, fewer rows: at 32
   heads and one query the Triton kernel's 32-row blocks are as fast as a half-empty 64-row wgmma block).
 

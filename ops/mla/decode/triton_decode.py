@@ -192,9 +192,10 @@ def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeCo
     rows = Sq * H. Half types with >= 64 rows take 64-row blocks: one latent tile then serves 64
     heads, and M = 64 lets Triton use Hopper's warpgroup MMA (the kernel nears the compute ridge at
     128 heads). The [64, R] fp32 accumulator is 128 registers per thread over 8 warps; the 64-row
-    fp16/bf16 query (64 KB) plus two 64 KB latent stages fit an H100's shared memory, fp32 ones do
+    fp16/bf16 query (64 KB) plus two 64 KB latent stages fit an sm_90 SM's shared memory, fp32 ones do
     not (32 rows there). BLOCK_N makes one latent tile ~64 KB. Stages and split counts follow the
-    H200 sweep of ``python -m kda_compile.bench mla --modes configs`` (docs/mla-decode-kernels.md section 2).
+    sweep of ``python -m kda_compile.bench mla --modes configs`` (docs/mla-decode-kernels.md, section 2, "Tuning
+    measurements").
     """
     if interpreted():
         return INTERPRET_CONFIG
@@ -204,7 +205,7 @@ def default_config(rows: int, latent_block: int, dtype: torch.dtype) -> DecodeCo
         block_m = 16 if rows <= 16 else 32
     tokens = 64 * 1024 // (latent_block * (4 if dtype == torch.float32 else 2))
     block_n = max(16, min(64, 1 << (max(1, tokens).bit_length() - 1)))  # a power of two <= tokens
-    # Three stages for 32-row half blocks: 0.116 vs 0.145 ms at batch 64 / cache 4k / 32 heads (H200 sweep).
+    # Three stages for 32-row half blocks (docs/mla-decode-kernels.md, section 2, "Tuning measurements").
     stages = 3 if block_m == 32 and dtype != torch.float32 else 2
     return DecodeConfig(block_m, block_n, 4 if block_m == 16 else 8, stages)
 
@@ -220,9 +221,8 @@ def choose_num_splits(programs_per_split: int, num_tiles: int, num_sms: int, min
 
     The half-precision configs use most of an SM's shared memory (one resident program per SM), so
     programs run in waves of ``num_sms`` and a split count that leaves a last wave nearly empty costs
-    a whole wave (measured on an H200 at batch 64 / cache 4k / 32 heads: 5 splits 0.177 ms, 4 splits
-    0.150 ms, 2 splits 0.145 ms with the same tiles). Time ~ waves x tiles per split, plus a small
-    per-split cost; ties go to fewer splits. Two full waves without splitting stay unsplit."""
+    a whole wave (docs/mla-decode-kernels.md, section 2, "Tuning measurements"). Time ~ waves x tiles per split, plus a
+    small per-split cost; ties go to fewer splits. Two full waves without splitting stay unsplit."""
     if programs_per_split >= 2 * num_sms:  # splitting would only add merges
         return 1
     most = max(1, min(MAX_SPLITS, num_tiles // max(1, min_tiles_per_split)))

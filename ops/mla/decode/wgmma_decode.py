@@ -24,8 +24,8 @@ _ELEM = {torch.bfloat16: "bf16", torch.float16: "f16"}
 _LOG2E = 1.4426950408889634
 # Fixed costs of one program in the split model, in latent tiles (72 KB): loading the query block (72 KB),
 # and when the call is split, the fp32 partial o (128 KB) written and read back by the merge. Without them
-# the wave model split batch 64 / cache 16k / 128 heads 37 ways: 1.03 ms against 0.51-0.54 ms unsplit (H100,
-# 2026-11-22, docs/mla-decode-kernels.md section 4).
+# the wave model split batch 64 / cache 16k / 128 heads 37 ways, twice as slow as unsplit
+# (docs/mla-decode-kernels.md section 4).
 QUERY_TILES, PARTIAL_TILES = 1.0, 4.0
 
 

@@ -386,14 +386,14 @@ CACHE_TAG_PREFIX = "kda_compile-ops-"
 
 
 def ops_source_digest() -> str:
-    """A digest of the source of every module under ``kda_compile.ops`` (schemas, fake and autograd
-    code, kernels): it changes whenever what a compiled graph of our ops would do changes."""
+    """A digest of the source of every module and CUDA source under ``kda_compile.ops`` (schemas, fake and
+    autograd code, kernels): it changes whenever what a compiled graph of our ops would do changes."""
     import hashlib
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parent
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for pattern in ("*.py", "*.cu", "*.cuh") for p in root.rglob(pattern)):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -357,8 +357,8 @@ CACHE_TAG_PREFIX = "kda_compile-ops-"
 
 
 def ops_source_digest() -> str:
-    """A digest of the source of every module under ``kda_compile.ops`` (schemas, fake and autograd
-    code, kernels): it changes whenever what a compiled graph of our ops would do changes."""
+    """A digest of the source of every module and CUDA source under ``kda_compile.ops`` (schemas, fake and
+    autograd code, kernels): it changes whenever what a compiled graph of our ops would do changes."""
     import hashlib
     import pathlib
 

@@ -17,6 +17,7 @@ import hashlib
 import importlib.resources
 import logging
 import os
+import posixpath
 import re
 import struct
 import sys
@@ -97,10 +98,23 @@ _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.M
 def cuda_source(package: str, filename: str) -> str:
     """The text of the CUDA source ``filename`` shipped beside the modules of ``package`` (package data).
 
-    Local includes (``#include "name.cuh"``, resolved beside the including file) are inlined, each file once,
+    Local includes (``#include "name.cuh"``, resolved beside the including file; a leading ``../`` steps up to the
+    parent package, so helpers shared by several ops' kernels live in one package) are inlined, each file once,
     so NVRTC compiles one self-contained translation unit and the on-disk cubin cache keys on the full text.
     System includes (``<...>``) are left to NVRTC. A missing file raises FileNotFoundError naming it."""
     return _inline_includes(package, filename, set())
+
+
+def _resolve_include(package: str, folder: str, name: str) -> tuple[str, str]:
+    """The (package, path) of ``#include "name"`` written in ``folder`` of ``package``: each leading ``../`` beyond
+    the package's own folder moves to its parent package."""
+    path = posixpath.normpath(posixpath.join(folder, name))
+    while path.startswith("../"):
+        parent = package.rpartition(".")[0]
+        if not parent:
+            raise FileNotFoundError(f"CUDA include {name!r} climbs above the top package {package!r}")
+        package, path = parent, path[3:]
+    return package, path
 
 
 def _inline_includes(package: str, filename: str, seen: set) -> str:
@@ -115,8 +129,9 @@ def _inline_includes(package: str, filename: str, seen: set) -> str:
     text = resource.read_text(encoding="utf-8")
 
     def expand(match: re.Match) -> str:
-        included = f"{folder}/{match.group(1)}" if folder else match.group(1)
-        return f"// ---- {included} ----\n" + _inline_includes(package, included, seen)
+        owner, included = _resolve_include(package, folder, match.group(1))
+        shown = included if owner == package else f"{owner}/{included}"
+        return f"// ---- {shown} ----\n" + _inline_includes(owner, included, seen)
 
     return _LOCAL_INCLUDE.sub(expand, text)
 

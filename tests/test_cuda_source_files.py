@@ -43,3 +43,16 @@ def test_the_kernels_chunk_count_is_the_chunk_of_the_host_plans():
 
     text = cuda_source("kda_compile.ops.kda.prefill.cuda", "chunk_count.cuh")
     assert text.count(f"+ {CHUNK - 1}) / {CHUNK}") == 2, text
+
+
+def test_an_include_that_climbs_reads_the_parent_package(package, tmp_path):
+    """``../`` steps up to the parent package: helpers shared by several ops' kernels live in one package."""
+    (tmp_path / package / "op").mkdir()
+    (tmp_path / package / "op" / "__init__.py").write_text("")
+    (tmp_path / package / "op" / "uses.cu").write_text('#include "../common/math.cuh"\n#include "../tile.cuh"\n'
+                                                       '__global__ void u(float* x) { x[0] = tile(x[0]); }\n')
+    text = cuda_source(f"{package}.op", "uses.cu")
+    assert text.count("__device__ float twice") == 1 and text.index("twice(float") < text.index("tile(float"), text
+    with pytest.raises(FileNotFoundError, match=r"climbs above"):
+        (tmp_path / package / "op" / "up.cu").write_text('#include "../../x.cuh"\n')
+        cuda_source(f"{package}.op", "up.cu")

@@ -10,14 +10,14 @@ import re
 import pytest
 
 from kda_compile.ops import _nvrtc
-from kda_compile.ops.dsa import cuda_pool_keys_source as dsa_pool_rows
-from kda_compile.ops.dsa import cuda_topk
-from kda_compile.ops.dsa import wgmma_indexer_source as dsa_indexer
-from kda_compile.ops.dsa import wgmma_sparse_source as dsa_sparse
+from kda_compile.ops.dsa.pooled import cuda_keys_source as dsa_pool_rows
+from kda_compile.ops.dsa.indexer import cuda_topk
+from kda_compile.ops.dsa.indexer import wgmma_indexer_source as dsa_indexer
+from kda_compile.ops.dsa.sparse import wgmma_forward_source as dsa_sparse
 from kda_compile.ops.kda.prefill.cuda import chunk_plan as cuda_chunk_plan
 from kda_compile.ops.kda.prefill.cuda import prepare_source as prepare
 from kda_compile.ops.kda.prefill.cuda import scan_source as scan
-from kda_compile.ops.mla import wgmma_source as mla
+from kda_compile.ops.mla.decode import wgmma_decode_source as mla
 
 
 def _nvrtc_missing() -> str | None:

@@ -147,7 +147,7 @@ def dense_indexer(q_index, k_index, weights, topk: int, scale: float):
 def dense_pooled_indexer(q_index, k_index, weights, gate, ape, topk: int, scale: float):
     """Hugging Face's way for glm5_next (no padding): the [B, S, H_I, T / P] fp32 pool logits, ReLU, weighted
     head sum, the pools a query has not passed masked, top-k over pools, expanded to their tokens."""
-    from kda_compile.ops.dsa.pooled import pooled_keys
+    from kda_compile.ops.dsa.pooled.reference import pooled_keys
 
     b, s, t = q_index.shape[0], q_index.shape[1], k_index.shape[1]
     pool = ape.shape[0]
@@ -320,7 +320,7 @@ BACKWARD_CONFIGS = ((32, 32, 8, 2), (64, 32, 8, 1), (16, 32, 4, 1), (32, 16, 8, 
 
 def _bench_configs(rows):
     """The sparse attention forward kernel's tile configs at deepseek_v32 widths, 4k prefill, full selections."""
-    from kda_compile.ops.dsa.triton_sparse import SparseConfig, sparse_attention_fwd_triton
+    from kda_compile.ops.dsa.sparse.triton_forward import SparseConfig, sparse_attention_fwd_triton
 
     w, case = MODELS["deepseek_v32"], Case(1, 4096, 4096)
     _, _, _, q, kv = make_inputs(w, case, "cuda")
@@ -338,7 +338,7 @@ def _bench_configs(rows):
         table.append([name, t[1], attention_flops(w, case) / (t[1] * 1e-3) / 1e12])
     print("\nsparse attention forward kernel configs, deepseek_v32 widths, 4k prefill, top-k 2048")
     print(format_table(["config", "ms", "TFLOP/s"], table))
-    from kda_compile.ops.dsa.triton_sparse_bwd import sparse_attention_bwd_triton
+    from kda_compile.ops.dsa.sparse.triton_backward import sparse_attention_bwd_triton
 
     o, lse = sparse_attention_fwd_triton(q, kv, None, idx, 0.1, w.latent)
     grad = torch.randn_like(o)

@@ -136,14 +136,14 @@ def _kernel_inputs(layer, query, kv_nope, k_rot):
 
 
 def _decode_kernel_only(q_lat, q_rope, latent, k_rope, scale):
-    from kda_compile.ops.mla.decode_kernels import mla_decode
+    from kda_compile.ops.mla.decode.kernels import mla_decode
 
     return mla_decode(q_lat, q_rope, latent, k_rope, None, scale, False)
 
 
 def _chosen_kernel(q_lat, q_rope, latent, k_rope) -> str:
     """The decode kernel the automatic choice runs on these kernel inputs."""
-    from kda_compile.ops.mla.decode_kernels import choose_decode_kernel
+    from kda_compile.ops.mla.decode.kernels import choose_decode_kernel
 
     return choose_decode_kernel(q_lat, q_rope, latent, k_rope)[0]
 
@@ -252,7 +252,7 @@ def _bench_crossover(heads_list, rows, table):
 
 
 def _bench_configs(heads_list, copy_bw, rows, table):
-    from kda_compile.ops.mla.triton_decode import DecodeConfig, mla_decode_attention
+    from kda_compile.ops.mla.decode.triton_decode import DecodeConfig, mla_decode_attention
 
     batch, cache = TARGET["batch"], TARGET["cache"]
     latent_bytes = batch * cache * (LATENT + ROPE) * 2

@@ -22,7 +22,7 @@ Nothing to attend (B = 0, Sq = 0 or Sk = 0): out = 0 and lse = -inf (a softmax o
 row), zero gradients, on every device without a kernel.
 
 The default kernel (any device; what runs on CPU) is the reference; CUDA picks a fast kernel per
-call (``dispatch.py``).
+call (``kernels.py``).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops._common import empty_like_absent
-from kda_compile.ops.attention.dispatch import as_bshd, cuda_backward, cuda_forward
+from kda_compile.ops.attention.kernels import as_bshd, cuda_backward, cuda_forward
 from kda_compile.ops.attention.reference import new_dropout_seed, reference_backward, reference_forward
 
 

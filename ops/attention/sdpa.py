@@ -7,7 +7,7 @@ the matching backward kernel. Which backend serves which case, and why:
 
 | case                                   | backend      | why |
 |----------------------------------------|--------------|-----|
-| no mask, causal with Sq == Sk or none  | cuDNN        | fastest on sm90 (H100: 0.26 ms vs flash 0.51 ms, d 128, T 4096); takes d_qk 192 / d_v 128 |
+| no mask, causal with Sq == Sk or none  | cuDNN        | fastest on sm90 (docs/attention.md section 1); takes d_qk 192 / d_v 128 |
 | float/bool mask, forward               | cuDNN        | same; masks become an additive bias (bool -> -65504 like torch's own cuDNN path) |
 | mask, backward pass                    | efficient    | cuDNN's backward returns NaN dQ with a bias tensor on sm90 (pytorch#196678) |
 | causal with Sq != Sk, sliding window   | flash        | flash is bottom-right aligned and has a window; cuDNN's causal here is top-left |
@@ -191,8 +191,8 @@ def why_not(backend: str, q, k, v, attn_mask, is_causal: bool, sliding_window: i
         if sliding_window > 0:
             return "memory-efficient attention (through torch) has no sliding window here"
         if is_causal and sq > sk:
-            # measured on H200 / torch 2.11: its bottom-right causal mask gives wrong rows (not 0) for
-            # query rows that see no key at all
+            # its bottom-right causal mask gives wrong rows (not 0) for query rows that see no key at all
+            # (docs/attention.md section 2)
             return "memory-efficient attention's bottom-right causal mask is wrong for Sq > Sk (rows with no key)"
         bias = _bias_stand_in(attn_mask, q.dtype, (q.shape[0], h, sq, sk))
         ok = torch.backends.cuda.can_use_efficient_attention(_params(q, k, v, bias, False, needs_grad))

@@ -59,8 +59,8 @@ def _run_continued(run: RunChunked, q, k, v, g, beta, end: int) -> tuple[tuple[T
     """Tokens ``[0, end)`` as two column blocks of the state ``[0 | I]`` with values ``[v | 0]``: ``((o^0, A_t^T
     q_t), [B | A])``. Two ordinary calls, not one with V + K value columns: each keeps the op's own widths, so the
     kernels that serve a one-process call of these widths serve both (our CUDA kernels need K = V = 128; with
-    V + K = 256 columns the continued piece ran on the Triton kernels, and 2 H200s were slower than one at
-    equal slices)."""
+    V + K = 256 columns the continued piece ran on the Triton kernels, and two GPUs were slower than one at
+    equal slices: docs/context-parallel.md, section 3)."""
     pieces = q[:, :end], k[:, :end], g[:, :end], beta[:, :end]
     o0, b = run(pieces[0], pieces[1], v[:, :end], *pieces[2:], initial_state=None, cu_seqlens=None,
                 cu_seqlens_cpu=None, output_final_state=True)
@@ -132,8 +132,7 @@ def _all_gather(summary: Tensor, ctx: CPContext, dtype: torch.dtype) -> Tensor:
     summary = summary.to(dtype).unsqueeze(0).contiguous()
     if not (torch.is_grad_enabled() and summary.requires_grad):
         # No gradient to carry: the plain collective. The differentiable one has only an autograd kernel in torch
-        # 2.11, which inference mode excludes (measured on two H200s: "Could not run
-        # '_c10d_functional_autograd::all_gather_into_tensor' with arguments from the 'CUDA' backend").
+        # 2.11, which inference mode excludes (the error it raises: docs/context-parallel.md, section 6).
         gathered = funcol.all_gather_tensor(summary, 0, ctx.group)
         wait = getattr(gathered, "wait", None)
         return wait() if wait is not None else funcol.wait_tensor(gathered)

@@ -5,8 +5,8 @@ Plain Python (argument checks, then one custom-op call each), so Dynamo traces t
 break; ``register_autograd`` on the attention op supplies its backward. Eager calls that need neither autograd
 nor the dispatcher (``_common.dispatcher_needed``: no tracing, dispatch mode, functorch transform or tensor
 subclass) call the op's implementation directly (``custom_ops.*_impl``, the same code the op runs), as KDA's and
-GDN's do: the custom-op dispatcher's Python path costs 20-30 us of host time per call (H200, eager decode of one
-query over 8k keys), about the GPU time of a whole decode layer in a CUDA graph.
+GDN's do: the custom-op dispatcher's Python path costs about the GPU time of a whole decode layer in a CUDA graph
+in host time per call (docs/dsa.md, section 4, "Tuning measurements", "host time").
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from kda_compile.ops._argument_errors import deferred_error, sizes
 from kda_compile.ops._common import arg_error, check_tensor, describe, dispatcher_needed, gradients_needed, shown
 from kda_compile.ops.dsa import custom_ops  # registers torch.ops.kda_compile.dsa_*
-from kda_compile.ops.dsa.pooled import output_width
+from kda_compile.ops.dsa.pooled.reference import output_width
 
 _ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEXER_DTYPES = _ATTENTION_DTYPES  # float64 runs the reference (on CUDA too, logged)
@@ -92,7 +92,7 @@ def dsa_pooled_indexer_topk(
     pools whose last token it sees, ``sum_h weights[h] * relu(scale * q[h] . pool_key)`` in float32, keeps
     the best ``topk // P`` pools (at most the number of pools some row has, as HF), expands them to their
     tokens and, with ``select_tail``, appends the visible tokens past the last complete pool. Math and
-    layout: ``ops/dsa/pooled.py``.
+    layout: ``ops/dsa/pooled/reference.py``.
 
     Args:
         q: [B, S, H_I, D] indexer queries (HF's ``wq_b(q_resid)``); float16, bfloat16, float32 or float64.

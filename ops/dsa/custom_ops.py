@@ -4,8 +4,8 @@
     int32 [B, S, topk], contiguous; no autograd (the selection is discrete).
 
 ``dsa_pooled_indexer_topk(q, k, gate, weights, key_valid?, ape, query_mask?, topk, scale, q_offset, select_tail)``
-    int32 [B, S, topk (+ P - 1)], contiguous; glm5_next's pooled indexer (``pooled.py``; CUDA: the fused
-    pool-score kernels of ``triton_pooled.py``); no autograd.
+    int32 [B, S, topk (+ P - 1)], contiguous; glm5_next's pooled indexer (``pooled/reference.py``; CUDA: the fused
+    pool-score kernels of ``pooled/triton_indexer.py``); no autograd.
 
 ``dsa_sparse_attention_fwd(q, k, v?, indices, scale, d_v) -> (o, lse)``
     o [B, S, Hq, d_v] contiguous in q's dtype, lse [B, S, Hq] float32 contiguous. ``v`` None is the
@@ -34,7 +34,7 @@ from torch import Tensor
 from kda_compile.ops import envs
 from kda_compile.ops._common import empty_like_absent
 from kda_compile.ops.dsa import kernels
-from kda_compile.ops.dsa.pooled import output_width, pooled_indexer_topk_reference
+from kda_compile.ops.dsa.pooled.reference import output_width, pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     check_cu_seqlens_values,
     check_index_values,

@@ -1,7 +1,7 @@
 """Which implementation runs a DSA op on CUDA: our CUDA / Triton kernels, or (logged) the torch reference.
 
-The sparse attention forward runs the Hopper wgmma kernel (``wgmma_sparse.py``) on the calls it is written for
-(sm_90, half precision, the absorbed form with 512 (+ 64) channel rows; ``wgmma_sparse.choose_kernel``), the
+The sparse attention forward runs the Hopper wgmma kernel (``sparse/wgmma_forward.py``) on the calls it is written for
+(sm_90, half precision, the absorbed form with 512 (+ 64) channel rows; ``wgmma_forward.choose_kernel``), the
 Triton kernel otherwise.
 
 Kernels know nothing of torch.compile; this module only checks that a call fits them (dtype, head
@@ -20,8 +20,8 @@ import torch
 from kda_compile.ops import envs
 from kda_compile.ops._common import module_unusable, record_fallback
 from kda_compile.ops._nvrtc import NvrtcUnavailable
-from kda_compile.ops.dsa import wgmma_sparse
-from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
+from kda_compile.ops.dsa.sparse import wgmma_forward
+from kda_compile.ops.dsa.pooled.reference import pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
     check_cu_seqlens_values,
     indexer_topk_reference,
@@ -40,7 +40,7 @@ def _unusable(module: str) -> str | None:
     return module_unusable(module)
 
 
-def _why_not_indexer(q, k, module: str = "kda_compile.ops.dsa.triton_indexer") -> str | None:
+def _why_not_indexer(q, k, module: str = "kda_compile.ops.dsa.indexer.triton_indexer") -> str | None:
     """Why the token-level (or, with ``module``, the pooled) indexer kernel cannot take q / k, or None."""
     why = _unusable(module)
     if why:
@@ -53,13 +53,13 @@ def _why_not_indexer(q, k, module: str = "kda_compile.ops.dsa.triton_indexer") -
 
 
 def _why_not_attention(q, k, v, d_v) -> str | None:
-    why = _unusable("kda_compile.ops.dsa.triton_sparse")
+    why = _unusable("kda_compile.ops.dsa.sparse.triton_forward")
     if why:
         return why
     dtypes = {t.dtype for t in (q, k, v) if t is not None}
     if not dtypes <= set(_TRITON_DTYPES):
         return f"{sorted(map(str, dtypes))} inputs have no Triton kernel"
-    from kda_compile.ops.dsa.triton_sparse import head_widths
+    from kda_compile.ops.dsa.sparse.triton_forward import head_widths
 
     _, block_main, d_tail, block_tail = head_widths(q.shape[-1])
     padded = block_main + (block_tail if d_tail else 0)
@@ -74,7 +74,7 @@ def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causa
     if why:
         record_fallback("dsa_indexer_topk", "torch reference", why)
         return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
-    from kda_compile.ops.dsa.triton_indexer import indexer_topk_triton
+    from kda_compile.ops.dsa.indexer.triton_indexer import indexer_topk_triton
 
     if cu_seqlens is not None and envs.check_inputs():
         check_cu_seqlens_values(cu_seqlens, k.shape[1])
@@ -83,11 +83,11 @@ def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causa
 
 def pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail):
     args = (q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail)
-    why = _why_not_indexer(q, k, "kda_compile.ops.dsa.triton_pooled")
+    why = _why_not_indexer(q, k, "kda_compile.ops.dsa.pooled.triton_indexer")
     if why:
         record_fallback("dsa_pooled_indexer_topk", "torch reference", why)
         return pooled_indexer_topk_reference(*args)
-    from kda_compile.ops.dsa.triton_pooled import pooled_indexer_topk_triton
+    from kda_compile.ops.dsa.pooled.triton_indexer import pooled_indexer_topk_triton
 
     return pooled_indexer_topk_triton(*args)
 
@@ -98,11 +98,11 @@ def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
         record_fallback("dsa_sparse_attention", "torch reference", why)
         o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
         return o.to(q.dtype).contiguous(), lse.contiguous()
-    from kda_compile.ops.dsa.triton_sparse import sparse_attention_fwd_triton
+    from kda_compile.ops.dsa.sparse.triton_forward import sparse_attention_fwd_triton
 
-    if wgmma_sparse.choose_kernel(q, k, v, indices, d_v) == "cuda":
+    if wgmma_forward.choose_kernel(q, k, v, indices, d_v) == "cuda":
         try:
-            return wgmma_sparse.sparse_attention_fwd_wgmma(q, k, indices, scale)
+            return wgmma_forward.sparse_attention_fwd_wgmma(q, k, indices, scale)
         except NvrtcUnavailable as exc:
             record_fallback("dsa_sparse_attention", "Triton sparse attention kernel",
                             f"the wgmma sparse attention kernel could not be built: {exc}")
@@ -110,10 +110,10 @@ def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
 
 
 def sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v):
-    why = _why_not_attention(q, k, v, d_v) or _unusable("kda_compile.ops.dsa.triton_sparse_bwd")
+    why = _why_not_attention(q, k, v, d_v) or _unusable("kda_compile.ops.dsa.sparse.triton_backward")
     if why:
         record_fallback("dsa_sparse_attention_backward", "torch blockwise reference", why)
         return sparse_attention_backward_reference(grad_o, grad_lse, q, k, v, indices, scale, d_v)
-    from kda_compile.ops.dsa.triton_sparse_bwd import sparse_attention_bwd_triton
+    from kda_compile.ops.dsa.sparse.triton_backward import sparse_attention_bwd_triton
 
     return sparse_attention_bwd_triton(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v)

@@ -24,7 +24,7 @@ gradients, on every device without a kernel.
 
 Kernels: the default one (any device) runs both forms in torch (the attention op serves the
 expanded one); CUDA runs the absorbed form through a split-KV kernel: the Hopper wgmma one
-(``wgmma_decode.py``) or the Triton one (``triton_decode.py``), as ``decode_kernels.py`` chooses.
+(``decode/wgmma_decode.py``) or the Triton one (``decode/triton_decode.py``), as ``decode/kernels.py`` chooses.
 """
 from __future__ import annotations
 
@@ -73,17 +73,17 @@ def bshd(t: Tensor) -> Tensor:
 @functools.lru_cache(maxsize=None)
 def triton_unavailable() -> str | None:
     """None when the Triton kernels import, else why not."""
-    return module_unusable("kda_compile.ops.mla.triton_decode")
+    return module_unusable("kda_compile.ops.mla.decode.triton_decode")
 
 
 def absorbed_mla_cuda(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, attn_mask, scale, is_causal):
-    """The absorbed form with a CUDA kernel (``decode_kernels.py`` picks the Hopper wgmma one or the
+    """The absorbed form with a CUDA kernel (``decode/kernels.py`` picks the Hopper wgmma one or the
     Triton one): out [B, H, Sq, Dv], BSHD-stored, input dtype.
 
     The absorption matmuls are batched over heads with the weight viewed, never copied per batch:
     [H, B*Sq, Dn] @ W_UK [H, Dn, R] before the kernel, [H, B*Sq, R] @ W_UV^T [H, R, Dv] after it.
     """
-    from kda_compile.ops.mla.decode_kernels import mla_decode
+    from kda_compile.ops.mla.decode.kernels import mla_decode
 
     b, h, sq, dn = q_nope.shape
     r = kv_latent.shape[2]

@@ -19,17 +19,17 @@ below about 170 queries, a fresh causal prompt below about 190 tokens (with the 
 the crossover does not depend on H or B, which scale both forms alike).
 
 Time estimate: ``flops / (PEAK_FLOPS * efficiency) + bytes / BANDWIDTH``; the rule takes the
-smaller. Constants are an H100's (docs/mla.md §4); only their ratios matter. The efficiencies are
-what each kernel reaches when compute-bound: cuDNN/flash MHA ~0.55 (532 TFLOP/s measured at
-192/128, docs/mla.md §6), cuBLAS matmuls ~0.75, our Triton absorbed kernel ~0.35 (d_qk 576 tiles); recalibrate
+smaller. Constants are those of the GPU docs/mla.md §4 names; only their ratios matter. The efficiencies are
+what each kernel reaches when compute-bound: cuDNN/flash MHA ~0.55 (at 192/128, docs/mla.md §6), cuBLAS
+matmuls ~0.75, our Triton absorbed kernel ~0.35 (d_qk 576 tiles); recalibrate
 them with ``python -m kda_compile.bench mla --modes crossover`` on the GPU.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-PEAK_FLOPS = 990e12  # dense bf16, H100 SXM datasheet
-BANDWIDTH = 3.0e12  # measured device-to-device copy, H100
+PEAK_FLOPS = 990e12  # dense bf16, the datasheet's (docs/mla.md §4)
+BANDWIDTH = 3.0e12  # a device-to-device copy's (docs/mla.md §4)
 MATMUL_EFFICIENCY = 0.75
 EXPANDED_ATTENTION_EFFICIENCY = 0.55
 ABSORBED_ATTENTION_EFFICIENCY = 0.35

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kda_compile.ops.attention import dispatch, sdpa
+from kda_compile.ops.attention import kernels as dispatch, sdpa
 from kda_compile.testing import assert_rel_close
 
 from .naive import Case, assert_lse_close, cases, grad_inputs, make_inputs, naive_attention

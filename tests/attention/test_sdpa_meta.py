@@ -9,7 +9,7 @@ are covered by test_sdpa_glue.py on CPU and test_attention_cuda.py on the GPU bo
 import pytest
 import torch
 
-from kda_compile.ops.attention import dispatch, sdpa
+from kda_compile.ops.attention import kernels as dispatch, sdpa
 
 CASES = [  # (B, H, Hkv, Sq, Sk, Dqk, Dv, causal, window, mask, sinks)
     (2, 8, 2, 33, 33, 64, 64, True, 0, None, True),

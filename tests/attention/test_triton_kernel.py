@@ -28,11 +28,11 @@ if not (torch.cuda.is_available() or INTERPRETED):
 
 import triton.language as tl  # noqa: E402
 
-from kda_compile.ops.attention.triton_attention import (  # noqa: E402
+from kda_compile.ops.attention.triton_flash import (  # noqa: E402
     triton_attention_backward,
     triton_attention_forward,
 )
-from kda_compile.ops.attention.triton_kernel import _dropout_keep  # noqa: E402
+from kda_compile.ops.attention.triton_flash_kernels import _dropout_keep  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])

@@ -147,7 +147,7 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
     sign: a candidate with a negative (or zero) score is still taken while a slot is free. A row that sees
     fewer candidates than the ``n_sel`` slots takes all of them, in score order, and its remaining slots hold
     P times -1 (they are not pools; in particular not pool 0)."""
-    from kda_compile.ops.dsa.pooled import first_valid, pooled_keys
+    from kda_compile.ops.dsa.pooled.reference import first_valid, pooled_keys
 
     got, want = got.long(), want.long()
     b, s_len, _ = got.shape
@@ -159,7 +159,7 @@ def assert_true_pooled_topk(got, want, a, topk, scale, rtol=1e-5):
         key_valid = torch.ones(b, t_len, dtype=torch.bool, device=got.device)
     first = first_valid(key_valid)
     if got.is_cuda:  # the pools the op's CUDA path formed (CUDA or Triton pool kernel, as it chose)
-        from kda_compile.ops.dsa.triton_pooled import form_pools
+        from kda_compile.ops.dsa.pooled.triton_indexer import form_pools
 
         pk, pool_valid = form_pools(a["k"], a["gate"], a["key_valid"], a["ape"])[2:]
     else:

@@ -1,4 +1,4 @@
-"""glm5_next's CUDA pool-forming kernel (``ops/dsa/cuda_pool_keys.py``), which copies whole token rows: on HF's
+"""glm5_next's CUDA pool-forming kernel (``ops/dsa/pooled/cuda_keys.py``), which copies whole token rows: on HF's
 cache layout (keys, gates and the validity flag as views of one ``[B, T, 2 D + 1]`` tensor, rows 2-byte aligned)
 and on separate key / gate tensors, against the torch reference ``pooled.pooled_keys`` (validity bits equal, pool
 keys within rounding, as the Triton kernel's test bounds them) and against the Triton kernel; the op end to end on
@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from kda_compile.ops import dsa_pooled_indexer_topk
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.dsa import cuda_pool_keys, cuda_pool_keys_source, triton_pooled
-from kda_compile.ops.dsa.pooled import first_valid, pooled_indexer_topk_reference, pooled_keys
+from kda_compile.ops.dsa.pooled import cuda_keys as cuda_pool_keys, cuda_keys_source as cuda_pool_keys_source
+from kda_compile.ops.dsa.pooled import triton_indexer as triton_pooled
+from kda_compile.ops.dsa.pooled.reference import first_valid, pooled_indexer_topk_reference, pooled_keys
 from kda_compile.testing import assert_rel_close, hf_cache_rows
 
 from .pooled_naive import KEY_MASK_FORMS, drawn_key_mask, quantised_pooled_inputs
@@ -80,7 +81,7 @@ def pool_cases(draw):
 @settings(max_examples=40, deadline=None)
 @given(pool_cases())
 def test_pool_keys_match_the_reference_and_the_triton_kernel(case):
-    from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton
+    from kda_compile.ops.dsa.pooled.triton_keys import pooled_keys_triton
 
     k, gate, valid, ape, layout = case
     first = first_valid(valid) if valid is not None else torch.zeros(k.shape[0], dtype=torch.long)

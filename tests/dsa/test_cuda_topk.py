@@ -1,4 +1,4 @@
-"""The DSA top-k's CUDA kernel for a few rows (``ops/dsa/cuda_topk.py``) against ``torch.topk`` over the
+"""The DSA top-k's CUDA kernel for a few rows (``ops/dsa/indexer/cuda_topk.py``) against ``torch.topk`` over the
 reference's int64 sort keys: equal index lists, bit for bit. Its choice and switch on the CPU; the kernel itself
 on CUDA (rows of every per-thread width, on one CTA or cut between a cluster of two, ties at the threshold,
 hidden keys, partial ranges, top-k above the visible count, strided codes and outputs, a CUDA-graph capture)."""
@@ -11,7 +11,7 @@ from kda_compile.ops.dsa.reference import order_keys, topk_from_keys
 
 pytest.importorskip("triton")
 
-from kda_compile.ops.dsa import cuda_topk, triton_topk  # noqa: E402
+from kda_compile.ops.dsa.indexer import cuda_topk, triton_topk  # noqa: E402
 
 from .test_triton_topk import SPECIAL, reference_codes, topk_cases  # noqa: E402
 

@@ -9,7 +9,7 @@ dynamic=True) with no graph break."""
 import pytest
 import torch
 
-import kda_compile.ops.dsa.pooled as pooled
+import kda_compile.ops.dsa.pooled.reference as pooled
 from kda_compile.ops import dsa_pooled_indexer_topk
 
 from .pooled_naive import (StubCache, assert_true_pooled_topk, dense_pooled, hf_inputs, no_host_reads,

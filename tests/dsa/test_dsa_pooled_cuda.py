@@ -7,7 +7,7 @@ import torch
 
 from kda_compile.ops import dsa_pooled_indexer_topk
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
+from kda_compile.ops.dsa.pooled.reference import pooled_indexer_topk_reference
 
 from .pooled_naive import assert_true_pooled_topk, quantised_pooled_inputs
 
@@ -59,7 +59,7 @@ def test_pooled_exact_on_quantised_scores(mode, dtype):
 
 def test_pooled_small_blocks_merge_the_same(monkeypatch):
     """Pool blocks of 100 and query blocks of one row tile on the GPU: the running top-k gives the same answer."""
-    import kda_compile.ops.dsa.triton_pooled as triton_pooled
+    import kda_compile.ops.dsa.pooled.triton_indexer as triton_pooled
 
     a = quantised_pooled_inputs(2, 700, 4000, HEADS, DIM, POOL, device="cuda", dtype=torch.bfloat16, seed=9)
     whole = _op(a)

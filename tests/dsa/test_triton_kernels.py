@@ -1,4 +1,4 @@
-"""The DSA Triton kernels (``ops/dsa/triton_indexer.py``, ``triton_sparse.py``, ``triton_sparse_bwd.py``)
+"""The DSA Triton kernels (``ops/dsa/indexer/triton_indexer.py``, ``triton_sparse.py``, ``triton_sparse_bwd.py``)
 against the blockwise reference and the dense oracle.
 
 Runs on CUDA, or on CPU under the Triton interpreter (one small fixed config; float32 / float16 there,
@@ -23,8 +23,8 @@ from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the DSA Triton kernels")
 
-from kda_compile.ops.dsa.triton_indexer import indexer_topk_triton  # noqa: E402
-from kda_compile.ops.dsa.triton_sparse import (  # noqa: E402
+from kda_compile.ops.dsa.indexer.triton_indexer import indexer_topk_triton  # noqa: E402
+from kda_compile.ops.dsa.sparse.triton_forward import (  # noqa: E402
     INTERPRETED_SMS,
     SparseConfig,
     choose_topk_splits,
@@ -32,7 +32,7 @@ from kda_compile.ops.dsa.triton_sparse import (  # noqa: E402
     effective_splits,
     sparse_attention_fwd_triton,
 )
-from kda_compile.ops.dsa.triton_sparse_bwd import sparse_attention_bwd_triton  # noqa: E402
+from kda_compile.ops.dsa.sparse.triton_backward import sparse_attention_bwd_triton  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 
@@ -57,7 +57,7 @@ def test_indexer_decode_key_descriptor(descriptor, monkeypatch):
     """Decode (fewer than SHORT_QUERIES queries) with the keys loaded through a TMA descriptor or by pointers:
     the same exact selection on integer-valued inputs (exact scores), a causal range and a key mask included;
     keys past T inside the last tile are zero-filled by the descriptor and coded hidden."""
-    from kda_compile.ops.dsa import triton_indexer
+    from kda_compile.ops.dsa.indexer import triton_indexer
 
     monkeypatch.setattr(triton_indexer, "DECODE_KEY_DESCRIPTOR", descriptor)
     g = torch.Generator().manual_seed(1)
@@ -78,7 +78,7 @@ def test_indexer_decode_key_descriptor(descriptor, monkeypatch):
 def test_key_descriptor_only_where_tma_can_load():
     """No descriptor for float32 keys, a non-unit last stride, a head width that is not the block's, or
     misaligned strides: those keep the pointer loads."""
-    from kda_compile.ops.dsa.triton_indexer import key_descriptor
+    from kda_compile.ops.dsa.indexer.triton_indexer import key_descriptor
 
     k = torch.zeros(2, 40, 32, dtype=torch.float16, device=DEVICE)
     assert key_descriptor(k.float(), 16, 32) is None
@@ -166,7 +166,7 @@ def test_sparse_attention_topk_splits_layouts(splits, at_once, monkeypatch):
     # separate values, two KV heads, d_v split over two programs, more heads than one block: every program
     # coordinate of the folded split grid (value slice, head block, split, token) is non-trivial; the combine
     # loads the splits one after the other or all at once (its form above COMBINE_AT_ONCE_ABOVE splits)
-    from kda_compile.ops.dsa import triton_sparse
+    from kda_compile.ops.dsa.sparse import triton_forward as triton_sparse
 
     monkeypatch.setattr(triton_sparse, "COMBINE_AT_ONCE_ABOVE", 0 if at_once else 64)
     case = DSAAttentionCase(b=2, s=4, t=50, hq=20, hkv=2, dqk=24, dv=40, topk=40, absorbed=False)
@@ -213,7 +213,7 @@ def test_empty_chunks_attended_or_skipped(rows):
     case = DSAAttentionCase(b=1, s=4, t=80, hq=4, dqk=48, dv=32, topk=70, absorbed=True)
     args = _split_rows_args(case, torch.float32)
     if rows > 4:  # repeat the four patterns over more query rows, past the short-query bound
-        from kda_compile.ops.dsa.triton_sparse import SHORT_QUERIES
+        from kda_compile.ops.dsa.sparse.triton_forward import SHORT_QUERIES
 
         assert rows > SHORT_QUERIES
         case = DSAAttentionCase(b=1, s=rows, t=80, hq=4, dqk=48, dv=32, topk=70, absorbed=True)
@@ -252,7 +252,7 @@ def test_decode_takes_the_triton_kernels_when_the_cuda_score_kernel_cannot_be_bu
     (here on the device the tests run on), the exact selection on integer inputs."""
     from kda_compile.ops._common import clear_fallback_events, fallback_events
     from kda_compile.ops._nvrtc import NvrtcUnavailable
-    from kda_compile.ops.dsa import triton_indexer, wgmma_indexer
+    from kda_compile.ops.dsa.indexer import triton_indexer, wgmma_indexer
 
     def refuse(*args, **kwargs):
         raise NvrtcUnavailable("no NVRTC here")
@@ -281,7 +281,7 @@ def test_few_query_cuda_route_passes_the_ranges_of_each_call(route, monkeypatch)
     top-k finishes from range tensors, recorded), and range tensors otherwise. Exact on integer inputs."""
     from kda_compile.ops._common import clear_fallback_events, fallback_events
     from kda_compile.ops._nvrtc import NvrtcUnavailable
-    from kda_compile.ops.dsa import cuda_topk, triton_indexer, wgmma_indexer
+    from kda_compile.ops.dsa.indexer import cuda_topk, triton_indexer, wgmma_indexer
     from kda_compile.ops.dsa.reference import visible_ranges
 
     from .test_triton_topk import reference_codes

@@ -1,4 +1,4 @@
-"""glm5_next's pool-forming kernel (``ops/dsa/triton_pool_keys.py``) against the torch reference
+"""glm5_next's pool-forming kernel (``ops/dsa/pooled/triton_keys.py``) against the torch reference
 ``pooled.pooled_keys``: the same validity bits, pool keys within rounding (float32 1e-6, float16 one unit in
 the last place: 2e-3 relative), on drawn widths, pool sizes (powers of two or not), left padding and holes.
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kda_compile.ops.dsa.pooled import first_valid, pooled_keys
+from kda_compile.ops.dsa.pooled.reference import first_valid, pooled_keys
 from kda_compile.testing import assert_rel_close
 
 from .pooled_naive import KEY_MASK_FORMS, drawn_key_mask
@@ -17,7 +17,7 @@ from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the DSA pool-forming kernel")
 
-from kda_compile.ops.dsa.triton_pool_keys import pooled_keys_triton  # noqa: E402
+from kda_compile.ops.dsa.pooled.triton_keys import pooled_keys_triton  # noqa: E402
 
 TOL = {torch.float32: 1e-6, torch.float16: 2e-3}
 

@@ -1,4 +1,4 @@
-"""The pooled indexer's Triton kernels (``ops/dsa/triton_pooled.py``) against the op's torch path
+"""The pooled indexer's Triton kernels (``ops/dsa/pooled/triton_indexer.py``) against the op's torch path
 (``pooled.pooled_indexer_topk_reference``) and the dense float64 oracle (``pooled_naive.py``).
 
 Runs on CUDA, or on CPU under the Triton interpreter (small shapes, float32 / float16). Inputs are quantised so
@@ -12,7 +12,7 @@ fewer pools than slots; a launcher that reads no tensor value on the host.
 import pytest
 import torch
 
-from kda_compile.ops.dsa.pooled import pooled_indexer_topk_reference
+from kda_compile.ops.dsa.pooled.reference import pooled_indexer_topk_reference
 
 from .pooled_naive import assert_true_pooled_topk, dense_pooled, no_host_reads, quantised_pooled_inputs
 
@@ -20,8 +20,8 @@ from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the pooled DSA indexer kernels")
 
-import kda_compile.ops.dsa.triton_pooled as triton_pooled  # noqa: E402
-from kda_compile.ops.dsa.triton_pooled import pooled_indexer_topk_triton  # noqa: E402
+import kda_compile.ops.dsa.pooled.triton_indexer as triton_pooled  # noqa: E402
+from kda_compile.ops.dsa.pooled.triton_indexer import pooled_indexer_topk_triton  # noqa: E402
 
 
 def quantised_inputs(*shape, **kw):

@@ -1,4 +1,4 @@
-"""The DSA indexer's radix top-k (``ops/dsa/triton_topk.py``) against ``torch.topk`` over the reference's
+"""The DSA indexer's radix top-k (``ops/dsa/indexer/triton_topk.py``) against ``torch.topk`` over the reference's
 int64 sort keys (``reference.topk_from_keys``): equal index lists, bit for bit (the same set, the same tie
 rule, ascending key order).
 
@@ -19,7 +19,7 @@ from triton_device import triton_device  # noqa: E402
 
 DEVICE = triton_device("the DSA top-k kernel")
 
-from kda_compile.ops.dsa import triton_topk  # noqa: E402
+from kda_compile.ops.dsa.indexer import triton_topk  # noqa: E402
 
 SPECIAL = (0.0, -0.0, float("inf"), float("-inf"), 3.4028235e38, -3.4028235e38, 1e-45, -1e-45)
 

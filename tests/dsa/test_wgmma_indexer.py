@@ -1,4 +1,4 @@
-"""The Hopper wgmma indexer score kernel for a few queries (``ops/dsa/wgmma_indexer.py``). Its choice and switch
+"""The Hopper wgmma indexer score kernel for a few queries (``ops/dsa/indexer/wgmma_indexer.py``). Its choice and switch
 on the CPU; on an sm_90 GPU: the scores its codes hold against float64 (relative to the row's largest score:
 1e-5), the exact selection of the whole op on integer inputs (every fp32 score exact), the true top-k at
 DeepSeek-V3.2 widths, hidden codes outside the visible range and under a key mask, fewer heads than the MMA's
@@ -9,7 +9,7 @@ import torch
 
 from kda_compile.ops import _common, dsa_indexer_topk
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.dsa import wgmma_indexer
+from kda_compile.ops.dsa.indexer import wgmma_indexer
 from kda_compile.ops.dsa.reference import indexer_topk_reference, visible_ranges
 
 cuda = pytest.mark.cuda
@@ -215,7 +215,7 @@ def test_kernels_without_ranges_need_the_call_shape():
     q, k = _shapes()
     with pytest.raises(ValueError, match="needs lo / hi or implicit"):
         wgmma_indexer.indexer_codes_wgmma(q, k, torch.ones(2, 1, 64), None, None, None, codes, 0, 8, 1.0)
-    from kda_compile.ops.dsa import cuda_topk
+    from kda_compile.ops.dsa.indexer import cuda_topk
 
     with pytest.raises(ValueError, match="needs lo / hi or implicit"):
         cuda_topk.launch(codes, None, None, 0, 4, torch.zeros(1, 1, 4, dtype=torch.int32))
@@ -227,7 +227,7 @@ def test_kernels_without_ranges_need_the_call_shape():
 def test_ranges_computed_in_the_kernels_match_the_tensors(s, t, causal):
     """Decode without cu_seqlens: the score and top-k kernels compute the visible ranges themselves (fewer keys
     than queries included: the first rows see none); their codes and indices equal those of explicit ranges."""
-    from kda_compile.ops.dsa import cuda_topk
+    from kda_compile.ops.dsa.indexer import cuda_topk
 
     g = torch.Generator(device="cuda").manual_seed(s + t)
     b, heads, topk = 3, 16, 64
@@ -250,7 +250,7 @@ def test_ranges_computed_in_the_kernels_match_the_tensors(s, t, causal):
 @sm90
 def test_decode_falls_back_to_the_triton_topk_when_its_kernel_cannot_be_built(monkeypatch):
     from kda_compile.ops._nvrtc import NvrtcUnavailable
-    from kda_compile.ops.dsa import cuda_topk
+    from kda_compile.ops.dsa.indexer import cuda_topk
 
     def refuse(*args, **kwargs):
         raise NvrtcUnavailable("no NVRTC here")

@@ -1,5 +1,5 @@
-"""The Hopper wgmma DSA sparse-attention forward (``ops/dsa/wgmma_sparse.py``) against the blockwise reference in
-float64 (relative RMS error: bfloat16 1e-2, float16 3e-3 on o; lse within 2e-3 absolute, -inf where a row sees
+"""The Hopper wgmma DSA sparse-attention forward (``ops/dsa/sparse/wgmma_forward.py``) against the blockwise reference
+in float64 (relative RMS error: bfloat16 1e-2, float16 3e-3 on o; lse within 2e-3 absolute, -inf where a row sees
 no index) and against the Triton kernel. Its choice and switch on the CPU; the kernel on an sm_90 GPU: decode and
 prefill, split and unsplit, 512 and 576 channel rows, -1 and repeated indices, top-k not a multiple of 64,
 strided inputs, several KV heads, rows with no valid index, a CUDA-graph capture."""
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kda_compile.ops import _common
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.dsa import wgmma_sparse
+from kda_compile.ops.dsa.sparse import wgmma_forward as wgmma_sparse
 from kda_compile.ops.dsa.reference import sparse_attention_reference
 from kda_compile.testing import assert_rel_close
 
@@ -147,7 +147,7 @@ def test_fuzzed_shapes(b, s, heads, t, topk, rope, splits, seed):
 @sm90
 def test_matches_the_triton_kernel_and_the_op_routes_here(monkeypatch):
     from kda_compile.ops.dsa import kernels
-    from kda_compile.ops.dsa.triton_sparse import sparse_attention_fwd_triton
+    from kda_compile.ops.dsa.sparse.triton_forward import sparse_attention_fwd_triton
 
     g = torch.Generator(device="cuda").manual_seed(3)
     q = torch.randn(8, 1, 128, 576, device="cuda", generator=g, dtype=torch.bfloat16)

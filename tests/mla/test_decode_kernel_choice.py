@@ -1,12 +1,12 @@
-"""The absorbed-decode kernel choice (``ops/mla/decode_kernels.py``), the wgmma kernel's source generation
+"""The absorbed-decode kernel choice (``ops/mla/decode/kernels.py``), the wgmma kernel's source generation
 and the NVRTC wrapper, on any machine (the kernel itself: ``test_wgmma_decode.py``, sm_90 only)."""
 import pytest
 import torch
 
 from kda_compile.ops import _nvrtc
 from kda_compile.ops._common import clear_fallback_events, fallback_events
-from kda_compile.ops.mla import decode_kernels, wgmma_decode, wgmma_source
-from kda_compile.ops.mla.triton_decode import choose_num_splits
+from kda_compile.ops.mla.decode import kernels as decode_kernels, wgmma_decode, wgmma_decode_source as wgmma_source
+from kda_compile.ops.mla.decode.triton_decode import choose_num_splits
 
 H100_SHARED_OPT_IN = 232448  # bytes of shared memory one block may opt into on sm_90
 

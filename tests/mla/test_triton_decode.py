@@ -1,4 +1,4 @@
-"""The Triton absorbed-MLA decode kernels (``ops/mla/triton_decode.py``) against float64 oracles.
+"""The Triton absorbed-MLA decode kernels (``ops/mla/decode/triton_decode.py``) against float64 oracles.
 
 Runs on CUDA, or on CPU under the Triton interpreter (one small fixed config)::
 
@@ -24,7 +24,7 @@ from triton_device import triton_device  # noqa: E402
 DEVICE = triton_device("the Triton kernels")
 
 from kda_compile.ops.mla.custom_ops import absorbed_mla_cuda  # noqa: E402
-from kda_compile.ops.mla.triton_decode import choose_num_splits, mla_decode_attention  # noqa: E402
+from kda_compile.ops.mla.decode.triton_decode import choose_num_splits, mla_decode_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

@@ -1,4 +1,4 @@
-"""The Hopper wgmma absorbed-MLA decode kernel (``ops/mla/wgmma_decode.py``) against float64 oracles.
+"""The Hopper wgmma absorbed-MLA decode kernel (``ops/mla/decode/wgmma_decode.py``) against float64 oracles.
 
 Runs only on an sm_90 GPU (the kernel is compiled by NVRTC for sm_90a); the kernel choice and the
 source generation are tested on any machine by ``test_decode_kernel_choice.py``. Real widths (latent
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
     reason="needs an sm_90 GPU (run on the GPU box)")]
 
-from kda_compile.ops.mla import decode_kernels, wgmma_decode  # noqa: E402
+from kda_compile.ops.mla.decode import kernels as decode_kernels, wgmma_decode  # noqa: E402
 
 TOL = {torch.float16: 5e-3, torch.bfloat16: 2e-2}
 

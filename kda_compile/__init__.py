@@ -25,7 +25,7 @@ from kda_compile.backend import register_if_unknown as _register_backend  # noqa
 
 _register_backend()
 
-from kda_compile.passes.kda_substitution import install as _install_kda_substitution  # noqa: E402
+from kda_compile.passes.substitution.install import install as _install_kda_substitution  # noqa: E402
 
 _install_kda_substitution()  # Dynamo traces kda_compile.ops for FLA's / HF's KDA functions
 

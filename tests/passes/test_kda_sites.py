@@ -1,4 +1,4 @@
-"""The KDA site report (passes/kda_sites.py) of the substituted entry points: each site, its entry
+"""The KDA site report (passes/substitution/sites.py) of the substituted entry points: each site, its entry
 point and source line; an unsubstituted reference left alone; the report pass changes nothing."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 import torch
 
 from kda_compile import Config
-from kda_compile.passes.kda_sites import KdaSites
+from kda_compile.passes.substitution.sites import KdaSites
 from kda_compile.passes.manager import REWRITES, RewriteLog
 
 from .kda_substitution_helpers import QUICK, compile_call, hf, inputs, kda_ops, wrapper_entry

@@ -1,5 +1,5 @@
 """The substitutes Dynamo traces in place of the known KDA entry points (registered by
-kda_substitution.py, which describes the mapping and the switches).
+substitution/install.py, which describes the mapping and the switches).
 
 One factory per kind of entry point: FLA's ``chunk_kda`` / ``fused_recurrent_kda`` and
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule``, HF's torch references (Kimi-Linear's
@@ -8,7 +8,7 @@ Each substitute decides at trace time (``_substituting``, ``_declined``: constan
 the graph takes kda_compile's op or the original code (an unregistered copy, ``_copy_of``).
 
 Also here, for the report and the registration: ``SUBSTITUTE_FRAMES`` (each substitute's frame name ->
-the entry point it stands for; kda_sites.py reads this file's frames in a graph's stack traces),
+the entry point it stands for; substitution/sites.py reads this file's frames in a graph's stack traces),
 ``HF_FAMILIES`` (the transformers modules whose references are substituted, with their factories) and
 ``HF_REFERENCE_FUNCTIONS``.
 """
@@ -24,7 +24,7 @@ import torch
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 
-# The substitution's one logger (kda_substitution.py logs there too): what a user enables to see it.
+# The substitution's one logger (substitution/install.py logs there too): what a user enables to see it.
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
 HF_KIMI_MODULE = "transformers.models.kimi_linear.modeling_kimi_linear"
@@ -87,7 +87,7 @@ def _is_default(value: Any, default: Any) -> bool:
 
 # ----------------------------------------------------------------------------------------------
 # The substitutes. One factory per kind of entry point, so every substitute's frame name (seen
-# in the graph's stack traces, read by kda_sites.py) says which entry point it stands for.
+# in the graph's stack traces, read by substitution/sites.py) says which entry point it stands for.
 # ----------------------------------------------------------------------------------------------
 def _copy_of(fn: Callable) -> Callable:
     """An unregistered function object with ``fn``'s code, closure and attributes: calling it
@@ -258,7 +258,7 @@ def _hf_wrapper_substitute(entry: str, wrapper: Callable, serve: Callable, appli
     return hf_kda_wrapper
 
 
-# The frame name of each substitute -> the entry point it stands for (read by kda_sites.py).
+# The frame name of each substitute -> the entry point it stands for (read by substitution/sites.py).
 SUBSTITUTE_FRAMES = {
     "fla_chunk_kda": "fla chunk_kda",
     "fla_fused_recurrent_kda": "fla fused_recurrent_kda",
@@ -291,5 +291,5 @@ HF_FAMILIES = (
                "torch_recurrent_gated_delta_rule", (_hf_gdn_chunk_substitute, _hf_gdn_recurrent_substitute), True)
       for m in _GDN_MODELS),
 )
-# HF's torch references, traced as written when not substituted (kda_sites.py reports them).
+# HF's torch references, traced as written when not substituted (substitution/sites.py reports them).
 HF_REFERENCE_FUNCTIONS = tuple(sorted({f.chunk for f in HF_FAMILIES} | {f.recurrent for f in HF_FAMILIES}))

@@ -2,7 +2,7 @@
 ``kda_compile.ops.attention``.
 
 prophetnet's ngram predict stream (transformers 5.23 models/prophetnet/modeling_prophetnet.py,
-``ProphetNetNgramSelfAttention``; its einsums become matmuls in ``attention_normalize.py``)::
+``ProphetNetNgramSelfAttention``; its einsums become matmuls in ``attention/normalize.py``)::
 
     q: [B, ngram, H, S, D]; k, v: [B, ngram, H, 2S, D]
     w = torch.matmul(q, k.transpose(-1, -2)) + rel_pos + mask.permute(0, 2, 1, 3, 4)  # [B, ngram, H, S, 2S]
@@ -20,7 +20,7 @@ same values per score, the broadcast materialised).
 
 Left alone, with the reason (:func:`leading_dims`): query, keys and values of different ranks, or
 whose leading dims differ (keys or values broadcast over a leading dim: the fold pairs query rows
-with keys of the same folded index only). ``softmax_attention.py`` also leaves alone N-D sites with
+with keys of the same folded index only). ``attention/softmax.py`` also leaves alone N-D sites with
 sinks and N-D sites whose scores are read for their shape (``expand_as``).
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import erase_unused, insert_call, known_equal, known_shape_equal, tensor_of
+from kda_compile.passes.toolkit.graph_tools import erase_unused, insert_call, known_equal, known_shape_equal, tensor_of
 
 
 def leading_dims(q: Any, k: Any, v: Any, fold: bool = True) -> tuple[int, str | None]:

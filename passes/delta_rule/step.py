@@ -1,5 +1,5 @@
 """One token of the (gated) delta rule, as the Dynamo graph spells it: the pattern that
-``kda_recurrence.py`` finds T times in an unrolled KDA loop.
+``delta_rule/recurrence.py`` finds T times in an unrolled KDA loop.
 
 With state ``S`` [B, H, K, V] and the token's slices ``q_t, k_t, g_t`` [B, H, K], ``v_t`` [B, H, V],
 ``beta_t`` [B, H]::
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import known_shape_equal, static_int, tensor_of
-from kda_compile.passes.matching import (ADD, GETITEM, MATMUL, MUL, RESHAPE, SUB, Bindings, Call, Capture, Const,
+from kda_compile.passes.toolkit.graph_tools import known_shape_equal, static_int, tensor_of
+from kda_compile.passes.toolkit.matching import (ADD, GETITEM, MATMUL, MUL, RESHAPE, SUB, Bindings, Call, Capture, Const,
                                          OneOf, Pattern, family)
 
 # ----------------------------------------------------------------------------------------------
-# Op families beyond matching.py (candidates to move there)
+# Op families beyond toolkit/matching.py (candidates to move there)
 # ----------------------------------------------------------------------------------------------
 EXP = family("exp", ("input",), functions=(torch.exp,), methods=("exp",))
 SUM = family("sum", ("input", "dim", "keepdim"), functions=(torch.sum,), methods=("sum",),

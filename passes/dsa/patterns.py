@@ -1,4 +1,4 @@
-"""The graph patterns of the DSA rewrite (passes/dsa_attention.py), as Hugging Face's DSA code writes
+"""The graph patterns of the DSA rewrite (passes/dsa/attention.py), as Hugging Face's DSA code writes
 them in transformers 5.23 (models/deepseek_v32 and the families that copy it; docs/dsa-rewrite.md), and
 the modeling modules of the block-sparse variants the rewrite reports as left alone."""
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.attention_mask import AND, COMPARE, NEW_ONES, UNSQUEEZE
-from kda_compile.passes.graph_tools import is_tensor_node, module_path
-from kda_compile.passes.matching import (ADD, CAST, MATMUL, MUL, TRANSPOSE, Call, Capture, Const, OneOf, cast_dtype,
+from kda_compile.passes.attention.mask import AND, COMPARE, NEW_ONES, UNSQUEEZE
+from kda_compile.passes.toolkit.graph_tools import is_tensor_node, module_path
+from kda_compile.passes.toolkit.matching import (ADD, CAST, MATMUL, MUL, TRANSPOSE, Call, Capture, Const, OneOf, cast_dtype,
                                          family)
 
 # Block-sparse DSA variants: their indexers score compressed / pooled key blocks, which the token-level
-# indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa_pooled.py; qwen4_exp's
-# QSA indexer is traced branch-free, passes/qsa_indexer.py, and its attention is softmax attention under the
+# indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa/pooled.py; qwen4_exp's
+# QSA indexer is traced branch-free, passes/dsa/qsa_indexer.py, and its attention is softmax attention under the
 # selection mask). Keyed on the transformers modeling module -> (the module class suffix the
 # report names, reason); a new variant is one more entry.
 BLOCK_SPARSE_MODULES = {

@@ -25,7 +25,7 @@ and replaces ``attn_output`` with::
                             dropout_p=dropout if module.training else 0.0)
 
 with the un-repeated ``key`` / ``value`` (GQA without repeat_kv). When the graph proves the mask
-is the causal mask (with a sliding window, with key padding: see ``attention_mask.py``) it becomes
+is the causal mask (with a sliding window, with key padding: see ``attention/mask.py``) it becomes
 ``is_causal`` / ``sliding_window`` plus, for padding, the ``[B, 1, 1, Sk]`` bool padding mask; any
 other mask is passed as the additive tensor. A query row whose keys are all padding gives 0 where
 eager attention gave a uniform average (both are unused: only padding positions have such rows).
@@ -38,24 +38,24 @@ softmax (the op's softmax runs in fp32), in-place ``scores /= divisor`` / ``scor
 attend, passed to the op as the bool mask, or combined with the additive mask), a positive scale
 applied after the mask (codegen's ``(scores + mask) / scale_attn``: the op gets the product scale and
 the mask scaled alike), and a second additive float term (bloom's ALiBi, once
-``attention_spellings.py`` has unfolded its ``baddbmm`` / ``bmm`` over [B*H, ...] into 4-D matmuls),
+``attention/spellings.py`` has unfolded its ``baddbmm`` / ``bmm`` over [B*H, ...] into 4-D matmuls),
 combined with the mask into the op's float ``attn_mask``, ``masked_fill(scores, drop, -inf)`` with
 ``masked_fill(probabilities, drop, 0)`` after the softmax (cpmant: the bool mask ``~drop``), sinks
 applied to the output as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa: the op's ``sinks``),
 ``torch.max(scores + mask, finfo.min)`` (xglm: the clamp is dropped and the float mask the op gets is
-clamped alike, see ``attention_spellings.py``), and a sink logit per query as an extra [B, H, Sq, 1]
+clamped alike, see ``attention/spellings.py``), and a sink logit per query as an extra [B, H, Sq, 1]
 column (inkling2: ``attention_with_lse``, whose output is rescaled by ``sigmoid(lse - sink)``),
 scores summed from several terms (xlnet's ``(content + position + 0) * scale - 1e30 * mask``: the
 content product is the scores, the position term and the subtracted mask the op's float mask, the
 literal 0 dropped) and ``scores * b + -1e4 * (1 - b)`` with ``b`` a 0/1 module buffer (openai-gpt: the
-bool mask ``b != 0``; see ``attention_spellings.py`` for when that is exact).
-Before matching, ``attention_normalize.py`` rewrites, exactly, an in-place ``masked_fill_`` of the
+bool mask ``b != 0``; see ``attention/spellings.py`` for when that is exact).
+Before matching, ``attention/normalize.py`` rewrites, exactly, an in-place ``masked_fill_`` of the
 scores read again after it (xlm), ``einsum`` products (prophetnet, xlnet), pre-transposed keys
 (openai-gpt) and softmax / dropout of
 [B*H, Sq, Sk] views of the 4-D scores (mvp, trocr, xglm); reads of the scores' shape or dtype only
 (xlm's ``mask.expand_as(scores)``) are rewritten to read the sizes of the query and keys. N-D attention
 with batch-like leading dims (prophetnet's predict stream, [B, ngram, H, S, D]) is matched the same way and
-folded into the op's batch dim (``attention_fold.py``).
+folded into the op's batch dim (``attention/fold.py``).
 
 Left alone, and reported: the attention weights or scores used elsewhere (``output_attentions``; the
 weights as an output of the graph, which code after a graph break may read), a softmax not over the
@@ -63,7 +63,7 @@ key dimension, anything else between the two matmuls, shapes that do not pair up
 mask (an argument, a buffer with values other than 0 / 1, a fill above -1e4), arguments the op refuses. A softmax with no matmul on either side (a MoE router)
 is not a candidate; one with a matmul, bmm or einsum a few nodes away on both sides is, and is reported
 with what was found where the spelling is not matched. So is a softmax spelled ``exp(x - logsumexp(x))``
-between such products (reformer; ``lse_softmax.py`` lists what stops each one).
+between such products (reformer; ``attention/lse_softmax.py`` lists what stops each one).
 
 The new node calls the public function ``attention``, not ``torch.ops.kda_compile.attention_fwd``.
 Both pass AOTAutograd (a node of the op, then ``getitem``, was checked too, forward and backward
@@ -85,21 +85,21 @@ import torch
 import torch.fx
 
 from kda_compile.ops.attention import attention, attention_with_lse
-from kda_compile.passes.attention_fold import fold_attention, leading_dims
-from kda_compile.passes.attention_mask import mask_keywords
-from kda_compile.passes.attention_normalize import metadata_read, normalize_attention, replace_metadata_reads
-from kda_compile.passes.attention_spellings import (CLAMP_MIN, MASKED_FILL, MAXIMUM, SinkRescale, batched_reason,
+from kda_compile.passes.attention.fold import fold_attention, leading_dims
+from kda_compile.passes.attention.mask import mask_keywords
+from kda_compile.passes.attention.normalize import metadata_read, normalize_attention, replace_metadata_reads
+from kda_compile.passes.attention.spellings import (CLAMP_MIN, MASKED_FILL, MAXIMUM, SinkRescale, batched_reason,
                                                     clamp_bound, fill_value, graph_input_behind, is_batched_product,
                                                     is_zero, keep_of_factor, match_sink_rescale,
                                                     multiplicative_mask_reason, multiplied_scores, product_within,
                                                     rescale_by_query_sinks, same_computation, subtracted_reason,
                                                     unfold_batched_attention, with_subtracted)
-from kda_compile.passes.lse_softmax import exp_lse_candidates
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
+from kda_compile.passes.attention.lse_softmax import exp_lse_candidates
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace,
                                             is_last_dim, is_tensor_node, known_equal, known_shape_equal, module_path,
                                             source_line, tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, RewriteLog, register_rewrite
-from kda_compile.passes.matching import (ADD, CAST, CAT, DIV, DROPOUT, EXPAND, GETITEM, LINK, MATMUL, MAX, MUL,
+from kda_compile.passes.toolkit.matching import (ADD, CAST, CAT, DIV, DROPOUT, EXPAND, GETITEM, LINK, MATMUL, MAX, MUL,
                                          RESHAPE, SOFTMAX, SUB, TANH, TRANSPOSE, Bindings, Call, Capture, Const,
                                          OneOf, Seq, Stage, cast_dtype, family, match_downward, match_upward,
                                          unrepeat_kv)
@@ -160,9 +160,9 @@ ALL_SCORE_STAGES = (
     Stage("sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Call(
         EXPAND, look_through=True, name="sink_column", input=Call(
             RESHAPE, look_through=True, name="sink_view", input=Capture("sinks", is_tensor_node)))))),
-    # inkling2: a sink logit per query, an extra [B, H, Sq, 1] column (attention_spellings.py).
+    # inkling2: a sink logit per query, an extra [B, H, Sq, 1] column (attention/spellings.py).
     Stage("query_sinks", Call(CAT, dim=LAST_DIM, tensors=Seq(LINKED, Capture("query_sinks", is_tensor_node)))),
-    # xlnet: scores - 1e30 * mask (after its scale), a float mask subtracted (attention_spellings.py).
+    # xlnet: scores - 1e30 * mask (after its scale), a float mask subtracted (attention/spellings.py).
     Stage("subtracted_mask", Call(SUB, name="mask_subtracted_scores", input=LINKED,
                                   other=Capture("subtracted", is_tensor_node))),
     # codegen: (scores + mask) / scale, the scale after the mask (it then scales the mask too).
@@ -170,7 +170,7 @@ ALL_SCORE_STAGES = (
                                     Call(DIV, input=LINKED, other=Const("post_scale_divisor")))),
     # xlnet: (content + position + 0) * scale, the segment term a literal 0 without segment ids.
     Stage("plus_zero", Call(ADD, commutative=True, input=LINKED, other=Const(where=lambda v: is_zero(v)))),
-    # xglm: torch.max(scores + mask, finfo.min), neutral for the softmax (attention_spellings.py).
+    # xglm: torch.max(scores + mask, finfo.min), neutral for the softmax (attention/spellings.py).
     Stage("clamp", OneOf(Call(MAXIMUM, commutative=True, name="clamped_scores", input=LINKED, other=CLAMP_BOUND),
                          Call(CLAMP_MIN, name="clamped_scores", input=LINKED, min=CLAMP_BOUND, max=None))),
     # cpmant: masked_fill(scores, drop, -inf), a bool mask (True = masked).
@@ -178,14 +178,14 @@ ALL_SCORE_STAGES = (
                             value=Capture("fill", lambda v: fill_value(v) is not None))),
     Stage("mask", Call(ADD, name="masked_scores", commutative=True, input=LINKED,
                        other=Capture("mask", is_tensor_node))),
-    # bloom's ALiBi (see attention_spellings.py): a second additive float term, passed to the op as
+    # bloom's ALiBi (see attention/spellings.py): a second additive float term, passed to the op as
     # (part of) its float attn_mask.
     Stage("bias", Call(ADD, name="biased_scores", commutative=True, input=LINKED,
                        other=Capture("bias", is_tensor_node))),
     # gpt_neo: torch.where(causal_bool, scores, finfo.min), a bool mask (True = attend).
     Stage("where_mask", Call(WHERE, name="kept_scores", input=LINKED, condition=Capture("keep", is_tensor_node),
                              other=Capture("fill", _is_fill))),
-    # openai-gpt: scores * b + -1e4 * (1 - b), b a 0/1 buffer slice (attention_spellings.py).
+    # openai-gpt: scores * b + -1e4 * (1 - b), b a 0/1 buffer slice (attention/spellings.py).
     Stage("mult_mask", Call(ADD, commutative=True, name="mult_masked_scores", input=Call(
         MUL, commutative=True, input=LINKED, other=Capture("keep_factor", is_tensor_node)), other=Call(
         MUL, commutative=True, input=Const("mult_fill"), other=Call(
@@ -198,7 +198,7 @@ ALL_SCORE_STAGES = (
                          Call(IN_PLACE_DIV, input=LINKED, other=Const("scale_divisor", symbolic=True)))),
 )
 # Stages whose mask handling needs the graph edits of _replace (_scaled_mask, _with_bias, the ~drop
-# mask): matched by this rewrite only. mla_absorb.py and dsa_sparse.py build their calls from
+# mask): matched by this rewrite only. mla/absorb.py and dsa/sparse.py build their calls from
 # SCORE_STAGES / PROBABILITY_STAGES and attention_arguments, so they see the sites without them.
 GRAPH_EDIT_STAGES = frozenset({"scale_after_mask", "fill_mask", "bias", "zero_masked", "clamp", "query_sinks",
                                "subtracted_mask", "plus_zero", "mult_mask"})
@@ -230,7 +230,7 @@ class Site:
     scores: Bindings
     probabilities: Bindings
     stages: frozenset[str]  # the optional stages present (see SCORE_STAGES, PROBABILITY_STAGES)
-    rescale: SinkRescale | None = None  # granite_swa's sinks, applied to the output (attention_spellings.py)
+    rescale: SinkRescale | None = None  # granite_swa's sinks, applied to the output (attention/spellings.py)
 
     def __getitem__(self, name: str) -> Any:
         if self.rescale is not None and name in ("sinks", "sink_view"):
@@ -255,7 +255,7 @@ class Site:
 
 def check_site(site: Site, fold: bool = False) -> str | None:
     """Why ``site`` must be left alone, or None when replacing it keeps the meaning. ``fold``: N-D attention
-    may be folded into 4-D (attention_fold.py; this rewrite only, not mla_absorb.py / dsa_sparse.py)."""
+    may be folded into 4-D (attention/fold.py; this rewrite only, not mla/absorb.py / dsa/sparse.py)."""
     soft = SOFTMAX.bind(site.softmax)
     q, k, v = (tensor_of(site[n]) for n in ("query", "key_states", "value_states"))
     lead, reason = leading_dims(q, k, v, fold)
@@ -358,7 +358,7 @@ def _per_query(site: Site, batch: Any, heads: Any, queries: Any) -> bool:
 
 
 def _clamp_reason(site: Site, post: float | None) -> str | None:
-    """Why the clamp of the scores is not neutral (attention_spellings.py), or None."""
+    """Why the clamp of the scores is not neutral (attention/spellings.py), or None."""
     bound, clamped = clamp_bound(site["clamp"]), tensor_of(site["clamped_scores"])
     if clamped is None or not known_shape_equal(clamped.shape, tensor_of(site["scores"]).shape):
         return "the clamp broadcasts the scores to a larger shape"
@@ -421,7 +421,7 @@ def attention_arguments(site: Site, mask_to_flags: bool) -> tuple[dict, dict]:
         details["clamp"] = "neutral (mask clamped alike)"
     if dropout_p:
         details["dropout_p"] = dropout_p
-    if site.has("mask") and q.dim() != 4:  # N-D (attention_fold.py): the mask tensor, folded
+    if site.has("mask") and q.dim() != 4:  # N-D (attention/fold.py): the mask tensor, folded
         kwargs["attn_mask"], details["mask"] = site["mask"], f"tensor (folded with the {q.dim() - 3} leading dims)"
     elif site.has("mask"):
         mask_kwargs, mask_details = mask_keywords(site["mask"], q.shape[2], k.shape[2], mask_to_flags, additive=True)

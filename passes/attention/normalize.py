@@ -1,5 +1,5 @@
 """Exact graph normalisations that bring more spellings of eager attention to the form
-softmax_attention.py matches. Each one changes how a value is computed, never the value (up to the
+attention/softmax.py matches. Each one changes how a value is computed, never the value (up to the
 association of one reduction where a product changes its spelling), and is applied wherever its
 conditions hold, attention or not.
 
@@ -70,9 +70,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import (insert_call, is_inplace, is_last_dim, known_equal, known_shape_equal,
+from kda_compile.passes.toolkit.graph_tools import (insert_call, is_inplace, is_last_dim, known_equal, known_shape_equal,
                                             tensor_of)
-from kda_compile.passes.matching import DROPOUT, MATMUL, RESHAPE, SOFTMAX, cast_dtype, family
+from kda_compile.passes.toolkit.matching import DROPOUT, MATMUL, RESHAPE, SOFTMAX, cast_dtype, family
 
 logger = logging.getLogger("kda_compile.passes.attention_normalize")
 
@@ -243,7 +243,7 @@ def transposed_keys(graph: torch.fx.Graph) -> int:
     """``matmul(q, x.permute(p))`` with ``p`` putting the last dim of ``x`` second to last ->
     ``matmul(q, x.permute(p').transpose(-1, -2))``, ``p'`` = ``p`` with its last two entries swapped (the
     same view of ``x``): the keys [.., Sk, D] then reach the score product as ``k.transpose(-1, -2)``,
-    the form softmax_attention.py matches. The number rewritten."""
+    the form attention/softmax.py matches. The number rewritten."""
     count = 0
     for node in [n for n in graph.nodes if MATMUL.bind(n) is not None]:
         other = MATMUL.bind(node)["other"]

@@ -1,6 +1,6 @@
 """The KDA sites of a compiled graph, for the rewrite report (the ``kda_substitution`` rewrite).
 
-Trace-time substitution (kda_substitution.py) happens before the graph exists, so this rewrite
+Trace-time substitution (substitution/install.py) happens before the graph exists, so this rewrite
 changes nothing: it reads the graph and reports, per KDA call::
 
     model.layers.0.self_attn (modeling_kimi_linear.py:695) -> kda_compile.chunk_kda_fwd(
@@ -13,7 +13,7 @@ GDN ops ``chunk_gdn_fwd`` / ``fused_recurrent_gdn_fwd`` (what a substitute or a 
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (what other rewrites insert). A GDN
 site reads e.g. ``-> kda_compile.chunk_gdn_fwd(entry=transformers torch_chunk_gated_delta_rule, ...)``.
 ``entry`` is the entry point the call stands
-for, read from the node's stack trace: the frame of the substitute that produced it (kda_substitutes.py; e.g.
+for, read from the node's stack trace: the frame of the substitute that produced it (substitution/substitutes.py; e.g.
 ``fla chunk_kda``, ``transformers recurrent_kimi_delta_attention``, with ``via HF wrapper`` when
 HF's wrapper was substituted), else ``kda_compile.ops`` (called by the model) or ``graph rewrite``.
 ``source`` is the model line that called the entry point.
@@ -40,8 +40,10 @@ import torch
 import torch.fx
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
-from kda_compile.passes import delta_rule_probe, kda_substitutes, kda_substitution
-from kda_compile.passes.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
+from kda_compile.passes.delta_rule import probe
+from kda_compile.passes.substitution import install
+from kda_compile.passes.substitution import substitutes as kda_substitutes
+from kda_compile.passes.toolkit.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 
 KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent",
@@ -93,7 +95,7 @@ def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
         return "graph rewrite" + unrolled, source_line(node)
     callers = [(p, line) for p, line, _ in frames[:first_ours] if not any(d in p for d in _WRAPPER_DIRS)]
     source = f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else ""
-    probed = delta_rule_probe.recognised_entry(frames)
+    probed = probe.recognised_entry(frames)
     if probed is not None:  # a look-alike function, recognised by what it computes
         return probed, source
     if not substitutes:
@@ -122,10 +124,10 @@ def site_details(node: torch.fx.Node, kind: str, arguments: dict[str, Any], entr
 
 def _reference_function(frames: list[tuple[str, int, str]]) -> str | None:
     """The HF torch KDA reference a node was traced in (not through a substitute), or None."""
-    if any(is_our_file(path) and os.path.abspath(path) != delta_rule_probe.PROBE_FILE for path, _, _ in frames):
+    if any(is_our_file(path) and os.path.abspath(path) != probe.PROBE_FILE for path, _, _ in frames):
         return None  # (a probing substitute that declined a call traces the original: still a reference)
     names = [fn for _, _, fn in frames
-             if fn in kda_substitutes.HF_REFERENCE_FUNCTIONS or delta_rule_probe.traced_as_written(fn)]
+             if fn in kda_substitutes.HF_REFERENCE_FUNCTIONS or probe.traced_as_written(fn)]
     return names[-1] if names else None
 
 
@@ -161,9 +163,9 @@ class KdaSites(GraphRewrite):
             log.rewritten.append(Rewritten(self.name, module_path(node), source, op,
                                            site_details(node, kind, arguments, entry)))
         for (site, function), count in unsubstituted_references(gm).items():
-            probed = "; ".join(delta_rule_probe.traced_as_written(function))
-            why = probed or (f"its substitute is not registered ({kda_substitution.ENV_SWITCH}=0, or see the "
-                             f"kda_compile.passes.kda_substitution log)")
+            probed = "; ".join(probe.traced_as_written(function))
+            why = probed or (f"its substitute is not registered ({install.ENV_SWITCH}=0, or see the "
+                             f"kda_compile.passes.substitution.install log)")
             log.left_alone.append(LeftAlone(
                 self.name, site, "",
                 f"Hugging Face's torch reference {function} traced as written ({count} nodes, its loops "

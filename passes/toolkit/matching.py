@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import (example_value, is_real_number, is_tensor_node, known_shape_equal, same_value,
+from kda_compile.passes.toolkit.graph_tools import (example_value, is_real_number, is_tensor_node, known_shape_equal, same_value,
                                             tensor_of)
 
 LINK = "__link__"  # capture name marking where a chain continues (or came from)
@@ -243,7 +243,7 @@ class Const(Pattern):
     """A Python constant satisfying ``where`` (default: a real number). With ``symbolic``, also a
     node holding a SymFloat / SymInt (a float attribute Dynamo left unspecialised under
     ``dynamic=True``); ``where`` then applies only to plain constants, and the user turns the node
-    into a number with :func:`~kda_compile.passes.graph_tools.concrete_number` (which guards on it)."""
+    into a number with :func:`~kda_compile.passes.toolkit.graph_tools.concrete_number` (which guards on it)."""
 
     name: str | None = None
     where: Callable[[Any], bool] | None = None

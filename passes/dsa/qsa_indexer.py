@@ -42,7 +42,7 @@ beside ``[B, S, T]`` ranks and ``[B, S, T // C]`` scores. In a long prefill that
 ``[B, S, T]`` mask, per indexed layer.
 
 Registration: when kda_compile is imported, and when a transformers modeling module is imported after it
-(kda_substitution.py's import hook; nothing with ``KDA_COMPILE_SUBSTITUTION=0``). A module's ``forward`` is not
+(substitution/install.py's import hook; nothing with ``KDA_COMPILE_SUBSTITUTION=0``). A module's ``forward`` is not
 looked up in Dynamo's substitution table: Dynamo calls ``type(module).forward`` directly, after unwrapping that
 function's ``_torchdynamo_inline`` attribute (the attribute torch.compile sets on its wrappers; read by Dynamo
 in torch 2.13). So the substitute is set as that attribute of HF's ``forward``; eager calls never read it. A
@@ -69,8 +69,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import is_our_file, module_path
-from kda_compile.passes.kda_substitutes import _compiling_config, _copy_of
+from kda_compile.passes.toolkit.graph_tools import is_our_file, module_path
+from kda_compile.passes.substitution.substitutes import _compiling_config, _copy_of
 
 logger = logging.getLogger("kda_compile.passes.qsa_indexer")
 

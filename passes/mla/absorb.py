@@ -56,15 +56,15 @@ import torch.fx
 
 from kda_compile.ops.attention import attention
 from kda_compile.ops.mla import explain_mla_path, mla_attention
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace, is_tensor_node, known_equal, known_shape_equal,
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace, is_tensor_node, known_equal, known_shape_equal,
                                             module_path, source_line, static_int, tensor_of)
-from kda_compile.passes.attention_spellings import graph_input_behind
-from kda_compile.passes.graph_tools import alias_root
-from kda_compile.passes.lse_softmax import input_name
+from kda_compile.passes.attention.spellings import graph_input_behind
+from kda_compile.passes.toolkit.graph_tools import alias_root
+from kda_compile.passes.attention.lse_softmax import input_name
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
-from kda_compile.passes.matching import (CAT, EXPAND, GETITEM, RESHAPE, SOFTMAX, TRANSPOSE, Bindings, Call,
+from kda_compile.passes.toolkit.matching import (CAT, EXPAND, GETITEM, RESHAPE, SOFTMAX, TRANSPOSE, Bindings, Call,
                                          Capture, Const, Seq, family, match_downward, match_upward)
-from kda_compile.passes.softmax_attention import (OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES, Site,
+from kda_compile.passes.attention.softmax import (OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES, Site,
                                                   attention_arguments, check_site)
 
 logger = logging.getLogger("kda_compile.passes.mla_absorb")

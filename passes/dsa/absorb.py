@@ -1,8 +1,8 @@
-"""The absorbed form of the DSA rewrite's attention (passes/dsa_attention.py, docs/dsa-rewrite.md): the
+"""The absorbed form of the DSA rewrite's attention (passes/dsa/attention.py, docs/dsa-rewrite.md): the
 attention over the selected keys runs on the latent cache, so no ``kv_b_proj`` over the cache survives.
 
 Hugging Face's DSA attention (deepseek_v32 and the families that copy it) expands the whole latent cache
-every step (``expand_kv``, as passes/mla_absorb.py matches it)::
+every step (``expand_kv``, as passes/mla/absorb.py matches it)::
 
     kv = kv_b_proj(latent).view(B, T, H, Dn + Dv).transpose(1, 2)       # [B, H, T, Dn + Dv]: O(T) per step
     k_nope, v = torch.split(kv, [Dn, Dv], dim=-1)
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import (_example, _fake_mode, describe_node, insert_call, known_equal,
+from kda_compile.passes.toolkit.graph_tools import (_example, _fake_mode, describe_node, insert_call, known_equal,
                                             static_int, tensor_of)
-from kda_compile.passes.matching import Bindings
-from kda_compile.passes.mla_absorb import EXPAND_KV, ExpandKV, NotMLA, query_halves, read_expand_kv
+from kda_compile.passes.toolkit.matching import Bindings
+from kda_compile.passes.mla.absorb import EXPAND_KV, ExpandKV, NotMLA, query_halves, read_expand_kv
 
 
 @dataclass

@@ -25,7 +25,7 @@ and the selection turned into a mask, then attention over all keys::
     attn_output = eager_attention_forward(...) / F.scaled_dot_product_attention(...)  # [B, H, S, Dv]
 
 becomes attention over the selected keys only, absorbed where the keys and values are HF's ``expand_kv``
-of the latent cache (passes/dsa_absorb.py: ``kv_b_proj`` folded into the query and the output, MQA over the
+of the latent cache (passes/dsa/absorb.py: ``kv_b_proj`` folded into the query and the output, MQA over the
 latent + rope rows, no ``kv_b_proj`` over the cache; prefill and decode)::
 
     attn_output = dsa_sparse_attention(cat(q_nope @ W_UK, q_rope)^T, cat(latent, k_rot)^T, None,
@@ -37,7 +37,7 @@ latent + rope rows, no ``kv_b_proj`` over the cache; prefill and decode)::
 glm5_next's pooled indexer returns indices that are already visible-only and -1 padded; its attention
 (``build_attention_mask_from_topk``: ``zeros(B, S, T).scatter_add_(-1, indices.clamp(0, T - 1), valid)
 .ne(0)``, the selection alone as the mask) becomes the same op over those indices, out-of-range ones -1
-(``dsa_patterns.COUNTS``); the indexer itself becomes ``dsa_pooled_indexer_topk`` (``dsa_pooled.py``, run first),
+(``dsa_patterns.COUNTS``); the indexer itself becomes ``dsa_pooled_indexer_topk`` (``dsa/pooled.py``, run first),
 so no [B, S, T] tensor remains there either.
 
 HF's attention sinks (hy_v4) are kept exactly: a sink only adds to the softmax's denominator, so the op's
@@ -63,7 +63,7 @@ sequences, a sliding window: the indexer op has no window), scores or weights us
 anywhere besides a rewritable attention, shapes that do not pair up, arguments an op refuses.
 Block-sparse DSA variants (deepseek_v4, minimax_m3_vl: indexers over compressed or pooled keys, see
 ``dsa_patterns.BLOCK_SPARSE_MODULES``) are reported as left alone. qwen4_exp's QSA indexer is traced through
-its branch-free substitute (``qsa_indexer.py``, switched by this rewrite's Config field): each indexer that
+its branch-free substitute (``dsa/qsa_indexer.py``, switched by this rewrite's Config field): each indexer that
 went through it is reported as rewritten into ``qsa_selection_mask``, one traced as written as left alone;
 its attention, under the selection mask, is ``softmax_attention``'s.
 
@@ -79,19 +79,19 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.attention_mask import (NEW_ONES, WHERE, MaskMeaning, NotUnderstood, check_fill,
+from kda_compile.passes.attention.mask import (NEW_ONES, WHERE, MaskMeaning, NotUnderstood, check_fill,
                                               read_additive_mask, read_bool_mask)
-from kda_compile.passes.dsa_patterns import (COUNTS, INDEX_MASK, LONG, SCATTER, SCATTER_ADD_, SELECTION, TOPK, NotDSA,
+from kda_compile.passes.dsa.patterns import (COUNTS, INDEX_MASK, LONG, SCATTER, SCATTER_ADD_, SELECTION, TOPK, NotDSA,
                                              block_sparse_sites, is_mask_slice)
-from kda_compile.passes.dsa_pooled import rewrite_pooled_indexers
-from kda_compile.passes.dsa_sparse import (AttentionSite, check_attention, eager_sites_by_mask, read_attention,
+from kda_compile.passes.dsa.pooled import rewrite_pooled_indexers
+from kda_compile.passes.dsa.sparse import (AttentionSite, check_attention, eager_sites_by_mask, read_attention,
                                            read_pooled_attention, replace_attention)
-from kda_compile.passes.graph_tools import (_example, _fake_mode, concrete_number, describe_node, erase_unused,
+from kda_compile.passes.toolkit.graph_tools import (_example, _fake_mode, concrete_number, describe_node, erase_unused,
                                             example_value, insert_call, is_tensor_node, known_equal, known_shape_equal,
                                             module_path, source_line, tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
-from kda_compile.passes.matching import GETITEM, Bindings, cast_dtype
-from kda_compile.passes.qsa_indexer import report_qsa_indexers
+from kda_compile.passes.toolkit.matching import GETITEM, Bindings, cast_dtype
+from kda_compile.passes.dsa.qsa_indexer import report_qsa_indexers
 
 logger = logging.getLogger("kda_compile.passes.dsa_attention")
 

@@ -1,4 +1,4 @@
-"""Batched 3-D spellings of eager softmax attention, turned into the 4-D form softmax_attention.py matches.
+"""Batched 3-D spellings of eager softmax attention, turned into the 4-D form attention/softmax.py matches.
 
 bloom (transformers 5.23, models/bloom/modeling_bloom.py) folds batch and heads into one dimension
 and adds its ALiBi bias inside ``baddbmm``::
@@ -23,7 +23,7 @@ cpmant (models/cpmant/modeling_cpmant.py) masks with ``masked_fill`` on both sid
     score = torch.masked_fill(score, drop, torch.scalar_tensor(float("-inf")))   # drop: True = masked
     score = torch.masked_fill(softmax(score), drop, torch.scalar_tensor(0))
 
-:data:`MASKED_FILL` and :func:`fill_value` let softmax_attention.py read the first as the bool mask
+:data:`MASKED_FILL` and :func:`fill_value` let attention/softmax.py read the first as the bool mask
 ``~drop`` and the second as neutral (the op already gives a masked key zero weight, and a row with
 every key masked 0, where eager attention gave NaN then 0), provided both conditions compute the
 same tensor (:func:`same_computation`: Dynamo keeps the two ``mask.view(...) == False`` apart).
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import (describe_node, insert_call, is_last_dim, known_equal, known_shape_equal,
+from kda_compile.passes.toolkit.graph_tools import (describe_node, insert_call, is_last_dim, known_equal, known_shape_equal,
                                             same_value, tensor_of)
-from kda_compile.passes.matching import (ADD, CAST, DIV, GETITEM, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE, cast_dtype,
+from kda_compile.passes.toolkit.matching import (ADD, CAST, DIV, GETITEM, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE, cast_dtype,
                                          family)
 
 logger = logging.getLogger("kda_compile.passes.attention_spellings")
@@ -388,7 +388,7 @@ def _from_matmul(node: torch.fx.Node, depth: int) -> bool:
 # unchanged. In fp32 any entry above min is that far above it (the spacing of fp32 floats near min is
 # 2**104), so only a row with every entry at min or -inf can differ (fp16 / bf16 scores with the softmax
 # in fp32: also a row whose best score is within 104 of min): eager gives those keys equal weight.
-# softmax_attention.py drops the clamp and clamps the additive mask it passes to the op alike, so such a
+# attention/softmax.py drops the clamp and clamps the additive mask it passes to the op alike, so such a
 # row comes out uniform too (s + min rounds to min in fp32 for |s| < 2**103).
 # ----------------------------------------------------------------------------------------------
 MAXIMUM = family("maximum", ("input", "other"), functions=(torch.maximum, torch.max), methods=("maximum", "max"))

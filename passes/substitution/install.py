@@ -64,39 +64,31 @@ Eager execution is never changed: substitution only tells Dynamo what to trace.
 Modules imported after kda_compile (``fla``, the HF modeling modules above) are registered as soon
 as they finish executing, through an import hook that watches only those module names.
 
-This module registers the substitutes (``install``, the import hook, ``registered()``) and reads HF's
-wrappers (``hf_bound_implementation``, ``hf_torch_path``); the substitutes themselves, with the
-trace-time decisions above, are in kda_substitutes.py.
+This module registers the substitutes (``install``, the import hook; registry.py keeps what is
+registered) and reads HF's wrappers (``hf_bound_implementation``, ``hf_torch_path``); the substitutes themselves, with the
+trace-time decisions above, are in substitution/substitutes.py.
 
-The backend lookup (kda_substitutes.py) reads Dynamo internals (the tracer's ``output.compiler_fn`` and the
+The backend lookup (substitution/substitutes.py) reads Dynamo internals (the tracer's ``output.compiler_fn`` and the
 ``_torchdynamo_orig_backend`` / ``compiler_fn`` wrappers, present in torch 2.1 to 2.13); when they
 are missing it answers "no kda_compile config" and the substitution stays on.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.abc
 import inspect
 import logging
 import os
-import re
 import sys
-import threading
 import types
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-import torch
-
-from kda_compile.passes import qsa_indexer  # QSA indexers, registered with the entry points below
-
-# The substitutes themselves; CHUNK_SIZES, HF_KIMI_MODULE, HF_REFERENCE_FUNCTIONS and SUBSTITUTE_FRAMES
-# stay importable from here.
-from kda_compile.passes.kda_substitutes import (  # noqa: F401
-    CHUNK_SIZES, HF_FAMILIES, HF_KIMI_MODULE, HF_REFERENCE_FUNCTIONS, SUBSTITUTE_FRAMES, HfFamily,
-    _fla_chunk_substitute, _fla_gdn_chunk_substitute, _fla_gdn_recurrent_substitute, _fla_recurrent_substitute,
-    _hf_wrapper_substitute)
+from kda_compile.passes.delta_rule import probe as delta_rule_probe  # look-alike functions, probed
+from kda_compile.passes.dsa import qsa_indexer  # QSA indexers, registered with the entry points below
+from kda_compile.passes.substitution.registry import lock, register
+from kda_compile.passes.substitution.substitutes import (HF_FAMILIES, HfFamily, _fla_chunk_substitute,
+                                                         _fla_gdn_chunk_substitute, _fla_gdn_recurrent_substitute,
+                                                         _fla_recurrent_substitute, _hf_wrapper_substitute)
 
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
@@ -122,43 +114,6 @@ def substitution_enabled_by_env() -> bool:
 # ----------------------------------------------------------------------------------------------
 # Registration
 # ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Registered:
-    """One substituted object: the entry point it is, its substitute, and every module attribute
-    it was found at (aliases are the same object, registered once)."""
-
-    entry_point: str
-    original: Callable
-    substitute: Callable
-    found_at: tuple[str, ...]
-
-
-_registered: dict[int, Registered] = {}  # id(original) -> entry; keeps the originals alive
-_lock = threading.RLock()
-
-
-def _register(entry: str, found_at: str, original: Any, make: Callable[[], Callable]) -> Callable | None:
-    """Register ``make()`` as the substitute of ``original`` (once per object); its substitute."""
-    if not isinstance(original, types.FunctionType):
-        logger.debug("%s at %s is a %s, not a function: not substituted", entry, found_at, type(original).__name__)
-        return None
-    with _lock:
-        known = _registered.get(id(original))
-        if known is not None:
-            if found_at not in known.found_at:
-                _registered[id(original)] = dataclasses.replace(known, found_at=known.found_at + (found_at,))
-            return known.substitute
-        substitute = make()
-        try:
-            torch._dynamo.substitute_in_graph(original, skip_signature_check=True)(substitute)
-        except (TypeError, ValueError) as exc:  # already claimed by another polyfill
-            logger.warning("%s at %s is not substituted: %s", entry, found_at, exc)
-            return None
-        _registered[id(original)] = Registered(entry, original, substitute, (found_at,))
-        logger.debug("substituting %s (%s)", entry, found_at)
-        return substitute
-
-
 def _register_fla() -> None:
     kda_makers = {"chunk_kda": _fla_chunk_substitute, "fused_recurrent_kda": _fla_recurrent_substitute}
     gdn_makers = {"chunk_gated_delta_rule": _fla_gdn_chunk_substitute, "chunk_gdn": _fla_gdn_chunk_substitute,
@@ -170,7 +125,7 @@ def _register_fla() -> None:
             fn = getattr(module, name, None) if module is not None else None
             if fn is not None:
                 entry = f"fla {name}"
-                _register(entry, f"{module_name}.{name}", fn, lambda make=make, fn=fn, entry=entry: make(entry, fn))
+                register(entry, f"{module_name}.{name}", fn, lambda make=make, fn=fn, entry=entry: make(entry, fn))
 
 
 _CHUNK_PARAMETERS = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
@@ -236,7 +191,7 @@ def _register_hf_function(family: HfFamily, name: str, make: Callable, parameter
                                                                                        where):
         return
     entry = f"transformers {name}"
-    serve_torch = _register(entry, f"{where}.__wrapped__", torch_function,
+    serve_torch = register(entry, f"{where}.__wrapped__", torch_function,
                             lambda: make(entry, torch_function))
     if wrapper is torch_function:
         return
@@ -255,10 +210,10 @@ def _register_hf_function(family: HfFamily, name: str, make: Callable, parameter
         else:
             fla_name = "chunk_kda" if name == family.chunk else "fused_recurrent_kda"
             fla_make = _fla_chunk_substitute if name == family.chunk else _fla_recurrent_substitute
-        serve = _register(f"fla {fla_name}", f"{where} (bound by the wrapper)", implementation,
+        serve = register(f"fla {fla_name}", f"{where} (bound by the wrapper)", implementation,
                           lambda: fla_make(f"fla {fla_name}", implementation))
     if serve is not None:
-        _register(f"{entry} (HF wrapper)", where, wrapper,
+        register(f"{entry} (HF wrapper)", where, wrapper,
                   lambda: _hf_wrapper_substitute(entry, wrapper, serve, tuple(applicable),
                                                  implementation is torch_function))
 
@@ -272,21 +227,13 @@ def _register_hf() -> None:
 
 def register_loaded_entry_points() -> None:
     """Register the substitutes of every known entry point whose module is imported, then the probing
-    substitutes of look-alike functions of transformers modeling modules (delta_rule_probe.py) and the
-    QSA indexers' (qsa_indexer.py)."""
-    from kda_compile.passes import delta_rule_probe  # imports this module: imported on first use
-
-    with _lock:
+    substitutes of look-alike functions of transformers modeling modules (delta_rule/probe.py) and the
+    QSA indexers' (dsa/qsa_indexer.py)."""
+    with lock:
         _register_fla()
         _register_hf()
         delta_rule_probe.register_probed_entry_points()
         qsa_indexer.register_loaded_indexers()
-
-
-def registered() -> tuple[Registered, ...]:
-    """What is substituted in this process (for tests and diagnostics)."""
-    with _lock:
-        return tuple(_registered.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,7 +283,7 @@ class _WatchKdaModules(importlib.abc.MetaPathFinder):
 
 
 WATCHED_MODULES = frozenset(FLA_MODULES + FLA_GDN_MODULES + tuple(f.module for f in HF_FAMILIES))
-_PROBED_MODULES = re.compile(r"transformers\.models\.\w+\.modeling_\w+$")  # delta_rule_probe scans these
+_PROBED_MODULES = delta_rule_probe.MODEL_MODULE  # the modules delta_rule/probe.py scans
 _watcher = _WatchKdaModules()
 
 
@@ -346,7 +293,7 @@ def install() -> bool:
     if not substitution_enabled_by_env():
         logger.info("%s is off: KDA entry points are traced as written", ENV_SWITCH)
         return False
-    with _lock:
+    with lock:
         if _watcher not in sys.meta_path:
             sys.meta_path.insert(0, _watcher)
         register_loaded_entry_points()

@@ -16,7 +16,7 @@ Matches the delta-rule loop the way FLA's naive reference (fla/ops/kda/naive.py,
         o[:, t] = (S * q[:, t][..., None]).sum(-2)
     return o, S
 
-(one step in all its spellings: ``delta_rule_step.py``) and replaces the T unrolled steps with::
+(one step in all its spellings: ``delta_rule/step.py``) and replaces the T unrolled steps with::
 
     o_, S_T = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=h0_or_None,
                         output_final_state=<S read afterwards>)       # fused_recurrent_kda when T == 1
@@ -44,13 +44,13 @@ import torch
 import torch.fx
 
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
-from kda_compile.passes.delta_rule_step import (IADD, ROLES, Step, TokenSlice, find_output, match_step,
+from kda_compile.passes.delta_rule.step import (IADD, ROLES, Step, TokenSlice, find_output, match_step,
                                                 parse_token_index, unit_dim_source)
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
                                             is_inplace, known_shape_equal, module_path, source_line, static_int,
                                             tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
-from kda_compile.passes.matching import ADD, CAST, CAT, DIV, MUL, REPEAT_INTERLEAVE, OpFamily, family
+from kda_compile.passes.toolkit.matching import ADD, CAST, CAT, DIV, MUL, REPEAT_INTERLEAVE, OpFamily, family
 
 logger = logging.getLogger("kda_compile.passes.kda_recurrence")
 

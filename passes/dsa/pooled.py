@@ -30,10 +30,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.dsa_patterns import NotDSA
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, module_path,
+from kda_compile.passes.dsa.patterns import NotDSA
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, module_path,
                                             source_line, tensor_of)
-from kda_compile.passes.matching import CAST, GETITEM, MATMUL, MUL, cast_dtype
+from kda_compile.passes.toolkit.matching import CAST, GETITEM, MATMUL, MUL, cast_dtype
 
 logger = logging.getLogger("kda_compile.passes.dsa_pooled")
 

@@ -38,7 +38,7 @@ them and differs elsewhere (a branch on a shape or value the probe did not take)
 principle; the cases above cover the branches HF's call sites take (both flag values, state or not,
 several chunks, T not a multiple of the chunk size, K != V so a transposed state fails).
 
-Functions substituted by identity (kda_substitution.py: FLA's and Kimi-Linear's / Qwen3-Next's
+Functions substituted by identity (substitution/install.py: FLA's and Kimi-Linear's / Qwen3-Next's
 known entry points) are not probed. Eager execution never changes.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ import dis
 import inspect
 import logging
 import os
+import re
 import sys
 import threading
 import types
@@ -57,13 +58,12 @@ import torch
 
 from kda_compile import ops
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
-from kda_compile.passes import kda_substitutes, kda_substitution
-from kda_compile.passes.kda_substitutes import CHUNK_SIZES, _as_state, _copy_of, _per_channel
-from kda_compile.passes.kda_substitution import _register
+from kda_compile.passes.substitution import registry, substitutes
+from kda_compile.passes.substitution.substitutes import CHUNK_SIZES, _as_state, _copy_of, _per_channel
 
 logger = logging.getLogger("kda_compile.passes.delta_rule_probe")
 
-MODEL_MODULE = kda_substitution._PROBED_MODULES
+MODEL_MODULE = re.compile(r"transformers\.models\.\w+\.modeling_\w+$")  # the modules scanned for candidates
 LEADING = (("query", "q"), ("key", "k"), ("value", "v"), ("g",), ("beta",))
 KNOWN_OPTIONAL = frozenset({"chunk_size", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel",
                             "scale"})
@@ -285,7 +285,7 @@ def _same(value: Any, default: Any) -> bool:
 def _serve_probed(where: str, chunk: bool, names: tuple, tensors: tuple, defaults: dict, ignores_extra: bool,
                   twin: Callable, args: tuple, kwargs: dict):
     """Our op for a call of a recognised entry point, or the original code (traced as written)."""
-    if not kda_substitutes._substituting(f"probed {where}") or len(args) > len(names):
+    if not substitutes._substituting(f"probed {where}") or len(args) > len(names):
         return twin(*args, **kwargs)
     call = dict(zip(names, args))
     call.update(kwargs)
@@ -350,7 +350,7 @@ PROBE_FILE = os.path.abspath(__file__)
 
 
 # ----------------------------------------------------------------------------------------------
-# Registration (from kda_substitution.register_loaded_entry_points) and the report
+# Registration (from substitution/install.py, register_loaded_entry_points) and the report
 # ----------------------------------------------------------------------------------------------
 _seen: dict[str, set[str]] = {}  # module name -> the attributes already looked at
 
@@ -360,7 +360,7 @@ def register_probed_entry_points() -> None:
     module (each attribute looked at once; a module imported while another was still executing is
     read again later for the functions it has defined since). Identity-known functions keep their
     substitute."""
-    known = {id(r.original) for r in kda_substitution.registered()}
+    known = {id(r.original) for r in registry.registered()}
     for module_name, module in list(sys.modules.items()):
         if not MODEL_MODULE.match(module_name) or module is None:
             continue
@@ -379,7 +379,7 @@ def register_probed_entry_points() -> None:
             with _lock:
                 _candidates[where] = (fn, spec)
             make = _chunk_substitute if spec.chunk else _recurrent_substitute
-            _register(f"probed {where}", where, fn, lambda make=make, spec=spec, fn=fn: make(spec, fn))
+            registry.register(f"probed {where}", where, fn, lambda make=make, spec=spec, fn=fn: make(spec, fn))
             logger.debug("%s looks like a delta-rule entry point: probed when first traced", where)
 
 

@@ -18,7 +18,7 @@ A model loaded the default way (``attn_implementation`` unset, i.e. ``"sdpa"``) 
     attn_output = attn_output.reshape(B, -1, q_length, Dv).transpose(1, 2).contiguous()   # kept
 
 where ``attention_mask`` is None or the bool mask of ``masking_utils.sdpa_mask`` (True = attend;
-``allowed.expand(B, -1, Sq, Sk)``, see ``attention_mask.py``), or a float additive mask. Dynamo
+``allowed.expand(B, -1, Sq, Sk)``, see ``attention/mask.py``), or a float additive mask. Dynamo
 records the call as ``torch._C._nn.scaled_dot_product_attention`` (``F.scaled_dot_product_attention``
 is the same function). It replaces the call with::
 
@@ -51,11 +51,11 @@ import torch
 import torch.fx
 
 from kda_compile.ops.attention import attention
-from kda_compile.passes.attention_mask import mask_keywords
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
+from kda_compile.passes.attention.mask import mask_keywords
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
                                             is_real_number, known_equal, module_path, source_line, tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, RewriteLog, register_rewrite
-from kda_compile.passes.matching import SDPA, unrepeat_kv
+from kda_compile.passes.toolkit.matching import SDPA, unrepeat_kv
 
 logger = logging.getLogger("kda_compile.passes.sdpa_attention")
 

@@ -56,11 +56,11 @@ import torch.fx
 import torch.nn.functional as F
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
-from kda_compile.passes.delta_rule_step import EXP, SUM
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
+from kda_compile.passes.delta_rule.step import EXP, SUM
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
                                             known_shape_equal, module_path, source_line, static_int, tensor_of)
 from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
-from kda_compile.passes.matching import (ADD, CAST, DIV, MUL, RESHAPE, Bindings, Call, Capture, Const, OneOf,
+from kda_compile.passes.toolkit.matching import (ADD, CAST, DIV, MUL, RESHAPE, Bindings, Call, Capture, Const, OneOf,
                                          OpFamily, cast_dtype, family)
 
 logger = logging.getLogger("kda_compile.passes.kda_prologue")
@@ -68,7 +68,7 @@ logger = logging.getLogger("kda_compile.passes.kda_prologue")
 L2NORM_EPS = 1e-6  # the op's in-kernel L2 norm: x / sqrt(sum(x^2) + 1e-6)
 SOFTPLUS_THRESHOLD = 20.0  # the op's softplus (F.softplus's default): x itself above it
 
-# Op families beyond matching.py and delta_rule_step.py (candidates to move to matching.py)
+# Op families beyond toolkit/matching.py and delta_rule/step.py (candidates to move to toolkit/matching.py)
 LOG = family("log", ("input",), functions=(torch.log,), methods=("log",))
 LOG1P = family("log1p", ("input",), functions=(torch.log1p,), methods=("log1p",))
 NEG = family("neg", ("input",), functions=(operator.neg, torch.neg), methods=("neg", "__neg__"))

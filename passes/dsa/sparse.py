@@ -1,4 +1,4 @@
-"""The attention half of the DSA rewrite (passes/dsa_attention.py, docs/dsa-rewrite.md): the attention
+"""The attention half of the DSA rewrite (passes/dsa/attention.py, docs/dsa-rewrite.md): the attention
 Hugging Face runs over a top-k selection turned into a mask (the scatter of ``INDEX_MASK``, or glm5_next's
 ``COUNTS``), read from the graph and replaced with ``dsa_sparse_attention`` over the indices."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.attention_mask import AND, COMPARE, UNSQUEEZE, WHERE, ZEROS
-from kda_compile.passes.dsa_patterns import INVERT, MASKED_FILL, NotDSA
-from kda_compile.passes.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
+from kda_compile.passes.attention.mask import AND, COMPARE, UNSQUEEZE, WHERE, ZEROS
+from kda_compile.passes.dsa.patterns import INVERT, MASKED_FILL, NotDSA
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
                                             known_shape_equal, tensor_of)
-from kda_compile.passes.matching import SDPA, SOFTMAX, Bindings, match_downward, match_upward, unrepeat_kv
+from kda_compile.passes.toolkit.matching import SDPA, SOFTMAX, Bindings, match_downward, match_upward, unrepeat_kv
 
 logger = logging.getLogger("kda_compile.passes.dsa_sparse")
 
@@ -42,7 +42,7 @@ class AttentionSite:
 def eager_sites_by_mask(graph: torch.fx.Graph) -> dict[torch.fx.Node, Any]:
     """Eager attentions by the additive mask added to their scores: the site, or why it is not one."""
     # Imported here: importing softmax_attention registers its rewrite, and this one must be registered first
-    from kda_compile.passes.softmax_attention import OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES, Site, check_site
+    from kda_compile.passes.attention.softmax import OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES, Site, check_site
 
     found: dict[torch.fx.Node, Site | str] = {}
     for softmax in (n for n in graph.nodes if SOFTMAX.bind(n) is not None):
@@ -229,10 +229,10 @@ def replace_attention(graph: torch.fx.Graph, site: AttentionSite, indices: torch
 
 def _replace_absorbed(graph: torch.fx.Graph, site: AttentionSite, indices: torch.fx.Node,
                       dsa_sparse_attention) -> dict | str:
-    """The attention over the latent cache (passes/dsa_absorb.py), with no kv_b_proj over the cache: the
+    """The attention over the latent cache (passes/dsa/absorb.py), with no kv_b_proj over the cache: the
     report's details, or why the expanded form stays (nothing inserted then)."""
     # Imported here: dsa_absorb imports mla_absorb, which registers rewrites that must come after this one
-    from kda_compile.passes.dsa_absorb import insert_absorbed, read_latent_kv
+    from kda_compile.passes.dsa.absorb import insert_absorbed, read_latent_kv
 
     kv = read_latent_kv(site.query, site.key, site.value, site.replaced)
     if isinstance(kv, str):

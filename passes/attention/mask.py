@@ -46,8 +46,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.graph_tools import describe_node, example_value, is_last_dim, known_equal, static_int
-from kda_compile.passes.matching import ADD, EXPAND, GETITEM, SUB, family
+from kda_compile.passes.toolkit.graph_tools import describe_node, example_value, is_last_dim, known_equal, static_int
+from kda_compile.passes.toolkit.matching import ADD, EXPAND, GETITEM, SUB, family
 
 ARANGE = family("arange", ("end",), functions=(torch.arange,),
                 defaults={"dtype": None, "device": None, "layout": None, "pin_memory": False,

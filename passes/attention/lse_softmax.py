@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.attention_spellings import _EINSUM, _PRODUCTS, _PROJECTIONS, fill_value, graph_input_behind, \
+from kda_compile.passes.attention.spellings import _EINSUM, _PRODUCTS, _PROJECTIONS, fill_value, graph_input_behind, \
     product_within
-from kda_compile.passes.graph_tools import describe_node, is_last_dim, tensor_of
-from kda_compile.passes.matching import SUB, family, match_downward, match_upward
+from kda_compile.passes.toolkit.graph_tools import describe_node, is_last_dim, tensor_of
+from kda_compile.passes.toolkit.matching import SUB, family, match_downward, match_upward
 
 EXP = family("exp", ("input",), functions=(torch.exp,), methods=("exp",))
 LOGSUMEXP = family("logsumexp", ("input", "dim", "keepdim"), functions=(torch.logsumexp,), methods=("logsumexp",),
@@ -105,7 +105,7 @@ def exp_lse_reason(exp: torch.fx.Node) -> str | None:
     """Why the attention around ``exp(x - logsumexp(x))`` is left alone, or None when ``exp`` is no such
     candidate (another spelling, or no matmul, bmm or einsum within a few nodes on either side)."""
     # imported here: softmax_attention imports this module
-    from kda_compile.passes.softmax_attention import ALL_PROBABILITY_STAGES, ALL_SCORE_STAGES, OUTPUT, SCORES
+    from kda_compile.passes.attention.softmax import ALL_PROBABILITY_STAGES, ALL_SCORE_STAGES, OUTPUT, SCORES
 
     parts = exp_lse_parts(exp)
     if parts is None:

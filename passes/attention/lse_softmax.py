@@ -29,8 +29,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.attention.spellings import _EINSUM, _PRODUCTS, _PROJECTIONS, fill_value, graph_input_behind, \
-    product_within
+from kda_compile.passes.attention.patterns import ALL_PROBABILITY_STAGES, ALL_SCORE_STAGES, OUTPUT, SCORES
+from kda_compile.passes.attention.spellings import (_EINSUM, _PRODUCTS, _PROJECTIONS, fill_value, graph_input_behind,
+                                                    product_within)
 from kda_compile.passes.toolkit.graph_tools import describe_node, is_last_dim, tensor_of
 from kda_compile.passes.toolkit.matching import SUB, family, match_downward, match_upward
 
@@ -104,9 +105,6 @@ def _where_fills(scores: torch.fx.Node) -> tuple[torch.fx.Node, list[str]]:
 def exp_lse_reason(exp: torch.fx.Node) -> str | None:
     """Why the attention around ``exp(x - logsumexp(x))`` is left alone, or None when ``exp`` is no such
     candidate (another spelling, or no matmul, bmm or einsum within a few nodes on either side)."""
-    # imported here: softmax_attention imports this module
-    from kda_compile.passes.attention.softmax import ALL_PROBABILITY_STAGES, ALL_SCORE_STAGES, OUTPUT, SCORES
-
     parts = exp_lse_parts(exp)
     if parts is None:
         return None

@@ -70,8 +70,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.toolkit.graph_tools import (insert_call, is_inplace, is_last_dim, known_equal, known_shape_equal,
-                                            tensor_of)
+from kda_compile.passes.toolkit.graph_tools import (insert_call, is_inplace, is_last_dim, known_equal,
+                                                    known_shape_equal, tensor_of)
 from kda_compile.passes.toolkit.matching import DROPOUT, MATMUL, RESHAPE, SOFTMAX, cast_dtype, family
 
 logger = logging.getLogger("kda_compile.passes.attention_normalize")

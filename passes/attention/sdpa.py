@@ -52,9 +52,11 @@ import torch.fx
 
 from kda_compile.ops.attention import attention
 from kda_compile.passes.attention.mask import mask_keywords
-from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
-                                            is_real_number, known_equal, module_path, source_line, tensor_of)
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, RewriteLog, register_rewrite
+from kda_compile.passes.report import LeftAlone
+from kda_compile.passes.rewrite import GraphRewrite, RewriteLog
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, example_value,
+                                                    insert_call, is_real_number, known_equal, module_path, source_line,
+                                                    tensor_of)
 from kda_compile.passes.toolkit.matching import SDPA, unrepeat_kv
 
 logger = logging.getLogger("kda_compile.passes.sdpa_attention")
@@ -136,11 +138,11 @@ def attention_arguments(bound: dict, mask_to_flags: bool) -> tuple[dict, dict]:
     return kwargs, details
 
 
-@register_rewrite
 class SdpaAttentionRewrite(GraphRewrite):
     """Replace every ``scaled_dot_product_attention`` call with one call of ``kda_compile.ops.attention``."""
 
     name = "sdpa_attention"
+    options = ("attention_mask_to_flags",)
 
     def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
         graph = gm.graph

@@ -42,10 +42,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.toolkit.graph_tools import (describe_node, insert_call, is_last_dim, known_equal, known_shape_equal,
-                                            same_value, tensor_of)
-from kda_compile.passes.toolkit.matching import (ADD, CAST, DIV, GETITEM, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE, cast_dtype,
-                                         family)
+from kda_compile.passes.toolkit.graph_tools import (describe_node, insert_call, is_last_dim, known_equal,
+                                                    known_shape_equal, same_value, tensor_of)
+from kda_compile.passes.toolkit.matching import (ADD, CAST, DIV, GETITEM, MATMUL, MUL, RESHAPE, SUB, TRANSPOSE,
+                                                 cast_dtype, family)
 
 logger = logging.getLogger("kda_compile.passes.attention_spellings")
 

@@ -33,9 +33,9 @@ per-head gate is broadcast over K, which is GDN exactly.
 
 Why a probe and not a comparison of source or bytecode: copies differ in names, comments, casts and
 loop forms while computing the same thing; a probe checks the one property that matters (same
-outputs) and costs a few milliseconds once. The inputs are random, so a function that agrees on
-them and differs elsewhere (a branch on a shape or value the probe did not take) is possible in
-principle; the cases above cover the branches HF's call sites take (both flag values, state or not,
+outputs) and costs a few calls on tiny CPU inputs, once per function. The inputs are random, so a
+function that agrees on them and differs elsewhere (a branch on a shape or value the probe did not take)
+is possible in principle; the cases above cover the branches HF's call sites take (both flag values, state or not,
 several chunks, T not a multiple of the chunk size, K != V so a transposed state fails).
 
 Functions substituted by identity (substitution/install.py: FLA's and Kimi-Linear's / Qwen3-Next's
@@ -384,7 +384,7 @@ def register_probed_entry_points() -> None:
 
 
 def recognised_entry(frames: list[tuple[str, int, str]]) -> str | None:
-    """How a KDA node traced through a probing substitute was recognised (for kda_sites), or None.
+    """How a KDA node traced through a probing substitute was recognised (for substitution/sites.py), or None.
     ``frames``: (file, line, function) of the node's stack trace, outermost first."""
     for i, (path, _, fn) in enumerate(frames):
         if fn in SUBSTITUTE_FRAMES and os.path.abspath(path) == PROBE_FILE:
@@ -407,7 +407,7 @@ def _module_file(where: str) -> str:
 
 def traced_as_written(function: str) -> list[str]:
     """Why calls of probed functions named ``function`` were traced as written in this process: a
-    failed probe, or a call the verdict did not cover (for kda_sites' left-alone reasons)."""
+    failed probe, or a call the verdict did not cover (for the left-alone reasons of substitution/sites.py)."""
     with _lock:
         reasons = [v.describe() for where, v in _verdicts.items()
                    if where.rsplit(".", 1)[1] == function and not v.matches]

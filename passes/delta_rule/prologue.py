@@ -57,11 +57,13 @@ import torch.nn.functional as F
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 from kda_compile.passes.delta_rule.step import EXP, SUM
-from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
-                                            known_shape_equal, module_path, source_line, static_int, tensor_of)
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.rewrite import GraphRewrite, RewriteLog
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call,
+                                                    known_equal, known_shape_equal, module_path, source_line,
+                                                    static_int, tensor_of)
 from kda_compile.passes.toolkit.matching import (ADD, CAST, DIV, MUL, RESHAPE, Bindings, Call, Capture, Const, OneOf,
-                                         OpFamily, cast_dtype, family)
+                                                 OpFamily, cast_dtype, family)
 
 logger = logging.getLogger("kda_compile.passes.kda_prologue")
 
@@ -408,7 +410,6 @@ def fold_l2norm(call: KDACall, fold: Fold) -> None:
 # ----------------------------------------------------------------------------------------------
 # The rewrite
 # ----------------------------------------------------------------------------------------------
-@register_rewrite
 class KDAPrologueRewrite(GraphRewrite):
     """Fold the gate, beta sigmoid and q/k L2 norm feeding each KDA call into its options."""
 

@@ -46,10 +46,11 @@ import torch.fx
 from kda_compile.ops import chunk_kda, fused_recurrent_kda
 from kda_compile.passes.delta_rule.step import (IADD, ROLES, Step, TokenSlice, find_output, match_step,
                                                 parse_token_index, unit_dim_source)
-from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, example_value, insert_call,
-                                            is_inplace, known_shape_equal, module_path, source_line, static_int,
-                                            tensor_of)
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.rewrite import GraphRewrite, RewriteLog
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, example_value,
+                                                    insert_call, is_inplace, known_shape_equal, module_path,
+                                                    source_line, static_int, tensor_of)
 from kda_compile.passes.toolkit.matching import ADD, CAST, CAT, DIV, MUL, REPEAT_INTERLEAVE, OpFamily, family
 
 logger = logging.getLogger("kda_compile.passes.kda_recurrence")
@@ -307,7 +308,6 @@ def plan_chain(chain: list[Step], position: dict) -> Plan | str:
 # ----------------------------------------------------------------------------------------------
 # The rewrite
 # ----------------------------------------------------------------------------------------------
-@register_rewrite
 class KDARecurrenceRewrite(GraphRewrite):
     """Replace every unrolled delta-rule recurrence with one ``chunk_kda`` / ``fused_recurrent_kda`` call."""
 

@@ -26,8 +26,8 @@ import torch
 import torch.fx
 
 from kda_compile.passes.toolkit.graph_tools import known_shape_equal, static_int, tensor_of
-from kda_compile.passes.toolkit.matching import (ADD, GETITEM, MATMUL, MUL, RESHAPE, SUB, Bindings, Call, Capture, Const,
-                                         OneOf, Pattern, family)
+from kda_compile.passes.toolkit.matching import (ADD, GETITEM, MATMUL, MUL, RESHAPE, SUB, Bindings, Call, Capture,
+                                                 Const, OneOf, Pattern, family)
 
 # ----------------------------------------------------------------------------------------------
 # Op families beyond toolkit/matching.py (candidates to move there)

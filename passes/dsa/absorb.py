@@ -37,10 +37,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.passes.toolkit.graph_tools import (_example, _fake_mode, describe_node, insert_call, known_equal,
-                                            static_int, tensor_of)
-from kda_compile.passes.toolkit.matching import Bindings
 from kda_compile.passes.mla.absorb import EXPAND_KV, ExpandKV, NotMLA, query_halves, read_expand_kv
+from kda_compile.passes.toolkit.graph_tools import (_example, _fake_mode, describe_node, insert_call, known_equal,
+                                                    static_int, tensor_of)
+from kda_compile.passes.toolkit.matching import Bindings
 
 
 @dataclass

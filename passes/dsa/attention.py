@@ -80,18 +80,19 @@ import torch
 import torch.fx
 
 from kda_compile.passes.attention.mask import (NEW_ONES, WHERE, MaskMeaning, NotUnderstood, check_fill,
-                                              read_additive_mask, read_bool_mask)
+                                               read_additive_mask, read_bool_mask)
 from kda_compile.passes.dsa.patterns import (COUNTS, INDEX_MASK, LONG, SCATTER, SCATTER_ADD_, SELECTION, TOPK, NotDSA,
                                              block_sparse_sites, is_mask_slice)
 from kda_compile.passes.dsa.pooled import rewrite_pooled_indexers
+from kda_compile.passes.dsa.qsa_indexer import report_qsa_indexers
 from kda_compile.passes.dsa.sparse import (AttentionSite, check_attention, eager_sites_by_mask, read_attention,
                                            read_pooled_attention, replace_attention)
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.rewrite import GraphRewrite, RewriteLog
 from kda_compile.passes.toolkit.graph_tools import (_example, _fake_mode, concrete_number, describe_node, erase_unused,
-                                            example_value, insert_call, is_tensor_node, known_equal, known_shape_equal,
-                                            module_path, source_line, tensor_of)
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
+                                                    example_value, insert_call, is_tensor_node, known_equal,
+                                                    known_shape_equal, module_path, source_line, tensor_of)
 from kda_compile.passes.toolkit.matching import GETITEM, Bindings, cast_dtype
-from kda_compile.passes.dsa.qsa_indexer import report_qsa_indexers
 
 logger = logging.getLogger("kda_compile.passes.dsa_attention")
 
@@ -275,7 +276,6 @@ def _pooled_op():
     return dsa_pooled_indexer_topk
 
 
-@register_rewrite
 class DSAAttentionRewrite(GraphRewrite):
     """Replace each matched DSA indexer with ``dsa_indexer_topk`` and each attention over its top-k mask with
     ``dsa_sparse_attention``."""

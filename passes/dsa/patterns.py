@@ -13,8 +13,8 @@ import torch.fx
 
 from kda_compile.passes.attention.mask import AND, COMPARE, NEW_ONES, UNSQUEEZE
 from kda_compile.passes.toolkit.graph_tools import is_tensor_node, module_path
-from kda_compile.passes.toolkit.matching import (ADD, CAST, MATMUL, MUL, TRANSPOSE, Call, Capture, Const, OneOf, cast_dtype,
-                                         family)
+from kda_compile.passes.toolkit.matching import (ADD, CAST, MATMUL, MUL, TRANSPOSE, Call, Capture, Const, OneOf,
+                                                 cast_dtype, family)
 
 # Block-sparse DSA variants: their indexers score compressed / pooled key blocks, which the token-level
 # indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa/pooled.py; qwen4_exp's

@@ -31,8 +31,9 @@ import torch
 import torch.fx
 
 from kda_compile.passes.dsa.patterns import NotDSA
-from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, module_path,
-                                            source_line, tensor_of)
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call,
+                                                    module_path, source_line, tensor_of)
 from kda_compile.passes.toolkit.matching import CAST, GETITEM, MATMUL, MUL, cast_dtype
 
 logger = logging.getLogger("kda_compile.passes.dsa_pooled")
@@ -143,8 +144,6 @@ def replace_pooled(graph: torch.fx.Graph, site: dict, op) -> dict:
 
 def rewrite_pooled_indexers(graph: torch.fx.Graph, op, rewrite: str, log) -> int:
     """Rewrite every glm5_next pooled indexer in ``graph``; each is logged as rewritten or left alone."""
-    from kda_compile.passes.manager import LeftAlone, Rewritten
-
     done = 0
     for path, nodes in pooled_regions(graph).items():
         where = source_line(nodes[-1])

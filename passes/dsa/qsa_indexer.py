@@ -69,8 +69,9 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from kda_compile.passes.toolkit.graph_tools import is_our_file, module_path
+from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.substitution.substitutes import _compiling_config, _copy_of
+from kda_compile.passes.toolkit.graph_tools import is_our_file, module_path
 
 logger = logging.getLogger("kda_compile.passes.qsa_indexer")
 
@@ -341,8 +342,6 @@ def traced_indexers(graph: torch.fx.Graph) -> list[IndexerSite]:
 def report_qsa_indexers(graph: torch.fx.Graph, rewrite: str, log) -> int:
     """Log each QSA indexer of ``graph``: rewritten into :data:`SELECTION` when Dynamo traced the substitute,
     left alone (with HF's loop, whose branch breaks the graph) otherwise. Changes nothing in the graph."""
-    from kda_compile.passes.manager import LeftAlone, Rewritten
-
     for site in traced_indexers(graph):
         if site.substituted:
             entry = next((r for r in registered() if r.original is getattr(site.cls, "forward", None)), None)

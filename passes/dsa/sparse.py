@@ -12,9 +12,12 @@ import torch
 import torch.fx
 
 from kda_compile.passes.attention.mask import AND, COMPARE, UNSQUEEZE, WHERE, ZEROS
+from kda_compile.passes.attention.patterns import OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES
+from kda_compile.passes.attention.softmax import Site, check_site
+from kda_compile.passes.dsa.absorb import insert_absorbed, read_latent_kv
 from kda_compile.passes.dsa.patterns import INVERT, MASKED_FILL, NotDSA
-from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, known_equal,
-                                            known_shape_equal, tensor_of)
+from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call,
+                                                    known_equal, known_shape_equal, tensor_of)
 from kda_compile.passes.toolkit.matching import SDPA, SOFTMAX, Bindings, match_downward, match_upward, unrepeat_kv
 
 logger = logging.getLogger("kda_compile.passes.dsa_sparse")
@@ -41,9 +44,6 @@ class AttentionSite:
 
 def eager_sites_by_mask(graph: torch.fx.Graph) -> dict[torch.fx.Node, Any]:
     """Eager attentions by the additive mask added to their scores: the site, or why it is not one."""
-    # Imported here: importing softmax_attention registers its rewrite, and this one must be registered first
-    from kda_compile.passes.attention.softmax import OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES, Site, check_site
-
     found: dict[torch.fx.Node, Site | str] = {}
     for softmax in (n for n in graph.nodes if SOFTMAX.bind(n) is not None):
         up = match_upward(SOFTMAX.bind(softmax)["input"], SCORE_STAGES, SCORES)
@@ -231,9 +231,6 @@ def _replace_absorbed(graph: torch.fx.Graph, site: AttentionSite, indices: torch
                       dsa_sparse_attention) -> dict | str:
     """The attention over the latent cache (passes/dsa/absorb.py), with no kv_b_proj over the cache: the
     report's details, or why the expanded form stays (nothing inserted then)."""
-    # Imported here: dsa_absorb imports mla_absorb, which registers rewrites that must come after this one
-    from kda_compile.passes.dsa.absorb import insert_absorbed, read_latent_kv
-
     kv = read_latent_kv(site.query, site.key, site.value, site.replaced)
     if isinstance(kv, str):
         logger.debug("%s keeps the expanded form: %s", site.output.name, kv)

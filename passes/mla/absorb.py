@@ -56,16 +56,17 @@ import torch.fx
 
 from kda_compile.ops.attention import attention
 from kda_compile.ops.mla import explain_mla_path, mla_attention
-from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call, is_inplace, is_tensor_node, known_equal, known_shape_equal,
-                                            module_path, source_line, static_int, tensor_of)
-from kda_compile.passes.attention.spellings import graph_input_behind
-from kda_compile.passes.toolkit.graph_tools import alias_root
 from kda_compile.passes.attention.lse_softmax import input_name
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
+from kda_compile.passes.attention.patterns import OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES
+from kda_compile.passes.attention.softmax import Site, attention_arguments, check_site
+from kda_compile.passes.attention.spellings import graph_input_behind
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.rewrite import GraphRewrite, RewriteLog
+from kda_compile.passes.toolkit.graph_tools import (alias_root, concrete_number, describe_node, erase_unused,
+                                                    insert_call, is_inplace, is_tensor_node, known_equal,
+                                                    known_shape_equal, module_path, source_line, static_int, tensor_of)
 from kda_compile.passes.toolkit.matching import (CAT, EXPAND, GETITEM, RESHAPE, SOFTMAX, TRANSPOSE, Bindings, Call,
-                                         Capture, Const, Seq, family, match_downward, match_upward)
-from kda_compile.passes.attention.softmax import (OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES, Site,
-                                                  attention_arguments, check_site)
+                                                 Capture, Const, Seq, family, match_downward, match_upward)
 
 logger = logging.getLogger("kda_compile.passes.mla_absorb")
 
@@ -451,11 +452,11 @@ def traced_form(args: tuple, is_causal: bool) -> str:
     return form
 
 
-@register_rewrite
 class MLAAbsorbRewrite(GraphRewrite):
     """Replace every matched MLA expand-then-attend with one call of ``kda_compile.ops.mla_attention``."""
 
     name = "mla_absorb"
+    options = ("attention_mask_to_flags",)
 
     def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
         graph = gm.graph

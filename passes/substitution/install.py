@@ -65,8 +65,8 @@ Modules imported after kda_compile (``fla``, the HF modeling modules above) are 
 as they finish executing, through an import hook that watches only those module names.
 
 This module registers the substitutes (``install``, the import hook; registry.py keeps what is
-registered) and reads HF's wrappers (``hf_bound_implementation``, ``hf_torch_path``); the substitutes themselves, with the
-trace-time decisions above, are in substitution/substitutes.py.
+registered) and reads HF's wrappers (``hf_bound_implementation``, ``hf_torch_path``); the substitutes
+themselves, with the trace-time decisions above, are in substitution/substitutes.py.
 
 The backend lookup (substitution/substitutes.py) reads Dynamo internals (the tracer's ``output.compiler_fn`` and the
 ``_torchdynamo_orig_backend`` / ``compiler_fn`` wrappers, present in torch 2.1 to 2.13); when they

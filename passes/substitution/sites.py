@@ -1,7 +1,8 @@
-"""The KDA sites of a compiled graph, for the rewrite report (the ``kda_substitution`` rewrite).
+"""The KDA sites of a compiled graph, for the rewrite report (entries named ``kda_substitution``, after the
+Config field of trace-time substitution).
 
-Trace-time substitution (substitution/install.py) happens before the graph exists, so this rewrite
-changes nothing: it reads the graph and reports, per KDA call::
+Trace-time substitution (substitution/install.py) happens before the graph exists, so this is no rewrite: the
+pass manager runs it as a report step (manager.PIPELINE), which reads the graph and reports, per KDA call::
 
     model.layers.0.self_attn (modeling_kimi_linear.py:695) -> kda_compile.chunk_kda_fwd(
         entry=transformers chunk_kimi_delta_attention, heads=2/2, K=16, V=16, scale=0.25,
@@ -41,10 +42,11 @@ import torch.fx
 
 from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
 from kda_compile.passes.delta_rule import probe
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.rewrite import RewriteLog
 from kda_compile.passes.substitution import install
 from kda_compile.passes.substitution import substitutes as kda_substitutes
 from kda_compile.passes.toolkit.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
-from kda_compile.passes.manager import GraphRewrite, LeftAlone, Rewritten, RewriteLog, register_rewrite
 
 KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent",
            "kda_compile::chunk_gdn_fwd": "chunk", "kda_compile::fused_recurrent_gdn_fwd": "recurrent"}
@@ -145,29 +147,27 @@ def unsubstituted_references(gm: torch.fx.GraphModule) -> dict[tuple[str, str], 
     return {key: count for key, count in found.items() if key not in collapsed}
 
 
-@register_rewrite
-class KdaSites(GraphRewrite):
-    """Reports the KDA sites (see the module docstring); never changes the graph."""
+NAME = "kda_substitution"  # the Config field of trace-time substitution, and the name its entries carry
 
-    name = "kda_substitution"
 
-    def apply(self, gm: torch.fx.GraphModule, log: RewriteLog) -> int:
-        for node in gm.graph.nodes:
-            call = kda_call(node)
-            if call is None:
-                continue
-            kind, arguments = call
-            entry, source = _entry_and_source(node)
-            op = getattr(node.target, "__name__", None) if node.target in PUBLIC_FUNCTIONS else None
-            op = f"kda_compile.ops.{op}" if op else str(getattr(node.target, "_schema").name).replace("::", ".")
-            log.rewritten.append(Rewritten(self.name, module_path(node), source, op,
-                                           site_details(node, kind, arguments, entry)))
-        for (site, function), count in unsubstituted_references(gm).items():
-            probed = "; ".join(probe.traced_as_written(function))
-            why = probed or (f"its substitute is not registered ({install.ENV_SWITCH}=0, or see the "
-                             f"kda_compile.passes.substitution.install log)")
-            log.left_alone.append(LeftAlone(
-                self.name, site, "",
-                f"Hugging Face's torch reference {function} traced as written ({count} nodes, its loops "
-                f"unrolled): {why}"))
-        return 0
+def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None:
+    """Log the KDA sites of ``gm`` and the torch references traced as written (see the module docstring);
+    the graph is not changed."""
+    for node in gm.graph.nodes:
+        call = kda_call(node)
+        if call is None:
+            continue
+        kind, arguments = call
+        entry, source = _entry_and_source(node)
+        op = getattr(node.target, "__name__", None) if node.target in PUBLIC_FUNCTIONS else None
+        op = f"kda_compile.ops.{op}" if op else str(getattr(node.target, "_schema").name).replace("::", ".")
+        log.rewritten.append(Rewritten(NAME, module_path(node), source, op,
+                                       site_details(node, kind, arguments, entry)))
+    for (site, function), count in unsubstituted_references(gm).items():
+        probed = "; ".join(probe.traced_as_written(function))
+        why = probed or (f"its substitute is not registered ({install.ENV_SWITCH}=0, or see the "
+                         f"kda_compile.passes.kda_substitution log)")
+        log.left_alone.append(LeftAlone(
+            NAME, site, "",
+            f"Hugging Face's torch reference {function} traced as written ({count} nodes, its loops "
+            f"unrolled): {why}"))

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from kda_compile.passes.manager import TOP_LEVEL
+from kda_compile.passes.report import TOP_LEVEL
 
 
 def same_value(a: Any, b: Any) -> bool:

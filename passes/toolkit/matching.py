@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 import torch.fx
 
-from kda_compile.passes.toolkit.graph_tools import (example_value, is_real_number, is_tensor_node, known_shape_equal, same_value,
-                                            tensor_of)
+from kda_compile.passes.toolkit.graph_tools import (example_value, is_real_number, is_tensor_node, known_shape_equal,
+                                                    same_value, tensor_of)
 
 LINK = "__link__"  # capture name marking where a chain continues (or came from)
 

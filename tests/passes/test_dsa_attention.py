@@ -21,7 +21,7 @@ from kda_compile.config import Config
 from kda_compile.ops import dsa_indexer_topk, dsa_sparse_attention
 from kda_compile.passes import PassManager
 from kda_compile.passes.dsa.attention import DSAAttentionRewrite
-from kda_compile.passes.manager import RewriteLog
+from kda_compile.passes.rewrite import RewriteLog
 from kda_compile.testing import rel_error
 
 from .families import VOCAB, build_dsa_model

@@ -24,8 +24,8 @@ import torch
 from kda_compile import cuda_graphs, process_hooks, strict
 from kda_compile.config import Config
 from kda_compile.passes import GraphReport, PassManager
-from kda_compile.report import record_graph
 from kda_compile.report_frames import traced_frame
+from kda_compile.report_history import record_graph
 
 logger = logging.getLogger("kda_compile.backend")
 

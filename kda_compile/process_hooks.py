@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kda_compile.passes import kda_substitution
+from kda_compile.passes.substitution import install as kda_substitution
 
 logger = logging.getLogger("kda_compile.process_hooks")
 

@@ -18,7 +18,7 @@ kept as data:
 
 How it reads. ``print(report)`` (``str(report)``, ``report.format()``) is the default form: each graph
 is headed by the callable Dynamo traced it from (``graph 0/1 of LlamaForCausalLM.forward: ...``), then
-one line a site of at most :data:`~kda_compile.passes.manager.WIDTH` (160) characters: the module path,
+one line a site of at most :data:`~kda_compile.passes.report.WIDTH` (160) characters: the module path,
 the model line, the op it became and its keywords; flags that are off and None values are left out,
 flags that are on are named, and what does not fit is counted (``+5 more``). Sizes are numbers, or
 ``dynamic`` where the graph has a symbolic size (never a sympy expression such as ``Min(6, s50)``). The
@@ -45,7 +45,6 @@ also logged once at WARNING on ``kda_compile.report``. A Dynamo log level above 
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import os
@@ -57,15 +56,14 @@ from typing import Any, Iterable
 
 from kda_compile.cuda_graphs import PREFILL_REASON, clear_inductor_skips, inductor_skips
 from kda_compile.ops._common import FallbackEvent, fallback_events
-from kda_compile.passes.manager import WIDTH, GraphReport, LeftAlone, Rewritten, clip
-from kda_compile.report_frames import compiled_by, reuse_note, traced_for
+from kda_compile.passes.report import WIDTH, GraphReport, LeftAlone, Rewritten, clip
+from kda_compile import backend as backends
+from kda_compile.report_frames import reuse_note, torch_compiled, traced_for
+from kda_compile.report_history import HISTORY  # noqa: F401  (report()'s docstring names it)
+from kda_compile.report_history import history as _history, last_key as _last_key, lock as _history_lock
 
 logger = logging.getLogger("kda_compile.report")
 
-HISTORY = 256  # graphs kept for report() without a model
-
-_history: collections.deque[GraphReport] = collections.deque(maxlen=HISTORY)
-_history_lock = threading.Lock()
 _sources: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
@@ -198,23 +196,6 @@ def disabled_lines(graphs: Iterable[GraphReport]) -> list[str]:
             for names, labels in by_set.items() if names]
 
 
-_last_key: list[Any] = [None]
-
-
-def record_graph(graph: GraphReport, key: Any = None) -> None:
-    """Keep a compiled graph's report and log it (INFO). A report with the same ``key`` as the
-    previous one (Dynamo restarted the analysis of that graph) replaces it."""
-    with _history_lock:
-        if key is not None and _last_key[0] == key and _history:
-            _history[-1] = graph
-        else:
-            _history.append(graph)
-        _last_key[0] = key
-    logger.info("%s", graph.summary())
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("%s", graph.format(verbose=True))
-
-
 def attach(compiled: Any, backend: Any, *originals: Any) -> None:
     """Make ``report(x)`` answer with ``backend.reports`` for the compiled object and its originals."""
     for obj in (compiled, *originals):
@@ -222,6 +203,27 @@ def attach(compiled: Any, backend: Any, *originals: Any) -> None:
             _sources[obj] = backend
         except TypeError:  # not weak-referenceable: report() without an argument still works
             pass
+
+
+def compiled_by(model: Any) -> tuple[Any, Any]:
+    """The kda_compile backend whose graphs ``model`` runs, and what they were traced for: the model or
+    function torch.compile was given, or ``model`` itself if the default backend traced graphs for it."""
+    found = torch_compiled(model)
+    if found is not None:
+        compiler, name, target = found
+        if compiler is backends.kda_compile_backend:
+            return backends._default_backend, target
+        if isinstance(compiler, backends.KdaCompileBackend):
+            return compiler, target
+        raise ValueError(f"model must be compiled by kda_compile, got {type(model).__name__} compiled with "
+                         f"backend {name!r}: kda_compile has no report of it")
+    default, mine = backends._default_backend, traced_for(model)
+    if any(mine(g.frame) for g in list(default.reports)):
+        return default, model
+    raise ValueError(
+        f"model must be a model returned by kda_compile.optimize (or the model given to it) or compiled with "
+        f"torch.compile(..., backend='kda_compile'), got {type(model).__name__}; kda_compile.report() lists "
+        f"every graph compiled in this process")
 
 
 def report(model: Any = None) -> Report:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from kda_compile.passes.manager import GraphReport, TracedFrame
+from kda_compile.passes.report import GraphReport, TracedFrame
 
 _RESUME = re.compile(r"^(?:torch_dynamo_resume_in_)+(.+?)(?:_at_(\d+))+$")  # Dynamo's names for resume functions
 
@@ -85,29 +85,6 @@ def traced_for(target: Any) -> Callable[[TracedFrame | None], bool]:
             _deref(frame.code) is code
             or (frame.resumed and frame.code_name == code.co_name and frame.filename == code.co_filename))
     return lambda frame: _owner(frame) is not None and _owner(frame) is target
-
-
-def compiled_by(model: Any) -> tuple[Any, Any]:
-    """The kda_compile backend whose graphs ``model`` runs, and what they were traced for: the model or
-    function torch.compile was given, or ``model`` itself if the default backend traced graphs for it."""
-    from kda_compile import backend as backends
-
-    found = torch_compiled(model)
-    if found is not None:
-        compiler, name, target = found
-        if compiler is backends.kda_compile_backend:
-            return backends._default_backend, target
-        if isinstance(compiler, backends.KdaCompileBackend):
-            return compiler, target
-        raise ValueError(f"model must be compiled by kda_compile, got {type(model).__name__} compiled with "
-                         f"backend {name!r}: kda_compile has no report of it")
-    default, mine = backends._default_backend, traced_for(model)
-    if any(mine(g.frame) for g in list(default.reports)):
-        return default, model
-    raise ValueError(
-        f"model must be a model returned by kda_compile.optimize (or the model given to it) or compiled with "
-        f"torch.compile(..., backend='kda_compile'), got {type(model).__name__}; kda_compile.report() lists "
-        f"every graph compiled in this process")
 
 
 def torch_compiled(obj: Any) -> tuple[Any, str, Any] | None:

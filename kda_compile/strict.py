@@ -23,9 +23,10 @@ import functools
 import os
 from typing import Any
 
+from kda_compile import ops, passes
 from kda_compile.cuda_graphs import PREFILL_REASON
 from kda_compile.ops._common import StrictModeError
-from kda_compile.passes.manager import GraphReport
+from kda_compile.passes.report import GraphReport
 
 __all__ = ["StrictModeError", "check_graph", "check_call_events", "unwrap"]
 
@@ -46,12 +47,7 @@ def check_graph(report: GraphReport) -> None:
 def own_files() -> frozenset[str]:
     """The base names of kda_compile's source files (the package and its ops / passes folders), which a
     graph break's location (``file.py:line``) is compared with."""
-    import kda_compile
-
-    roots = {os.path.dirname(kda_compile.__file__)}
-    for sub in ("ops", "passes"):
-        module = getattr(kda_compile, sub, None) or __import__(f"kda_compile.{sub}", fromlist=["_"])
-        roots.add(os.path.dirname(module.__file__))
+    roots = {os.path.dirname(module.__file__) for module in (ops, passes)} | {os.path.dirname(__file__)}
     names = set()
     for root in roots:
         for _, _, files in os.walk(root):

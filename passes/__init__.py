@@ -1,22 +1,21 @@
 """Graph rewrites that turn eager model code into kda_compile ops during torch.compile.
 
-They run on the Dynamo FX graph inside the ``kda_compile`` backend, before Inductor:
+They run on the Dynamo FX graph inside the ``kda_compile`` backend, before Inductor, in the order of
+``manager.PIPELINE``. One folder per model family, so "the DSA rewrite" is ``dsa/``:
 
-- ``matching.py``: op families and patterns, so each rewrite reads as data;
-- ``graph_tools.py``: example values, symbolic-size facts, inserting and erasing nodes;
-- ``manager.py``: the rewrite registry, the pass manager and the report entries;
-- one file per rewrite (``softmax_attention.py``, ``sdpa_attention.py``; ``attention_mask.py`` reads
-  eager and SDPA masks for them; ``attention_spellings.py`` and ``attention_normalize.py`` bring more
-  spellings of eager attention to the form ``softmax_attention.py`` matches).
+- ``attention/``: softmax attention and SDPA calls -> ``kda_compile.ops.attention`` (``softmax.py``,
+  ``sdpa.py``; ``mask.py`` reads eager and SDPA masks for them; ``spellings.py``, ``normalize.py`` and
+  ``fold.py`` bring more spellings of eager attention to the form ``softmax.py`` matches);
+- ``delta_rule/``: KDA / GDN recurrences collapsed and their prologues folded into the KDA ops;
+- ``dsa/``: DeepSeek Sparse Attention -> the DSA ops; ``mla/``: MLA expand-then-attend -> ``mla_attention``;
+- ``substitution/``: trace-time substitution (what Dynamo traces in place of known KDA entry points, before
+  the graph exists) and the report of its sites;
+- ``toolkit/``: op families and patterns as data (``matching.py``) and FX graph helpers (``graph_tools.py``);
+- ``rewrite.py``: what a rewrite is and the registry; ``report.py``: the report entries;
+  ``manager.py``: the ordered pipeline and the pass manager.
 """
-from kda_compile.passes import kda_recurrence  # noqa: F401  (registers the rewrite; runs first)
-from kda_compile.passes import kda_prologue  # noqa: F401  (registers the rewrite; runs after kda_recurrence)
-from kda_compile.passes import kda_sites  # noqa: F401  (registers the kda_substitution report; after kda_prologue)
-from kda_compile.passes import dsa_attention  # noqa: F401  (registers the rewrite; before the attention rewrites)
-from kda_compile.passes import softmax_attention  # noqa: F401  (registers the rewrite)
-from kda_compile.passes import sdpa_attention  # noqa: F401  (registers the rewrite; runs after softmax_attention)
-from kda_compile.passes import mla_absorb  # noqa: F401  (registers the rewrite; runs after the attention rewrites)
-from kda_compile.passes.manager import (REWRITES, GraphReport, GraphRewrite, LeftAlone, PassManager, Rewritten,
-                                        register_rewrite)
+from kda_compile.passes.manager import PassManager
+from kda_compile.passes.report import GraphReport, LeftAlone, Rewritten
+from kda_compile.passes.rewrite import REWRITES, GraphRewrite, register_rewrite
 
 __all__ = ["REWRITES", "GraphReport", "GraphRewrite", "LeftAlone", "PassManager", "Rewritten", "register_rewrite"]

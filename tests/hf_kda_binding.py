@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from kda_compile.passes.kda_substitution import hf_bound_implementation, hf_torch_path
+from kda_compile.passes.substitution.install import hf_bound_implementation, hf_torch_path
 
 # HF's wrapped name -> FLA's function it binds when ``fla`` is importable (HF's decorator arguments).
 FLA_NAMES = {

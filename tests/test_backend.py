@@ -149,7 +149,7 @@ def test_glm5_next_through_the_backend_gets_the_graphs_optimize_gets():
     transformers = pytest.importorskip("transformers")
     import kda_compile
     from kda_compile.coverage.models import shrink
-    from kda_compile.passes.kda_substitution import hf_torch_path
+    from kda_compile.passes.substitution.install import hf_torch_path
     from kda_compile.report import clear_reports
 
     if not hasattr(transformers, "Glm5NextConfig"):

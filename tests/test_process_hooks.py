@@ -15,12 +15,12 @@ PROBE = textwrap.dedent('''
     import torch
     import kda_compile
     from kda_compile import process_hooks
-    from kda_compile.passes import kda_substitution
+    from kda_compile.passes.substitution import install as kda_substitution, registry
 
 
     def state():
         return {"installed": process_hooks.installed(), "hook": kda_substitution._watcher in sys.meta_path,
-                "substituted": sorted(r.entry_point for r in kda_substitution.registered())}
+                "substituted": sorted(r.entry_point for r in registry.registered())}
 
 
     def f(x):
@@ -72,7 +72,7 @@ def test_import_installs_nothing_and_the_backend_installs_the_hooks_on_first_use
 
 def test_install_is_idempotent_and_thread_safe(monkeypatch):
     from kda_compile import process_hooks
-    from kda_compile.passes import kda_substitution
+    from kda_compile.passes.substitution import install as kda_substitution
 
     calls = []
     monkeypatch.setattr(process_hooks, "_installed", False)

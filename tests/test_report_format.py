@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 import kda_compile
 from kda_compile import Config, backend, optimize
 from kda_compile.bench import e2e_kimi
-from kda_compile.passes.manager import WIDTH, GraphReport, LeftAlone, Rewritten, plain_value
+from kda_compile.passes.report import WIDTH, GraphReport, LeftAlone, Rewritten, plain_value
 from kda_compile.report import Report, report
 from kda_compile.report_frames import frame_of
 from hf_kda_binding import torch_path

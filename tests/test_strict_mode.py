@@ -116,7 +116,7 @@ def test_only_graph_breaks_in_our_own_files_count():
 
 def test_a_graph_left_out_of_cuda_graphs_raises_but_a_prefill_does_not():
     from kda_compile.cuda_graphs import PREFILL_REASON
-    from kda_compile.passes.manager import GraphReport
+    from kda_compile.passes.report import GraphReport
 
     strict.check_graph(GraphReport("0/0", cuda_graphs=f"cuda graphs: not captured: {PREFILL_REASON}"))
     strict.check_graph(GraphReport("0/1", cuda_graphs="cuda graphs: captured"))

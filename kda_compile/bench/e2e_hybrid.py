@@ -189,7 +189,7 @@ def bound_implementation(model: HybridModel) -> str:
     says so (HF eager there is torch throughout)."""
     if not model.kernel_names:
         return "nothing (no module-level kernels: HF eager is torch throughout)"
-    from kda_compile.passes.kda_substitution import hf_bound_implementation
+    from kda_compile.passes.substitution.install import hf_bound_implementation
 
     fn = getattr(importlib.import_module(model.hf_module), model.kernel_names[0])
     implementation = hf_bound_implementation(fn)
@@ -213,7 +213,7 @@ def kernel_binding(model: HybridModel, binding: str):
     if binding == "fla" and not uses_fla(model):
         raise RuntimeError(f"HF's {model.title} code bound {bound_implementation(model)}: flash-linear-attention was "
                            "not importable when transformers loaded the model code (pip install \"kda-compile[fla]\")")
-    from kda_compile.passes.kda_substitution import hf_torch_path
+    from kda_compile.passes.substitution.install import hf_torch_path
 
     with hf_torch_path(module, *(model.kernel_names if binding == "torch" else ())):
         yield

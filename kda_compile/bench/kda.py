@@ -42,7 +42,7 @@ import logging
 import torch
 
 from kda_compile.bench import kda_providers
-from kda_compile.bench.common import (cuda_graph_time, environment, format_table, host_profile, kernel_times,
+from kda_compile.bench.common import (cuda_graph_time, environment, format_table, host_profile,
                                       measure_copy_bandwidth, rel_error, row, time_quantiles, write_csv)
 from kda_compile.bench.kda_providers import COMPARISON_ROUNDS, GATES, Shape, parse_shapes
 
@@ -198,7 +198,8 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, p
                    rounds=PREFILL_ROUNDS) -> list[list]:
     """Time every prefill provider on every shape and mode; returns the table lines. ``checkpoint``
     runs after each shape (the CLI writes the CSV so far: a run cut off by a time limit keeps it);
-    ``profile`` adds each provider's per-kernel GPU times (``_record_kernel_times``). Batched shapes only."""
+    ``profile`` adds each provider's per-kernel GPU times (``kda_providers.record_kernel_times``). Batched
+    shapes only."""
     if not any(m in ("fwd", "fwd+bwd") for m in modes):
         return []
     providers = _prefill_providers()
@@ -233,7 +234,7 @@ def _bench_prefill(gate, modes, shapes, device, rows, checkpoint=lambda: None, p
             for name, fn in fns.items():
                 rows.append(row("chunk_kda", name, mode, shape, "time", "ms", results[name], gate=gate))
                 if profile:
-                    _record_kernel_times(fn, name, mode, shape, gate, rows)
+                    kda_providers.record_kernel_times(fn, name, mode, shape, gate, rows)
             torch.cuda.empty_cache()
             errors = {}
             for name in PREFILL_PROVIDERS[:2]:
@@ -259,17 +260,6 @@ def _interleaved_quantiles(fns: dict, rounds: int = PREFILL_ROUNDS) -> dict:
         for name, fn in fns.items():
             samples[name].append(time_quantiles(fn))
     return {name: tuple(statistics.median(q) for q in zip(*values)) for name, values in samples.items()}
-
-
-def _record_kernel_times(fn, provider, mode, shape, gate, rows) -> None:
-    """Rows ``kernel_time: <kernel>`` (ms per call) for one provider, and the breakdown in the log."""
-    kernels = kernel_times(fn)
-    total = sum(ms for _, _, ms in kernels)
-    for kernel, launches, ms in kernels:
-        rows.append(row("chunk_kda", provider, mode, shape, f"kernel_time: {kernel}", "ms", (ms, ms, ms), gate=gate))
-    share = 100 / total if total > 0 else 0.0  # (no kernel recorded: a profiler without CUDA activity)
-    lines = [f"  {ms:8.3f} ms {share * ms:5.1f}%  x{launches:<3d} {kernel[:100]}" for kernel, launches, ms in kernels]
-    logger.info("%s %s, %s: %.3f ms of kernels per call\n%s", mode, shape, provider, total, "\n".join(lines))
 
 
 PREFILL_HEADERS = ["mode", "B x T x H", "FLA", "ours (FLA path)", "ours (own kernels)", "FLA / FLA path",

@@ -347,9 +347,7 @@ def bench_comparison(gates, shapes, device, rows, *, rounds=COMPARISON_ROUNDS, c
                 rows.append(row("chunk_kda", name, "fwd", shape.label, "launches", "1", _spread(launches[name]),
                                 gate=gate))
                 if profile:  # the per-kernel breakdown, one more profile
-                    from kda_compile.bench.kda import _record_kernel_times
-
-                    _record_kernel_times(fns[name], name, "fwd", shape.label, gate, rows)
+                    record_kernel_times(fns[name], name, "fwd", shape.label, gate, rows)
             lines.append(_comparison_line(shape.label, med, status, errors))
             logger.info("%s gate, %s: %s (first calls %.1f s, timing %.1f s)", gate, shape.label, "; ".join(
                 f"{n} wall {m[0]:.3f} ms, kernels {m[1]:.3f} ms x{m[2]:.0f}" for n, m in med.items()),
@@ -381,3 +379,14 @@ def _comparison_line(label, med, status, errors) -> list:
     line.append(" / ".join(f"{med[p][2]:.0f}" if p in med else "-" for p in PROVIDERS))
     line.append(", ".join(f"{errors[p]:.1e}" if p in errors else "-" for p in ("FLA", "FlashKDA")))
     return line
+
+
+def record_kernel_times(fn, provider, mode, shape, gate, rows) -> None:
+    """Rows ``kernel_time: <kernel>`` (ms per call) for one provider, and the breakdown in the log."""
+    kernels = kernel_times(fn)
+    total = sum(ms for _, _, ms in kernels)
+    for kernel, launches, ms in kernels:
+        rows.append(row("chunk_kda", provider, mode, shape, f"kernel_time: {kernel}", "ms", (ms, ms, ms), gate=gate))
+    share = 100 / total if total > 0 else 0.0  # (no kernel recorded: a profiler without CUDA activity)
+    lines = [f"  {ms:8.3f} ms {share * ms:5.1f}%  x{launches:<3d} {kernel[:100]}" for kernel, launches, ms in kernels]
+    logger.info("%s %s, %s: %.3f ms of kernels per call\n%s", mode, shape, provider, total, "\n".join(lines))

@@ -3,7 +3,7 @@ kda_compile (fp32, CPU, aot_eager): two layers, one GDN (2 q/k heads of 16, 4 va
 one full attention, hidden 64, MoE MLPs where the family has them.
 
 Checked: prefill through ``kda_compile.optimize(fullgraph=True)`` (so zero graph breaks: qwen4_exp's
-full-attention QSA indexer is traced branch-free, passes/qsa_indexer.py) gives eager's logits
+full-attention QSA indexer is traced branch-free, passes/dsa/qsa_indexer.py) gives eager's logits
 (relative error < 1e-4: both sides compute the delta rule in fp32 with different chunkings) with one GDN op
 per linear-attention layer, each listed in the rewrite report with its entry point, its gate and beta sigmoid
 folded into the op's in-kernel options by the prologue rewrite. On qwen3_next (the
@@ -47,7 +47,7 @@ FAMILIES = {  # model_type -> (config class, config arguments)
 
 
 # Families whose full-attention layers break the graph outside GDN (the GDN layer itself traces whole): none
-# now (qwen4_exp's QSA indexer, `if num_complete_blocks > 0`, is traced branch-free: passes/qsa_indexer.py).
+# now (qwen4_exp's QSA indexer, `if num_complete_blocks > 0`, is traced branch-free: passes/dsa/qsa_indexer.py).
 GRAPH_BREAKS_OUTSIDE_GDN: dict[str, str] = {}
 
 

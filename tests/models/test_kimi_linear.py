@@ -5,7 +5,7 @@ interleaves them, hidden 64, 2 heads of 16 (KDA) and 2 MLA heads (kv_lora 32, no
 v 16), a MoE MLP with 4 experts (2 active) on the MLA layer (dense MLPs for the training test).
 The model runs HF's torch path whatever is installed (the ``hf_torch_path`` fixture: an installed
 flash-linear-attention binds HF's KDA functions to FLA's Triton kernels, which need CUDA tensors);
-kda_compile substitutes HF's torch references at trace time (passes/kda_substitution.py). Where
+kda_compile substitutes HF's torch references at trace time (passes/substitution/install.py). Where
 HF bound FLA, prefill is also compiled as installed (FLA's entry points substituted) and checked
 against the torch path.
 

@@ -12,7 +12,7 @@ broke graphs): breaks counted before and after, logits as eager, the remaining b
 model line. (glm5_next's MoE runs HF's experts interface, which does not break; its breaks came from its
 block-sparse indexer's ``nonzero``. qwen4_exp_text's MoE runs that interface too; its breaks came from its
 QSA indexer's ``nonzero`` and ``if num_complete_blocks > 0``, which kda_compile traces branch-free, with or
-without capture: passes/qsa_indexer.py, tests/models/test_qwen4_exp_indexer.py.)
+without capture: passes/dsa/qsa_indexer.py, tests/models/test_qwen4_exp_indexer.py.)
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""qwen4_exp's QSA indexer under kda_compile: traced branch-free (passes/qsa_indexer.py), so its full-attention
+"""qwen4_exp's QSA indexer under kda_compile: traced branch-free (passes/dsa/qsa_indexer.py), so its full-attention
 layer compiles without a graph break and its softmax attention becomes ``kda_compile.attention``.
 
 Checked (cheap): the substitute, called eagerly, returns HF's selection mask bit for bit, on bool (SDPA) and
@@ -28,7 +28,7 @@ import torch
 import kda_compile
 import kda_compile.ops
 from kda_compile import Config, optimize, report
-from kda_compile.passes import qsa_indexer
+from kda_compile.passes.dsa import qsa_indexer
 from kda_compile.testing import rel_error
 
 transformers = pytest.importorskip("transformers")

@@ -1,5 +1,5 @@
 """N-D softmax attention with batch-like leading dims (prophetnet's ngram predict stream,
-[B, ngram, H, S, D]): folded into the batch dim of ``kda_compile.attention`` (passes/attention_fold.py),
+[B, ngram, H, S, D]): folded into the batch dim of ``kda_compile.attention`` (passes/attention/fold.py),
 masks of every broadcast over the leading dims folded alike; keys broadcast over a leading dim and
 a softmax over a leading dim are left alone with their reasons."""
 from __future__ import annotations

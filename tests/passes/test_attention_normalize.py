@@ -1,5 +1,5 @@
-"""Spellings of eager softmax attention that passes/attention_normalize.py brings to the matched form,
-and the clamp and per-query sinks of softmax_attention.py: an in-place ``masked_fill_`` of the scores
+"""Spellings of eager softmax attention that passes/attention/normalize.py brings to the matched form,
+and the clamp and per-query sinks of attention/softmax.py: an in-place ``masked_fill_`` of the scores
 read again after it (xlm), ``einsum`` products (prophetnet), a softmax / dropout of [B*H, Sq, Sk] views
 of 4-D scores between two ``bmm`` (mvp, trocr, xglm), a clamp of the masked scores at the dtype minimum
 (xglm) and a sink logit per query as an extra softmax column (inkling2). Each becomes one

@@ -8,7 +8,7 @@ einsum is q . k^T of permuted operands, the other terms become the op's float ma
 openai-gpt (models/openai/modeling_openai.py): keys pre-transposed by ``permute(0, 2, 3, 1)`` and the
 scores masked by ``w * b + -1e4 * (1 - b)`` with ``b`` a slice of a tril buffer: the bool mask ``b != 0``
 (exact for a 0/1 buffer whose rows keep their first key, checked when compiling; see
-passes/attention_spellings.py). Left alone otherwise, with the reason.
+passes/attention/spellings.py). Left alone otherwise, with the reason.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_compile.passes.attention_normalize import MatmulPlan, matmul_plan
+from kda_compile.passes.attention.normalize import MatmulPlan, matmul_plan
 
 from .test_attention_spellings import compile_capture
 from .test_softmax_attention import B, D, FP32_TOL, H, SQ, rel_err

@@ -4,7 +4,7 @@ and value with one head broadcast by the matmuls (falcon multi-query), and
 ``torch.where(keep, scores, finfo.min)`` (gpt_neo), a scale after the mask (codegen), ``baddbmm`` / ``bmm``
 over [B*H, ...] with an additive ALiBi bias (bloom), ``masked_fill`` on both sides of the softmax (cpmant) and
 sinks applied as ``out * sigmoid(logsumexp(scores) - sinks)`` (granite_swa). A router's softmax over a
-linear projection is no candidate. test_attention_normalize.py has the spellings passes/attention_normalize.py
+linear projection is no candidate. test_attention_normalize.py has the spellings passes/attention/normalize.py
 brings to this form (xlm, prophetnet, mvp, trocr, xglm) and the per-query sinks of inkling2."""
 from __future__ import annotations
 

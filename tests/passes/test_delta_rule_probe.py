@@ -1,4 +1,4 @@
-"""Delta-rule entry points recognised by computation (passes/delta_rule_probe.py).
+"""Delta-rule entry points recognised by computation (passes/delta_rule/probe.py).
 
 Checked: the probe recognises transformers' own copies (Bailing-Hybrid's and GLM-5-Next's KDA
 functions, Qwen3-Next's GDN function with grouped heads) against kda_reference with a relative
@@ -25,7 +25,8 @@ import transformers
 
 from kda_compile import Config, optimize, report
 from kda_compile.backend import KdaCompileBackend
-from kda_compile.passes import delta_rule_probe, kda_substitution
+from kda_compile.passes.delta_rule import probe as delta_rule_probe
+from kda_compile.passes.substitution import install as kda_substitution, registry
 from kda_compile.testing import rel_error
 
 from .graph_capture import GraphCapture

@@ -1,4 +1,4 @@
-"""The DSA rewrite (passes/dsa_attention.py) on tiny DeepSeek-V3.2 / GLM-MoE-DSA models, fp32, CPU, aot_eager.
+"""The DSA rewrite (passes/dsa/attention.py) on tiny DeepSeek-V3.2 / GLM-MoE-DSA models, fp32, CPU, aot_eager.
 
 Checked: the prefill logits match eager (relative error < 1e-4) with the indexer turned into
 ``dsa_indexer_topk`` and every attention over its top-k mask into ``dsa_sparse_attention`` (a shared
@@ -7,7 +7,7 @@ with S x T elements is left in the rewritten graph (every example value walked; 
 them); a training step's gradients match; left padding reaches the indexer as its key mask; top-k >= T;
 an attention left alone (dropout in training) keeps its indexer as written; ``Config(dsa_attention=False)``;
 the block-sparse families reported; the rewrite runs before the attention and MLA rewrites. The absorbed
-form (passes/dsa_absorb.py): its math against the expanded attention in fp64, and the expanded form kept,
+form (passes/dsa/absorb.py): its math against the expanded attention in fp64, and the expanded form kept,
 with its reason, where the keys are not expand_kv's.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from torch._dynamo.backends.registry import lookup_backend
 from kda_compile.config import Config
 from kda_compile.ops import dsa_indexer_topk, dsa_sparse_attention
 from kda_compile.passes import PassManager
-from kda_compile.passes.dsa_attention import DSAAttentionRewrite
-from kda_compile.passes.manager import RewriteLog
+from kda_compile.passes.dsa.attention import DSAAttentionRewrite
+from kda_compile.passes.rewrite import RewriteLog
 from kda_compile.testing import rel_error
 
 from .families import VOCAB, build_dsa_model
@@ -181,10 +181,10 @@ def test_runs_before_the_rewrites_that_would_take_its_attention():
 
 @pytest.mark.parametrize("heads,nope,rope,value,rank,topk", [(4, 16, 8, 16, 32, 6), (3, 8, 4, 12, 20, 9)])
 def test_absorbed_form_equals_the_expanded_attention(heads, nope, rope, value, rank, topk):
-    """passes/dsa_absorb.py's math on fresh random inputs (fp64): W_UK folded into the query and W_UV after the
+    """passes/dsa/absorb.py's math on fresh random inputs (fp64): W_UK folded into the query and W_UV after the
     attention over the latent rows equals the attention over kv_b_proj's expanded keys and values (-1 padded
     indices included), output and log-sum-exp."""
-    from kda_compile.passes.dsa_absorb import absorbed_attention
+    from kda_compile.passes.dsa.absorb import absorbed_attention
 
     g = torch.Generator().manual_seed(heads * 100 + rank)
     b, s, t = 2, 5, 11

@@ -1,5 +1,5 @@
-"""Trace-time substitution of the KDA entry points (passes/kda_substitution.py, the substitutes in
-passes/kda_substitutes.py) for Hugging Face's torch references, and its switches.
+"""Trace-time substitution of the KDA entry points (passes/substitution/install.py, the substitutes in
+passes/substitution/substitutes.py) for Hugging Face's torch references, and its switches.
 
 Checked: Hugging Face's torch references (through HF's wrapper and called directly; Kimi-Linear's
 KDA to the KDA ops, Qwen3-Next's gated delta rule to the GDN ops) trace to our op with one graph
@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kda_compile import Config, optimize
-from kda_compile.passes import kda_substitution
+from kda_compile.passes.substitution import install as kda_substitution, registry
 from kda_compile.testing import rel_error
 from hf_kda_binding import binding, torch_bound, torch_entry, torch_path, torch_reference
 
@@ -169,7 +169,7 @@ def test_hf_gdn_wrapper_bound_to_fla_is_substituted(name):
     wrapper = getattr(qwen3_next, name)
     if torch_bound(wrapper):
         pytest.skip(f"HF's {name} is bound to {binding(wrapper)}: no FLA GDN function bound here")
-    originals = [r.original for r in kda_substitution.registered()]
+    originals = [r.original for r in registry.registered()]
     bound = kda_substitution.hf_bound_implementation(wrapper)
     assert all(any(o is fn for o in originals) for fn in (wrapper, wrapper.__wrapped__, bound))
 

@@ -1,5 +1,5 @@
-"""Trace-time substitution of flash-linear-attention's entry points (passes/kda_substitution.py,
-the substitutes in passes/kda_substitutes.py), with a fake FLA package (fake_fla_package.py).
+"""Trace-time substitution of flash-linear-attention's entry points (passes/substitution/install.py,
+the substitutes in passes/substitution/substitutes.py), with a fake FLA package (fake_fla_package.py).
 
 Checked: the fake FLA is substituted when imported after kda_compile, when imported before it
 (subprocess) and when HF's wrapper bound it, with positional arguments bound by FLA's own order; its
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kda_compile import Config
-from kda_compile.passes import kda_substitution
+from kda_compile.passes.substitution import install as kda_substitution, registry
 from kda_compile.testing import rel_error
 
 from .fake_fla_package import write_fake_fla
@@ -49,7 +49,7 @@ def fla_inputs(T=13):
 def test_fla_imported_after_kda_compile_is_substituted(fake_fla):
     import fla.ops
 
-    (chunk,) = [r for r in kda_substitution.registered() if r.original is fake_fla.chunk_kda]
+    (chunk,) = [r for r in registry.registered() if r.original is fake_fla.chunk_kda]
     assert fla.ops.chunk_kda is fake_fla.chunk_kda  # aliases: one object, registered once, found at each
     assert {"fla.ops.kda.chunk.chunk_kda", "fla.ops.kda.chunk_kda", "fla.ops.chunk_kda"} <= set(chunk.found_at)
     q, k, v, g, beta, h0 = fla_inputs()
@@ -69,7 +69,7 @@ def test_fla_gated_delta_rule_becomes_the_gdn_ops(fake_fla):
     import fla.ops
     import fla.ops.gated_delta_rule as fla_gdn
 
-    (chunk,) = [r for r in kda_substitution.registered() if r.original is fla_gdn.chunk_gated_delta_rule]
+    (chunk,) = [r for r in registry.registered() if r.original is fla_gdn.chunk_gated_delta_rule]
     assert {"fla.ops.gated_delta_rule.chunk_gdn", "fla.ops.chunk_gated_delta_rule"} <= set(chunk.found_at)
     assert fla.ops.chunk_gdn is fla_gdn.chunk_gated_delta_rule
     (q, k, v, g, beta), h0 = inputs(T=21, H=4)
@@ -155,7 +155,7 @@ def hf_with_fake_fla(fake_fla, monkeypatch):
 
 def test_hf_wrapper_bound_to_fla_is_substituted(hf_with_fake_fla):
     module, fla_kda = hf_with_fake_fla
-    entries = {r.entry_point for r in kda_substitution.registered()}
+    entries = {r.entry_point for r in registry.registered()}
     assert "transformers chunk_kimi_delta_attention (HF wrapper)" in entries
     q, k, v, g, beta, h0 = fla_inputs(T=11)
     for name, op in (("chunk_kimi_delta_attention", "chunk_kda_fwd"),
@@ -181,7 +181,7 @@ IMPORT_ORDER_SCRIPT = textwrap.dedent('''
     import transformers.models.kimi_linear.modeling_kimi_linear as hf
     import kda_compile  # after both
     from kda_compile import process_hooks
-    from kda_compile.passes import kda_substitution
+    from kda_compile.passes.substitution import install as kda_substitution, registry
 
     process_hooks.install()  # what optimize() / the kda_compile backend do first (compiled here with aot_eager)
     from hf_kda_binding import binding
@@ -206,7 +206,7 @@ IMPORT_ORDER_SCRIPT = textwrap.dedent('''
             ok[name] = True
         except Exception:
             ok[name] = False
-    entries = sorted(at for r in kda_substitution.registered() for at in r.found_at)
+    entries = sorted(at for r in registry.registered() for at in r.found_at)
     wrapper = hf.chunk_kimi_delta_attention
     print(json.dumps({"fla": fla.__version__, "hf_bound": binding(wrapper), "entries": entries, "one_graph": ok,
                       "hf_wrapper": f"{type(wrapper).__module__}.{type(wrapper).__qualname__} "

@@ -1,5 +1,5 @@
 """Attention whose softmax is spelled ``exp(x - logsumexp(x))`` (reformer's local and LSH self-attention):
-not rewritten, but listed as left alone with what stops the rewrite (passes/lse_softmax.py). The same
+not rewritten, but listed as left alone with what stops the rewrite (passes/attention/lse_softmax.py). The same
 spelling over a linear projection (a router) is no candidate."""
 from __future__ import annotations
 

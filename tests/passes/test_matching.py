@@ -9,11 +9,11 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from kda_compile.passes.graph_tools import (erase_unused, example_value, insert_call, is_inplace, known_equal,
-                                            module_path, source_line, static_int)
-from kda_compile.passes.matching import (ADD, CAST, CAT, DIV, DROPOUT, LINK, MATMUL, MUL, SOFTMAX, TANH, Bindings,
-                                         Call, Capture, Const, OneOf, Seq, Stage, cast_dtype, match_downward,
-                                         match_upward)
+from kda_compile.passes.toolkit.graph_tools import (erase_unused, example_value, insert_call, is_inplace, known_equal,
+                                                    module_path, source_line, static_int)
+from kda_compile.passes.toolkit.matching import (ADD, CAST, CAT, DIV, DROPOUT, LINK, MATMUL, MUL, SOFTMAX, TANH,
+                                                 Bindings, Call, Capture, Const, OneOf, Seq, Stage, cast_dtype,
+                                                 match_downward, match_upward)
 
 
 def dynamo_graph(fn, *args, dynamic=False) -> torch.fx.GraphModule:

@@ -1,4 +1,4 @@
-"""The MLA rewrite (passes/mla_absorb.py) on a small module written as Hugging Face writes MLA.
+"""The MLA rewrite (passes/mla/absorb.py) on a small module written as Hugging Face writes MLA.
 
 ``TinyMLA`` is DeepseekV3Attention / KimiLinearAttention (transformers 5.15-5.23) cut to what the
 rewrite reads: a latent cache and a rope-key cache given as inputs, ``expand_kv`` (new_empty +
@@ -69,7 +69,7 @@ class TinyMLA(torch.nn.Module):
         key_states, value_states = self.expand_kv(latent, k_rot)
         extra = 0.0
         if self.variant == "mutation":  # a slice: q.mul_ of the whole fresh q is made out-of-place
-            q[..., :1].mul_(1.0)        # (passes/attention_normalize.py), this one cannot be
+            q[..., :1].mul_(1.0)        # (passes/attention/normalize.py), this one cannot be
         elif self.variant == "keys_used":
             extra = key_states.sum()
         elif self.variant == "values_used":
@@ -292,7 +292,7 @@ def test_static_size_reads_of_the_expanded_kv_are_folded_and_symbolic_ones_kept(
     still symbolic stays a node (the rewrite then reports the use)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from kda_compile.passes.mla_absorb import fold_static_sizes
+    from kda_compile.passes.mla.absorb import fold_static_sizes
 
     graph = torch.fx.Graph()
     kv = graph.placeholder("kv")
@@ -310,7 +310,7 @@ def test_static_size_reads_of_the_expanded_kv_are_folded_and_symbolic_ones_kept(
 
 
 def test_alias_root_separates_storages_and_follows_views_and_in_place_calls():
-    from kda_compile.passes.graph_tools import alias_root
+    from kda_compile.passes.toolkit.graph_tools import alias_root
 
     graph = torch.fx.Graph()
     cache, other = graph.placeholder("cache"), graph.placeholder("other")

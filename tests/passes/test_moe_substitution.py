@@ -1,4 +1,4 @@
-"""passes/moe_experts.py: HF's grouped-GEMM experts traced as kda_compile.ops.moe_experts under optimize(), only for
+"""passes/substitution/moe_experts.py: HF's grouped-GEMM experts traced as kda_compile.ops.moe_experts under optimize(), only for
 the plain gated-SiLU form and without gradients; logits equal eager's."""
 import logging
 
@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 import kda_compile  # noqa: E402
 from kda_compile.ops.moe import custom_ops  # noqa: E402
-from kda_compile.passes import moe_experts as moe_pass  # noqa: E402
+from kda_compile.passes.substitution import moe_experts as moe_pass  # noqa: E402
 
 
 def _qwen3_next():

@@ -1,0 +1,173 @@
+"""The KDA sites of a compiled graph, for the rewrite report (entries named ``kda_substitution``, after the
+Config field of trace-time substitution).
+
+Trace-time substitution (substitution/install.py) happens before the graph exists, so this is no rewrite: the
+pass manager runs it as a report step (manager.PIPELINE), which reads the graph and reports, per KDA call::
+
+    model.layers.0.self_attn (modeling_kimi_linear.py:695) -> kda_compile.chunk_kda_fwd(
+        entry=transformers chunk_kimi_delta_attention, heads=2/2, K=16, V=16, scale=0.25,
+        use_qk_l2norm_in_kernel=True, initial_state=False, output_final_state=True, ...)
+
+for every node calling ``torch.ops.kda_compile.chunk_kda_fwd`` / ``fused_recurrent_kda_fwd`` or the
+GDN ops ``chunk_gdn_fwd`` / ``fused_recurrent_gdn_fwd`` (what a substitute or a direct call of
+``kda_compile.ops`` traces to), or the public ``chunk_kda`` / ``fused_recurrent_kda`` /
+``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (what other rewrites insert). A GDN
+site reads e.g. ``-> kda_compile.chunk_gdn_fwd(entry=transformers torch_chunk_gated_delta_rule, ...)``.
+``entry`` is the entry point the call stands
+for, read from the node's stack trace: the frame of the substitute that produced it (substitution/substitutes.py; e.g.
+``fla chunk_kda``, ``transformers recurrent_kimi_delta_attention``, with ``via HF wrapper`` when
+HF's wrapper was substituted), else ``kda_compile.ops`` (called by the model) or ``graph rewrite``.
+``source`` is the model line that called the entry point.
+
+Left alone (reported): a Hugging Face torch reference (``chunk_kimi_delta_attention`` /
+``recurrent_kimi_delta_attention``, or a GDN model's ``torch_chunk_gated_delta_rule`` /
+``torch_recurrent_gated_delta_rule``) traced as written and not collapsed by another rewrite,
+e.g. with ``KDA_COMPILE_SUBSTITUTION=0``:
+one entry per layer, with the number of nodes it unrolled into.
+
+Not visible here: a call Dynamo did not trace. FLA's entry points are ``torch.compiler.disable``d,
+so an unsubstituted FLA call is a graph break between two graphs, and no graph holds it
+(``torch._dynamo.explain`` lists graph breaks).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx
+
+from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_gated_delta_rule, fused_recurrent_kda
+from kda_compile.passes.delta_rule import probe
+from kda_compile.passes.report import LeftAlone, Rewritten
+from kda_compile.passes.rewrite import RewriteLog
+from kda_compile.passes.substitution import install
+from kda_compile.passes.substitution import substitutes as kda_substitutes
+from kda_compile.passes.toolkit.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
+
+KDA_OPS = {"kda_compile::chunk_kda_fwd": "chunk", "kda_compile::fused_recurrent_kda_fwd": "recurrent",
+           "kda_compile::chunk_gdn_fwd": "chunk", "kda_compile::fused_recurrent_gdn_fwd": "recurrent"}
+PUBLIC_FUNCTIONS = {chunk_kda: "chunk", fused_recurrent_kda: "recurrent", chunk_gated_delta_rule: "chunk",
+                    fused_recurrent_gated_delta_rule: "recurrent"}
+FLAGS = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
+         "lower_bound", "output_final_state")
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_SUBSTITUTES_FILE = os.path.abspath(kda_substitutes.__file__)
+_WRAPPER_DIRS = (os.sep + os.path.join("transformers", "integrations") + os.sep,)
+
+
+def _frames(node: torch.fx.Node) -> list[tuple[str, int, str]]:
+    """(file, line, function) of each frame of a node's stack trace, outermost first."""
+    return [(path, int(line), fn) for path, line, fn in _FRAME.findall(node.meta.get("stack_trace") or "")]
+
+
+def kda_call(node: torch.fx.Node) -> tuple[str, dict[str, Any]] | None:
+    """``(kind, arguments by name)`` when ``node`` calls a KDA op or public KDA function, else None."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in PUBLIC_FUNCTIONS:
+        try:
+            bound = inspect.signature(target).bind(*node.args, **node.kwargs)
+        except TypeError:
+            return None
+        bound.apply_defaults()
+        return PUBLIC_FUNCTIONS[target], dict(bound.arguments)
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.name not in KDA_OPS:
+        return None
+    arguments = dict(zip((a.name for a in schema.arguments), node.args))
+    arguments.update(node.kwargs)
+    return KDA_OPS[schema.name], arguments
+
+
+def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
+    """Which entry point a KDA node stands for, and the model line that called it."""
+    frames = _frames(node)
+    substitutes = [fn for path, _, fn in frames
+                   if os.path.abspath(path) == _SUBSTITUTES_FILE and fn in kda_substitutes.SUBSTITUTE_FRAMES]
+    first_ours = next((i for i, (path, _, _) in enumerate(frames) if is_our_file(path)), None)
+    if first_ours is None:  # inserted by a rewrite, with the model node's metadata
+        function = _reference_function(frames)
+        unrolled = f" (transformers {function} unrolled, then collapsed)" if function else ""
+        return "graph rewrite" + unrolled, source_line(node)
+    callers = [(p, line) for p, line, _ in frames[:first_ours] if not any(d in p for d in _WRAPPER_DIRS)]
+    source = f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else ""
+    probed = probe.recognised_entry(frames)
+    if probed is not None:  # a look-alike function, recognised by what it computes
+        return probed, source
+    if not substitutes:
+        return "kda_compile.ops", source
+    entry = kda_substitutes.SUBSTITUTE_FRAMES[substitutes[-1]]
+    if "hf_kda_wrapper" in substitutes[:-1]:
+        entry += " via HF wrapper"
+    return entry, source
+
+
+def _flag(value: Any) -> Any:
+    """A flag as a constant (a symbolic value, e.g. an unspecialised float, by its expression)."""
+    return str(example_value(value)) if isinstance(value, torch.fx.Node) else value
+
+
+def site_details(node: torch.fx.Node, kind: str, arguments: dict[str, Any], entry: str) -> dict[str, Any]:
+    q, v = tensor_of(arguments.get("q")), tensor_of(arguments.get("v"))
+    details: dict[str, Any] = {"kind": kind, "entry": entry}
+    if q is not None and v is not None and q.dim() == 4 and v.dim() == 4:
+        details.update(heads=f"{q.shape[2]}/{v.shape[2]}", K=q.shape[3], V=v.shape[3], dtype=str(q.dtype))
+    details.update({flag: _flag(arguments[flag]) for flag in FLAGS if flag in arguments})
+    details["initial_state"] = arguments.get("initial_state") is not None
+    details["cu_seqlens"] = arguments.get("cu_seqlens") is not None
+    return details
+
+
+def _reference_function(frames: list[tuple[str, int, str]]) -> str | None:
+    """The HF torch KDA reference a node was traced in (not through a substitute), or None."""
+    if any(is_our_file(path) and os.path.abspath(path) != probe.PROBE_FILE for path, _, _ in frames):
+        return None  # (a probing substitute that declined a call traces the original: still a reference)
+    names = [fn for _, _, fn in frames
+             if fn in kda_substitutes.HF_REFERENCE_FUNCTIONS or probe.traced_as_written(fn)]
+    return names[-1] if names else None
+
+
+def unsubstituted_references(gm: torch.fx.GraphModule) -> dict[tuple[str, str], int]:
+    """(module path, function) -> node count, for HF torch KDA references traced as written and
+    not collapsed into a KDA call by another rewrite (kda_recurrence)."""
+    found: Counter = Counter()
+    collapsed = set()
+    for node in gm.graph.nodes:
+        function = _reference_function(_frames(node))
+        if function is not None:
+            found[(module_path(node), function)] += 1
+            if kda_call(node) is not None:
+                collapsed.add((module_path(node), function))
+    return {key: count for key, count in found.items() if key not in collapsed}
+
+
+NAME = "kda_substitution"  # the Config field of trace-time substitution, and the name its entries carry
+
+
+def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None:
+    """Log the KDA sites of ``gm`` and the torch references traced as written (see the module docstring);
+    the graph is not changed."""
+    for node in gm.graph.nodes:
+        call = kda_call(node)
+        if call is None:
+            continue
+        kind, arguments = call
+        entry, source = _entry_and_source(node)
+        op = getattr(node.target, "__name__", None) if node.target in PUBLIC_FUNCTIONS else None
+        op = f"kda_compile.ops.{op}" if op else str(getattr(node.target, "_schema").name).replace("::", ".")
+        log.rewritten.append(Rewritten(NAME, module_path(node), source, op,
+                                       site_details(node, kind, arguments, entry)))
+    for (site, function), count in unsubstituted_references(gm).items():
+        probed = "; ".join(probe.traced_as_written(function))
+        why = probed or (f"its substitute is not registered ({install.ENV_SWITCH}=0, or see the "
+                         f"kda_compile.passes.kda_substitution log)")
+        log.left_alone.append(LeftAlone(
+            NAME, site, "",
+            f"Hugging Face's torch reference {function} traced as written ({count} nodes, its loops "
+            f"unrolled): {why}"))

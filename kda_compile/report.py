@@ -100,11 +100,13 @@ class EagerFallback:
 @dataclass(frozen=True)
 class GraphBreak:
     """Dynamo broke the graph at ``location`` (model file:line) during calls of an ``optimize()``
-    result, for ``reason`` (Dynamo's graph-break type and explanation), ``count`` times."""
+    result, for ``reason`` (Dynamo's graph-break type and explanation), ``count`` times. ``path`` is the
+    full path of the file, as Dynamo logged it (strict mode tells kda_compile's own files by it)."""
 
     location: str
     reason: str
     count: int = 1
+    path: str = dataclasses.field(default="", compare=False)
 
     def summary(self) -> str:
         return f"graph break at {self.location} (x{self.count}): {self.reason}"
@@ -437,7 +439,7 @@ def parse_graph_break(text: str) -> GraphBreak | None:
     parts = [part.strip() for part in reason.splitlines() if part.strip()]
     reason = " | ".join(part for part in parts if not part.startswith(_BREAK_NOISE)) or " | ".join(parts)
     reason = reason if len(reason) <= 400 else reason[:397] + "..."
-    return GraphBreak(f"{os.path.basename(path)}:{line}", reason)
+    return GraphBreak(f"{os.path.basename(path)}:{line}", reason, path=path)
 
 
 def record_graph_break(owner: Any, event: GraphBreak) -> None:

@@ -44,19 +44,19 @@ def check_graph(report: GraphReport) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def own_files() -> frozenset[str]:
-    """The base names of kda_compile's source files (the package and its ops / passes folders), which a
-    graph break's location (``file.py:line``) is compared with."""
+def own_roots() -> tuple[str, ...]:
+    """The folders of kda_compile's source (the package and its ops / passes folders, wherever they
+    are installed), each ending with a path separator."""
     roots = {os.path.dirname(module.__file__) for module in (ops, passes)} | {os.path.dirname(__file__)}
-    names = set()
-    for root in roots:
-        for _, _, files in os.walk(root):
-            names.update(f for f in files if f.endswith(".py"))
-    return frozenset(names)
+    return tuple(sorted(os.path.join(os.path.realpath(root), "") for root in roots))
 
 
-def is_own_break(location: str) -> bool:
-    return location.rsplit(":", 1)[0] in own_files()
+def is_own_break(path: str) -> bool:
+    """Whether a graph break's file (its full path, as Dynamo logged it) is one of kda_compile's own.
+    Base names would not do: many of ours (``api.py``, ``run.py``, ``plan.py``) are common in models."""
+    if not path:
+        return False
+    return os.path.realpath(path).startswith(own_roots())
 
 
 def check_call_events(report: Any) -> None:
@@ -64,7 +64,7 @@ def check_call_events(report: Any) -> None:
     ``kda_compile.report`` of a strict optimize() result, after a call) holds. They stay in the report, so
     every later call raises too: the model does not run fully compiled."""
     problems = [e.summary() for e in report.eager_fallbacks]
-    problems += [b.summary() for b in report.graph_breaks if is_own_break(b.location)]
+    problems += [b.summary() for b in report.graph_breaks if is_own_break(b.path)]
     if problems:
         shown = "\n  ".join(problems)
         raise StrictModeError(f"kda_compile strict mode: this call did not run fully compiled:\n  {shown}")

@@ -280,9 +280,8 @@ def dispatcher_needed(*tensors) -> bool:
     Dynamo traces (the op must appear in the graph), under a dispatch mode (fake tensors, tracing,
     profilers that count ops) or a functorch transform, or when an input is a tensor subclass (a
     DTensor: the op's sharding rule runs it on the local shards). Otherwise eager inference (decode, and
-    prefill without gradients; KDA, GDN and DSA) skips the dispatcher's Python path: tens of microseconds, more
-    than a decode kernel, and with the KDA prefill op's empty residual outputs about 0.3 ms, more than a
-    2k-token prefill's kernels (H100)."""
+    prefill without gradients; KDA, GDN and DSA) skips the dispatcher's Python path, which costs more host time than a decode kernel takes on the GPU
+    (and more than a short prefill's kernels with the KDA prefill op's empty residual outputs; docs/performance.md)."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._are_functorch_transforms_active()
             or any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors))

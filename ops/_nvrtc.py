@@ -272,8 +272,8 @@ class ArgumentBlock:
 class PreparedLaunch:
     """One kernel's launch with its grid, block, shared memory and ``ArgumentBlock`` fixed: calling it with a raw
     stream handle launches through a ``cuLaunchKernel`` binding without ``argtypes``, on ctypes values made once,
-    so a call converts no Python values (``CompiledKernel.launch_block`` converts eleven: 5.1 against 4.6 us from an
-    idle H200, most of both the driver's). The caller has made the kernel's device current and holds the block's
+    so a call converts no Python values (``CompiledKernel.launch_block`` converts eleven per call; what remains is
+    mostly the driver's launch time). The caller has made the kernel's device current and holds the block's
     lock."""
 
     def __init__(self, kernel: "CompiledKernel", grid: tuple[int, int, int], threads: int, block: ArgumentBlock):

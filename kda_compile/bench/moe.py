@@ -10,7 +10,6 @@ share of the measured copy bandwidth, %), and the relative error against the flo
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import types
 
@@ -112,14 +111,3 @@ def run(args) -> list[dict]:
                        table))
     return rows
 
-
-def main(argv=None) -> list[dict]:
-    """Standalone entry (``python -m kda_compile.bench.moe``); returns the rows."""
-    parser = argparse.ArgumentParser(prog="python -m kda_compile.bench.moe", description=__doc__)
-    add_arguments(parser)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    main()

@@ -27,13 +27,24 @@ BLOCK_M = 16  # rows per tile: the smallest tl.dot M
 
 
 @triton.jit
-def _expert_columns(offsets_ptr, columns, BLOCK_N: tl.constexpr):
-    """This program's expert, its pairs' range [start, end) in sorted order, and its block of output columns."""
+def _expert_block(offsets_ptr, w_ptr, columns, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's expert's pairs' range [start, end) in sorted order, its block of output columns (and their
+    mask), the reduction offsets and the pointers to the block's weight rows."""
     expert = tl.program_id(0)
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    return expert, start, end, n, n < columns
+    kk = tl.arange(0, BLOCK_K)
+    w = w_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    return start, end, n, n < columns, kk, w
+
+
+@triton.jit
+def _pair_rows(order_ptr, row0, end, BLOCK_M: tl.constexpr):
+    """The sorted rows [row0, row0 + BLOCK_M) of this expert, their mask and the (token, slot) pairs they hold."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    return rows, row_ok, tl.load(order_ptr + rows, mask=row_ok, other=0)
 
 
 @triton.jit
@@ -48,14 +59,11 @@ def _dot_t(a, b, acc, IEEE: tl.constexpr):
 def _gate_up(x_ptr, w_ptr, order_ptr, offsets_ptr, hidden_ptr, H, I, TOP_K,
              stride_x, stride_we, stride_wn, stride_h,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    expert, start, end, n, n_ok = _expert_columns(offsets_ptr, I, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    w_gate = w_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    start, end, n, n_ok, kk, w_gate = _expert_block(offsets_ptr, w_ptr, I, stride_we, stride_wn, BLOCK_N, BLOCK_K)
     w_up = w_gate + I * stride_wn
     for row0 in range(start, end, BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        token = tl.load(order_ptr + rows, mask=row_ok, other=0) // TOP_K
+        rows, row_ok, pair = _pair_rows(order_ptr, row0, end, BLOCK_M)
+        token = pair // TOP_K
         x = x_ptr + token[:, None].to(tl.int64) * stride_x + kk[None, :]
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -73,13 +81,9 @@ def _gate_up(x_ptr, w_ptr, order_ptr, offsets_ptr, hidden_ptr, H, I, TOP_K,
 def _down(hidden_ptr, w_ptr, order_ptr, offsets_ptr, weights_ptr, out_ptr, H, I,
           stride_h, stride_we, stride_wn, stride_o,
           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    expert, start, end, n, n_ok = _expert_columns(offsets_ptr, H, BLOCK_N)
-    kk = tl.arange(0, BLOCK_K)
-    w = w_ptr + expert.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]
+    start, end, n, n_ok, kk, w = _expert_block(offsets_ptr, w_ptr, H, stride_we, stride_wn, BLOCK_N, BLOCK_K)
     for row0 in range(start, end, BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < end
-        pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+        rows, row_ok, pair = _pair_rows(order_ptr, row0, end, BLOCK_M)
         h = hidden_ptr + rows[:, None].to(tl.int64) * stride_h + kk[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):

@@ -138,17 +138,6 @@ def record_fallback(op: str, chosen: str, reason: str) -> None:
         logger.warning("%s: running the %s implementation: %s", op, chosen, reason)
 
 
-def kernel_choice(requested: str, design: str | None, why: str | None, op: str, fallback: str, kernel: str) -> str:
-    """"cuda" where nothing stops ``kernel`` (``why`` None), else "triton". ``design``: why the call is outside what
-    the kernel is written for (then the Triton kernel is simply the call's kernel); a call it is written for but
-    cannot take, or a forced ``requested == "cuda"``, is recorded as a fallback of ``op`` to ``fallback``."""
-    if why is None:
-        return "cuda"
-    if requested == "cuda" or design is None:
-        record_fallback(op, fallback, f"the {kernel} cannot run this call: {why}")
-    return "triton"
-
-
 def fallback_events() -> dict[FallbackEvent, int]:
     """Every fallback seen in this process, with how many calls took it."""
     with _fallbacks_lock:

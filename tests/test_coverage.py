@@ -216,10 +216,10 @@ def _fake_sweep(monkeypatch, known):
 
     ran = []
 
-    def fake_run_isolated(family, timeout, threads=None):
+    def fake_run_isolated(family, timeout, threads=None, attn="eager"):
         ran.append(family)
         return Row(family, attention=["softmax"], layers=2, rewritten={"kda_compile.attention": 2}, graph_breaks=0,
-                   graphs=1, logits_error=1e-7, seconds=1.0)
+                   graphs=1, logits_error=1e-7, seconds=1.0, attn=attn)
 
     monkeypatch.setattr(models, "model_types", lambda: list(known))
     monkeypatch.setattr(sweep, "run_isolated", fake_run_isolated)
@@ -253,6 +253,32 @@ def test_cli_budget_leaves_families_listed_as_not_run(tmp_path, monkeypatch):
     stored = read_document(out.read_text())
     assert ran == [] and stored.rows == {} and stored.not_run == ["fam_a", "fam_b"]
     assert "time budget (`--budget 0`) ran out" in out.read_text()
+
+
+def test_an_sdpa_sweep_keeps_its_rows_apart_from_eager_ones(tmp_path, monkeypatch, capsys):
+    ran = _fake_sweep(monkeypatch, ["fam_a", "fam_b"])
+    out = tmp_path / "coverage-sdpa.md"
+    assert main(["--attn", "sdpa", "--families", "fam_a", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# Model coverage (sdpa attention)") and "fp32, SDPA attention" in text
+    assert read_document(text).rows["fam_a"].attn == "sdpa"
+    assert main(["--attn", "sdpa", "--resume", "--out", str(out)]) == 0 and ran == ["fam_a", "fam_b"]
+    with pytest.raises(SystemExit):  # eager rows never join a file of sdpa rows
+        main(["--resume", "--out", str(out)])
+    assert "holds rows built with sdpa attention" in capsys.readouterr().err
+
+
+def test_sdpa_models_are_built_with_sdpa_and_rewritten():
+    from kda_compile.coverage.models import build_model
+
+    assert build_model("llama", attn="sdpa").config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="attn must be one of"):
+        build_model("llama", attn="flash")
+    row = run_family("qwen3", attn="sdpa")
+    assert row.attn == "sdpa" and row.fully_rewritten and row.logits_error < ERROR_TOL
+    unsupported = run_family("gemma2", attn="sdpa")  # transformers refuses SDPA for it: a status, not a failure
+    assert unsupported.status == "no such attention" and "no sdpa attention" in unsupported.reason
+    assert summary([row, unsupported])["failures"] == 0 and summary([row, unsupported])["built"] == 1
 
 
 def test_a_family_that_fails_to_build_becomes_a_row():

@@ -1,5 +1,5 @@
-"""``python -m kda_compile.coverage [--families a,b] [--out coverage.md] [--jobs N] [--timeout S]
-[--resume] [--budget S]``
+"""``python -m kda_compile.coverage [--families a,b] [--out coverage.md] [--attn eager|sdpa] [--jobs N]
+[--timeout S] [--resume] [--budget S]``
 
 Runs each family in its own process (at most ``--timeout`` seconds), rewrites ``--out`` after every
 finished family (families still pending are listed as not run), and prints a summary line.
@@ -10,7 +10,9 @@ table parsed, see stored.py) and runs only the families without a row, or the ``
 (whose rows it replaces). Every row records the command, date and versions that produced it, and the
 file lists the rows by the command that produced them. The hand-written notes block of ``--out`` is
 kept in every case. ``--budget S`` starts no family after S seconds; those left are listed as not
-run, for a later ``--resume``.
+run, for a later ``--resume``. ``--attn`` picks the HF attention implementation the tiny models are built
+with: ``eager`` (their own matmul-softmax code, docs/coverage.md) or ``sdpa`` (their
+``scaled_dot_product_attention`` call, docs/coverage-sdpa.md); one file holds rows of one implementation.
 
 ``--worker FAMILY`` (internal) runs one family in this process and prints its row as JSON.
 """
@@ -51,11 +53,11 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _worker(family: str) -> int:
+def _worker(family: str, attn: str) -> int:
     from kda_compile.coverage.sweep import run_family
 
     logging.basicConfig(level=logging.WARNING)
-    row = run_family(family)
+    row = run_family(family, attn=attn)
     sys.stdout.write("\n" + json.dumps(row.to_dict()) + "\n")
     sys.stdout.flush()
     return 0
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="coverage.md",
                         help="markdown file to write (the repository's table is docs/coverage.md: name it to refresh "
                              "that one)")
+    parser.add_argument("--attn", default="eager", choices=("eager", "sdpa"),
+                        help="HF attention implementation the tiny models are built with")
     parser.add_argument("--jobs", type=int, default=1, help="families run at once (one process each)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family")
     parser.add_argument("--resume", action="store_true",
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", metavar="FAMILY", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return _worker(args.worker)
+        return _worker(args.worker, args.attn)
 
     from kda_compile.coverage.models import model_types
     from kda_compile.coverage.stored import Stored, read_document
@@ -88,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     stored = read_document(out.read_text()) if out.exists() else Stored()
     rows: dict[str, Row] = dict(stored.rows) if args.resume else {}
+    other = sorted({row.attn for row in rows.values()} - {args.attn})
+    if other:
+        parser.error(f"--attn {args.attn}: {out} holds rows built with {', '.join(other)} attention; "
+                     "resume it with that --attn, or write another --out")
     if args.families:
         families = [f.strip() for f in args.families.split(",") if f.strip()]
         unknown = sorted(set(families) - set(known))
@@ -120,13 +128,13 @@ def main(argv: list[str] | None = None) -> int:
             reason = "the sweep had not reached them when this file was written; `--resume` runs them"
         out.write_text(document([rows[f] for f in sorted(rows)], command=command, not_run=pending,
                                 not_run_reason=reason if pending else "", versions=versions, date=date,
-                                notes=stored.notes))
+                                notes=stored.notes, attn=args.attn))
 
     def run_one(family: str) -> Row | None:
         if args.budget is not None and time.perf_counter() - start > args.budget:
             over_budget.set()
             return None
-        return run_isolated(family, args.timeout, threads)
+        return run_isolated(family, args.timeout, threads, attn=args.attn)
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         futures = {pool.submit(run_one, f): f for f in families}

@@ -349,17 +349,24 @@ def tiny_config(model_type: str) -> Any:
     return _fix_built(type(default).from_dict(d))
 
 
-def build_model(model_type: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny causal LM of ``model_type`` with random weights, eager attention, fp32, in eval mode."""
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def build_model(model_type: str, seed: int = 0, attn: str = "eager") -> torch.nn.Module:
+    """A tiny causal LM of ``model_type`` with random weights, fp32, in eval mode, its attention the HF
+    implementation ``attn`` (``"eager"``: the model's own matmul-softmax code; ``"sdpa"``: its
+    ``scaled_dot_product_attention`` call; transformers raises for a family without one)."""
     from transformers import AutoModelForCausalLM
 
+    if attn not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn must be one of {ATTN_IMPLEMENTATIONS}, got {attn!r}")
     cfg = tiny_config(model_type)
     torch.manual_seed(seed)
     part = _causal_lm_part(model_type, cfg)
     if part is not None:  # musicgen: the causal LM is the decoder of a composite config
         cls, cfg = part
-        return cls._from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+        return cls._from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
     return model.eval()
 
 

@@ -40,7 +40,8 @@ logger = logging.getLogger("kda_compile.coverage")
 
 SWEEP_CONFIG = Config(compiler="eager")
 BATCH, LENGTH = 2, 12
-STATUSES = ("ok", "build failed", "eager failed", "compile failed", "timeout", "crashed")
+STATUSES = ("ok", "no such attention", "build failed", "eager failed", "compile failed", "timeout", "crashed")
+_NO_SUCH_ATTENTION = "does not support an attention implementation"
 _OTHER = ("Mamba", "Mixer", "Rwkv", "RWKV", "Lstm", "LSTM", "ShortConv", "Recurrent", "LinearAttention",
           "Retention")
 _PIP_HINT = re.compile(r"\.? You can install it with pip.*$")
@@ -55,6 +56,7 @@ class Row:
     the error). ``rewritten``: op -> number of rewritten sites that became it; ``left_alone``:
     "rewrite: reason" -> count; ``graph_breaks``: Dynamo's graph-break count, ``graphs``: graphs
     compiled; ``logits_error``: ``|compiled - eager| / |eager|`` (None unless both ran).
+    ``attn``: the HF attention implementation the model was built with (``eager`` / ``sdpa``).
     ``command``, ``date``, ``versions``: what produced the row (the sweep's command line, the day it
     ran, transformers / torch versions); empty until ``python -m kda_compile.coverage`` fills them.
     """
@@ -71,6 +73,7 @@ class Row:
     graphs: int | None = None
     logits_error: float | None = None
     seconds: float = 0.0
+    attn: str = "eager"
     command: str = ""
     date: str = ""
     versions: dict[str, str] = field(default_factory=dict)
@@ -163,21 +166,24 @@ def _layer_total(model: torch.nn.Module) -> int | None:
     return None
 
 
-def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row:
-    """Build ``family`` tiny, compile it with the kda_compile backend and fill its :class:`Row`."""
+def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0, attn: str = "eager") -> Row:
+    """Build ``family`` tiny with HF attention implementation ``attn``, compile it with the kda_compile
+    backend and fill its :class:`Row`."""
     from torch._dynamo.utils import counters
 
     from kda_compile.coverage.models import build_model, vocab_size
     from kda_compile.optimize import optimize
     from kda_compile.report import report
 
-    row = Row(family)
+    row = Row(family, attn=attn)
     start = time.perf_counter()
     try:
         try:
-            model = build_model(family, seed=seed)
+            model = build_model(family, seed=seed, attn=attn)
         except Exception as exc:  # noqa: BLE001  (every failure becomes a row)
-            row.status, row.reason = "build failed", _first_line(exc)
+            unsupported = attn != "eager" and _NO_SUCH_ATTENTION in str(exc)
+            row.status = "no such attention" if unsupported else "build failed"
+            row.reason = f"transformers has no {attn} attention for this family" if unsupported else _first_line(exc)
             return row
         row.attention = attention_kinds(model)
         row.layers = _layer_total(model)
@@ -226,7 +232,7 @@ def run_family(family: str, config: Config = SWEEP_CONFIG, seed: int = 0) -> Row
         torch._dynamo.reset()
 
 
-def run_isolated(family: str, timeout: float, threads: int | None = None) -> Row:
+def run_isolated(family: str, timeout: float, threads: int | None = None, attn: str = "eager") -> Row:
     """:func:`run_family` in a fresh ``python -m kda_compile.coverage --worker`` process, at most
     ``timeout`` seconds; a timeout or a crash (no row printed) becomes a row with that status."""
     env = dict(os.environ)
@@ -235,10 +241,10 @@ def run_isolated(family: str, timeout: float, threads: int | None = None) -> Row
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     start = time.perf_counter()
     try:
-        proc = subprocess.run([sys.executable, "-m", "kda_compile.coverage", "--worker", family],
+        proc = subprocess.run([sys.executable, "-m", "kda_compile.coverage", "--worker", family, "--attn", attn],
                               capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return Row(family, status="timeout", reason=f"no result within {timeout:g} s",
+        return Row(family, status="timeout", reason=f"no result within {timeout:g} s", attn=attn,
                    seconds=round(time.perf_counter() - start, 1))
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("{"):
@@ -248,4 +254,5 @@ def run_isolated(family: str, timeout: float, threads: int | None = None) -> Row
                 break
     tail = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     reason = f"exit code {proc.returncode}" + (f": {tail[-1][:200]}" if tail else "")
-    return Row(family, status="crashed", reason=reason, seconds=round(time.perf_counter() - start, 1))
+    return Row(family, status="crashed", reason=reason, attn=attn,
+               seconds=round(time.perf_counter() - start, 1))

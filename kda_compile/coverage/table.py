@@ -19,6 +19,9 @@ NOTES_END = "<!-- /notes -->"
 ROWS_BEGIN = "<!-- coverage rows: one Row.to_dict() JSON a line, read back by --resume"
 ROWS_END = "-->"
 
+ATTN_TEXT = {"eager": "eager attention",
+             "sdpa": "SDPA attention (`attn_implementation=\"sdpa\"`: each family's "
+                     "`scaled_dot_product_attention` call)"}
 COLUMNS = ("Family", "Status", "Attention", "Layers", "Rewritten", "Left alone (reason)", "Graph breaks",
            "Logits error", "Time (s)")
 
@@ -26,7 +29,8 @@ COLUMN_NOTES = """\
 Columns:
 
 - **Family**: the `model_type` (a key of transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`).
-- **Status**: `ok` (built, ran eagerly and compiled), or where it stopped: `build failed` (the tiny
+- **Status**: `ok` (built, ran eagerly and compiled), or where it stopped: `no such attention` (an SDPA
+  sweep only: transformers has no SDPA attention for the family), `build failed` (the tiny
   config or the model could not be built), `eager failed` (the eager forward raised), `compile failed`
   (torch.compile raised), `timeout` (no result within the per-family limit), `crashed` (the worker
   process died); the reason follows.
@@ -69,19 +73,22 @@ def markdown_table(rows: Iterable[Row]) -> str:
 
 
 def summary(rows: Sequence[Row]) -> dict[str, int]:
-    """Counts: families run, built, ok (compiled), fully rewritten, with left-alone sites, with
-    graph breaks, failures (any status but ok)."""
-    built = [r for r in rows if r.status != "build failed"]
+    """Counts: families run, without the attention implementation asked for (SDPA sweeps only), built, ok
+    (compiled), fully rewritten, with left-alone sites, with graph breaks, failures (any status but ok and
+    "no such attention")."""
+    unsupported = [r for r in rows if r.status == "no such attention"]
+    built = [r for r in rows if r.status not in ("build failed", "no such attention")]
     ok = [r for r in rows if r.status == "ok"]
     return {
         "families": len(rows),
+        **({"without this attention": len(unsupported)} if unsupported else {}),
         "built": len(built),
         "compiled": len(ok),
         "fully rewritten": sum(r.fully_rewritten for r in ok),
         "with left-alone sites": sum(bool(r.left_alone) for r in ok),
         "with graph breaks": sum(bool(r.graph_breaks) for r in ok),
         "no site rewritten": sum(not r.rewritten for r in ok),
-        "failures": len(rows) - len(ok),
+        "failures": len(rows) - len(ok) - len(unsupported),
     }
 
 
@@ -113,7 +120,8 @@ def rows_block(rows: Sequence[Row]) -> str:
 
 
 def document(rows: Sequence[Row], *, command: str, not_run: Sequence[str] = (), not_run_reason: str = "",
-             versions: dict[str, str] | None = None, date: str | None = None, notes: str = "") -> str:
+             versions: dict[str, str] | None = None, date: str | None = None, notes: str = "",
+             attn: str = "eager") -> str:
     """The whole ``docs/coverage.md``: header, summary, where the rows come from, the hand-written
     ``notes`` (kept verbatim between the notes markers), column notes, table, families not run, and
     the rows as JSON for ``--resume``."""
@@ -121,10 +129,11 @@ def document(rows: Sequence[Row], *, command: str, not_run: Sequence[str] = (), 
     versions = versions or {}
     version_text = _versions_text(versions)
     parts = [
-        "# Model coverage",
+        "# Model coverage" + ("" if attn == "eager" else f" ({attn} attention)"),
         "",
         "Every causal LM of the installed transformers, built tiny with random weights (hidden size 64, "
-        "4 heads, 2 layers or one per layer kind of a hybrid, fp32, eager attention; nothing downloaded), "
+        f"4 heads, 2 layers or one per layer kind of a hybrid, fp32, {ATTN_TEXT.get(attn, attn)}; nothing "
+        "downloaded), "
         "run eagerly and through `kda_compile.optimize(model, Config(compiler=\"eager\"), fullgraph=False)` "
         "on the same input ids (batch 2, 12 tokens): what kda_compile's rewrites did "
         "to each family, where Dynamo broke the graph, and how far the logits moved. Each family runs in "

@@ -5,7 +5,8 @@ The sparse attention forward runs the Hopper wgmma kernel (``sparse/wgmma_forwar
 Triton kernel otherwise.
 
 Kernels know nothing of torch.compile; this module only checks that a call fits them (dtype, head
-widths the tiles handle, Triton importable) and records every fallback with its reason. The values of a CUDA
+widths the tiles handle, Triton importable): each op's kernels are a menu (``ops/_kernel_choice.py``), which records
+every fallback with its reason. The values of a CUDA
 ``cu_seqlens`` are read on the host only when ``KDA_COMPILE_CHECK_INPUTS`` asks for value checks (a device sync
 per call otherwise; KDA's rule, docs/kda-input-checks.md): unchecked offsets that are not offsets from 0 to T give
 an in-range, meaningless selection (``reference.visible_ranges`` clamps every range to the keys), never an
@@ -18,7 +19,8 @@ import functools
 import torch
 
 from kda_compile.ops import envs
-from kda_compile.ops._common import module_unusable, record_fallback
+from kda_compile.ops._common import module_unusable
+from kda_compile.ops._kernel_choice import Kernel, KernelMenu
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.dsa.sparse import wgmma_forward
 from kda_compile.ops.dsa.pooled.reference import pooled_indexer_topk_reference
@@ -69,10 +71,27 @@ def _why_not_attention(q, k, v, d_v) -> str | None:
     return None
 
 
+def _reference(label: str = "torch reference") -> Kernel:
+    return Kernel("reference", label)
+
+
+INDEXER = KernelMenu("dsa_indexer_topk", (
+    Kernel("triton", "Triton indexer kernel", cannot_run=lambda q, k: _why_not_indexer(q, k)), _reference()))
+POOLED_INDEXER = KernelMenu("dsa_pooled_indexer_topk", (
+    Kernel("triton", "Triton pooled indexer kernel",
+           cannot_run=lambda q, k: _why_not_indexer(q, k, "kda_compile.ops.dsa.pooled.triton_indexer")),
+    _reference()))
+SPARSE_ATTENTION = KernelMenu("dsa_sparse_attention", (
+    Kernel("triton", "Triton sparse attention kernel", cannot_run=_why_not_attention), _reference()))
+SPARSE_ATTENTION_BACKWARD = KernelMenu("dsa_sparse_attention_backward", (
+    Kernel("triton", "Triton sparse attention backward kernel",
+           cannot_run=lambda q, k, v, d_v: (_why_not_attention(q, k, v, d_v)
+                                            or _unusable("kda_compile.ops.dsa.sparse.triton_backward"))),
+    _reference("torch blockwise reference")))
+
+
 def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
-    why = _why_not_indexer(q, k)
-    if why:
-        record_fallback("dsa_indexer_topk", "torch reference", why)
+    if INDEXER.choose(q, k).name == "reference":
         return indexer_topk_reference(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal)
     from kda_compile.ops.dsa.indexer.triton_indexer import indexer_topk_triton
 
@@ -83,9 +102,7 @@ def indexer_topk_cuda(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causa
 
 def pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail):
     args = (q, k, gate, weights, key_valid, ape, query_mask, topk, scale, q_offset, select_tail)
-    why = _why_not_indexer(q, k, "kda_compile.ops.dsa.pooled.triton_indexer")
-    if why:
-        record_fallback("dsa_pooled_indexer_topk", "torch reference", why)
+    if POOLED_INDEXER.choose(q, k).name == "reference":
         return pooled_indexer_topk_reference(*args)
     from kda_compile.ops.dsa.pooled.triton_indexer import pooled_indexer_topk_triton
 
@@ -93,9 +110,7 @@ def pooled_indexer_topk_cuda(q, k, gate, weights, key_valid, ape, query_mask, to
 
 
 def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
-    why = _why_not_attention(q, k, v, d_v)
-    if why:
-        record_fallback("dsa_sparse_attention", "torch reference", why)
+    if SPARSE_ATTENTION.choose(q, k, v, d_v).name == "reference":
         o, lse = sparse_attention_reference(q, k, v, indices, scale, d_v)
         return o.to(q.dtype).contiguous(), lse.contiguous()
     from kda_compile.ops.dsa.sparse.triton_forward import sparse_attention_fwd_triton
@@ -104,15 +119,12 @@ def sparse_attention_fwd_cuda(q, k, v, indices, scale, d_v):
         try:
             return wgmma_forward.sparse_attention_fwd_wgmma(q, k, indices, scale)
         except NvrtcUnavailable as exc:
-            record_fallback("dsa_sparse_attention", "Triton sparse attention kernel",
-                            f"the wgmma sparse attention kernel could not be built: {exc}")
+            wgmma_forward.record_unavailable(exc)
     return sparse_attention_fwd_triton(q, k, v, indices, scale, d_v)
 
 
 def sparse_attention_bwd_cuda(grad_o, grad_lse, q, k, v, indices, o, lse, scale, d_v):
-    why = _why_not_attention(q, k, v, d_v) or _unusable("kda_compile.ops.dsa.sparse.triton_backward")
-    if why:
-        record_fallback("dsa_sparse_attention_backward", "torch blockwise reference", why)
+    if SPARSE_ATTENTION_BACKWARD.choose(q, k, v, d_v).name == "reference":
         return sparse_attention_backward_reference(grad_o, grad_lse, q, k, v, indices, scale, d_v)
     from kda_compile.ops.dsa.sparse.triton_backward import sparse_attention_bwd_triton
 

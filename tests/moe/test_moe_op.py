@@ -54,7 +54,7 @@ def test_fullgraph_compile_gives_the_eager_result():
 def test_cpu_and_float64_run_the_reference_and_explicit_kernels_say_why_they_cannot():
     x, index, weights, gate_up, down = routed()
     assert choose_kernel("auto", x, index, gate_up, down) == "reference"
-    with pytest.raises(ValueError, match="kernel='grouped_mm' cannot run this call: .*CUDA"):
+    with pytest.raises(ValueError, match=r"\(kernel='grouped_mm'\) but cannot run this call: .*CUDA"):
         moe_experts(x, index, weights, gate_up, down, kernel="grouped_mm")
 
 

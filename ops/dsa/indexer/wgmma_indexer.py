@@ -14,8 +14,8 @@ import functools
 import torch
 
 from kda_compile.ops import envs
-from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice,
-                                    on_device, record_fallback, sm_count)
+from kda_compile.ops._common import cdiv, cuda_index, half_rows_problem, hopper_problem, on_device, sm_count
+from kda_compile.ops._kernel_choice import Choice, cuda_or_triton
 from kda_compile.ops._nvrtc import load_kernel, tensor_map_16bit
 from kda_compile.ops.dsa.indexer import wgmma_indexer_source as src
 
@@ -49,16 +49,14 @@ def layout_problem(q, k) -> str | None:
     return half_rows_problem("q", q) or half_rows_problem("k", k)
 
 
+MENU = cuda_or_triton(_OP, "wgmma indexer kernel", "Triton indexer kernel", outside_design, layout_problem)
+
+
 def choose_kernel(q, k) -> str:
     """"cuda" (this kernel) or "triton" for the score codes of a few queries. Outside the kernel's design the
     Triton kernel is the call's kernel; a layout problem on a call it is written for, or a forced "cuda" it
-    cannot take, is recorded as a fallback."""
-    requested = envs.indexer_kernel()
-    if requested == "triton":
-        return "triton"
-    design = outside_design(q, k)
-    why = design or layout_problem(q, k)
-    return kernel_choice(requested, design, why, _OP, "Triton indexer kernel", "wgmma indexer kernel")
+    cannot take, is recorded as a fallback (``ops/_kernel_choice.py``)."""
+    return MENU.choose(q, k, requested=envs.indexer_kernel(), refused="fall back").name
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,4 +121,5 @@ def indexer_codes_wgmma(q, k, weights, key_mask, lo, hi, codes, row0: int, width
 
 
 def record_unavailable(exc: Exception) -> None:
-    record_fallback(_OP, "Triton indexer kernel", f"the wgmma indexer kernel could not be built: {exc}")
+    """The chosen kernel could not be built: the call runs the Triton kernel, recorded as a fallback."""
+    MENU.after_failure(Choice(MENU.named("cuda")), exc)

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from kda_compile.ops import envs
-from kda_compile.ops._common import (cdiv, cuda_index, device_capability, kernel_choice, on_device,
-                                    record_fallback, sm_count)
+from kda_compile.ops._common import cdiv, cuda_index, device_capability, on_device, sm_count
+from kda_compile.ops._kernel_choice import Choice, cuda_or_triton
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa.pooled import cuda_keys_source as src
 from kda_compile.ops.dsa.pooled.reference import empty_pools
@@ -113,9 +113,14 @@ def _warps_for(stage: int, index: int) -> int:
     return min(src.MAX_WARPS, _shared_limit(index) // (2 * stage))
 
 
+# The call's problems are worked out once in serving_layout (with its row layout) and handed to the menu.
+MENU = cuda_or_triton(_OP, "CUDA pool-forming kernel", "Triton pool-forming kernel",
+                      lambda design, why: design, lambda design, why: why)
+
+
 def serving_layout(k, gate, pool: int, flags=None) -> RowLayout | None:
     """The row layout this kernel forms a call's pools with, or None where the Triton kernel forms them (recorded
-    as a fallback as ``kernel_choice`` says). ``flags``: the key flags (``row_layout``); the layout then says in
+    as a fallback as ``ops/_kernel_choice.py`` says). ``flags``: the key flags (``row_layout``); the layout then says in
     ``v_off`` whether ``pools_from_rows`` reads them in the rows. Computed once per call and passed to the launch."""
     requested = envs.pool_kernel()
     if requested == "triton":
@@ -132,8 +137,8 @@ def serving_layout(k, gate, pool: int, flags=None) -> RowLayout | None:
     if why is None and warps_per_cta(layout, pool, cuda_index(k.device)) == 0:
         why = (f"two stages of a pool's rows ({2 * _stage_bytes(layout, pool)[0]} bytes) exceed the GPU's shared "
                f"memory per block")
-    choice = kernel_choice(requested, design, why, _OP, "Triton pool-forming kernel", "CUDA pool-forming kernel")
-    return layout if choice == "cuda" else None
+    choice = MENU.choose(design, why, requested=requested, refused="fall back")
+    return layout if choice.name == "cuda" else None
 
 
 def choose_kernel(k, gate, pool: int) -> str:
@@ -219,4 +224,5 @@ def _launch(k, gate, layout: RowLayout, key_valid, ape, first, mode: int):
 
 
 def record_unavailable(exc: Exception) -> None:
-    record_fallback(_OP, "Triton pool-forming kernel", f"the CUDA pool-forming kernel could not be built: {exc}")
+    """The chosen kernel could not be built: the call runs the Triton kernel, recorded as a fallback."""
+    MENU.after_failure(Choice(MENU.named("cuda")), exc)

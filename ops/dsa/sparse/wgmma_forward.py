@@ -15,8 +15,8 @@ import functools
 import torch
 
 from kda_compile.ops import envs
-from kda_compile.ops._common import (cdiv, cuda_index, half_rows_problem, hopper_problem, kernel_choice,
-                                    on_device, sm_count)
+from kda_compile.ops._common import cdiv, cuda_index, half_rows_problem, hopper_problem, on_device, sm_count
+from kda_compile.ops._kernel_choice import Choice, cuda_or_triton
 from kda_compile.ops._nvrtc import load_kernel
 from kda_compile.ops.dsa.sparse import wgmma_forward_source as src
 
@@ -54,16 +54,24 @@ def layout_problem(q, k, indices) -> str | None:
     return half_rows_problem("q", q) or half_rows_problem("k", k)
 
 
+MENU = cuda_or_triton(_OP, "wgmma sparse attention kernel", "Triton sparse attention kernel",
+                      lambda q, k, v, indices, d_v: outside_design(q, k, v, d_v),
+                      lambda q, k, v, indices, d_v: layout_problem(q, k, indices))
+
+
 def choose_kernel(q, k, v, indices, d_v: int) -> str:
     """"cuda" (this kernel) or "triton" for a call. Outside the kernel's design the Triton kernel is the call's
     kernel; a layout problem on a call it is written for, or a forced "cuda" it cannot take, is recorded as a
-    fallback."""
+    fallback (``ops/_kernel_choice.py``). A call that selects no key runs the Triton kernel (nothing to stream)."""
     requested = envs.sparse_attention_kernel()
-    if requested == "triton" or indices.shape[-1] == 0:
+    if indices.shape[-1] == 0:
         return "triton"
-    design = outside_design(q, k, v, d_v)
-    why = design or layout_problem(q, k, indices)
-    return kernel_choice(requested, design, why, _OP, "Triton sparse attention kernel", "wgmma sparse attention kernel")
+    return MENU.choose(q, k, v, indices, d_v, requested=requested, refused="fall back").name
+
+
+def record_unavailable(exc: Exception) -> None:
+    """The chosen kernel could not be built: the call runs the Triton kernel, recorded as a fallback."""
+    MENU.after_failure(Choice(MENU.named("cuda")), exc)
 
 
 @functools.lru_cache(maxsize=None)

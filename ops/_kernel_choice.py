@@ -21,7 +21,7 @@ fails when launched (a compiler missing at run time) hands the call on with :met
 
 The last kernel of a menu serves every call (a reference). Ops keep their own rules about which call each
 kernel takes in their ``outside_design`` / ``cannot_run`` functions; this module owns the order, the request, the
-reasons and the record.
+reasons and the record. docs/kernel-choice.md lists which ops choose through a menu and how the others map onto it.
 """
 from __future__ import annotations
 

@@ -19,6 +19,15 @@ for, read from the node's stack trace: the frame of the substitute that produced
 HF's wrapper was substituted), else ``kda_compile.ops`` (called by the model) or ``graph rewrite``.
 ``source`` is the model line that called the entry point.
 
+The routed experts a substitute made ``moe_experts`` (substitution/moe_experts.py) are reported the same way, as
+entries named ``moe_experts``::
+
+    model.layers.0.mlp.experts (modeling_qwen3_moe.py:212) -> kda_compile.moe_experts(
+        entry=transformers grouped_mm_experts_forward, experts=4, top_k=2, H=64, I=32, dtype=torch.float32)
+
+HF's grouped GEMM traced as written (training, or a form the op does not compute) is the model's own path, not a
+left-alone candidate: the substitute logs its reason once at INFO.
+
 Left alone (reported): a Hugging Face torch reference (``chunk_kimi_delta_attention`` /
 ``recurrent_kimi_delta_attention``, or a GDN model's ``torch_chunk_gated_delta_rule`` /
 ``torch_recurrent_gated_delta_rule``) traced as written and not collapsed by another rewrite,
@@ -45,6 +54,7 @@ from kda_compile.passes.delta_rule import probe
 from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.rewrite import RewriteLog
 from kda_compile.passes.substitution import install
+from kda_compile.passes.substitution import moe_experts as moe_substitute
 from kda_compile.passes.substitution import substitutes as kda_substitutes
 from kda_compile.passes.toolkit.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
 
@@ -148,6 +158,25 @@ def unsubstituted_references(gm: torch.fx.GraphModule) -> dict[tuple[str, str], 
 
 
 NAME = "kda_substitution"  # the Config field of trace-time substitution, and the name its entries carry
+MOE_OP = "kda_compile::moe_experts"
+MOE_NAME = "moe_experts"  # the name its entries carry (switched with the other substitutes by kda_substitution)
+_MOE_SUBSTITUTE_FILE = os.path.abspath(moe_substitute.__file__)
+
+
+def moe_site(node: torch.fx.Node) -> Rewritten | None:
+    """The report entry of a ``moe_experts`` call, or None for any other node."""
+    if node.op != "call_function":
+        return None
+    schema = getattr(node.target, "_schema", None)  # an OpOverload; a packet (Dynamo's target) names itself
+    if (schema.name if schema is not None else getattr(node.target, "_qualified_op_name", None)) != MOE_OP:
+        return None
+    x, index, _, gate_up = (tensor_of(a) for a in node.args[:4])
+    by_substitute = any(os.path.abspath(path) == _MOE_SUBSTITUTE_FILE for path, _, _ in _frames(node))
+    details: dict[str, Any] = {"entry": moe_substitute.ENTRY_POINT if by_substitute else "kda_compile.ops"}
+    if x is not None and index is not None and gate_up is not None:
+        details.update(experts=gate_up.shape[0], top_k=index.shape[-1], H=x.shape[-1], I=gate_up.shape[1] // 2,
+                       dtype=str(x.dtype))
+    return Rewritten(MOE_NAME, module_path(node), _entry_and_source(node)[1], "kda_compile.moe_experts", details)
 
 
 def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None:
@@ -156,6 +185,9 @@ def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None
     for node in gm.graph.nodes:
         call = kda_call(node)
         if call is None:
+            moe = moe_site(node)
+            if moe is not None:
+                log.rewritten.append(moe)
             continue
         kind, arguments = call
         entry, source = _entry_and_source(node)

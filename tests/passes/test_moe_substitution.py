@@ -42,12 +42,26 @@ def test_qwen3_next_experts_run_as_the_op_with_eager_logits(expert_calls):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_report_lists_each_substituted_experts_module():
+    model = _qwen3_next()
+    compiled = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))
+    with torch.no_grad():
+        compiled(torch.randint(0, 128, (1, 5)))
+    sites = [s for g in kda_compile.report(compiled).graphs for s in g.rewritten if s.op.endswith("moe_experts")]
+    assert sorted(s.site for s in sites) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(s.source.startswith("modeling_qwen3_next.py:") for s in sites)
+    assert sites[0].details == {"entry": "transformers grouped_mm_experts_forward", "experts": 8, "top_k": 2,
+                                "H": 64, "I": 32, "dtype": "torch.float32"}
+    assert "moe_experts(experts=8, top_k=2, H=64, I=32" in kda_compile.report(compiled).format()
+
+
 def test_training_keeps_hf_grouped_gemm(expert_calls):
     model = _qwen3_next().train()
     ids = torch.randint(0, 128, (1, 5))
     compiled = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))
     compiled(ids).logits.sum().backward()
     assert expert_calls == []
+    assert not [s for g in kda_compile.report(compiled).graphs for s in g.rewritten if s.op.endswith("moe_experts")]
     assert model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
 
 

@@ -89,4 +89,4 @@ def block_sparse_attention_reference(query: torch.Tensor, key: torch.Tensor, val
     probs = torch.exp(scores - lse) * alive
     out = torch.matmul(probs, v[:, :, None])
     lse = torch.where(alive, lse, float("-inf"))
-    return out.reshape(batch, heads, queries, -1), lse.reshape(batch, heads, queries)
+    return out.reshape(batch, heads, queries, value.shape[-1]), lse.reshape(batch, heads, queries)

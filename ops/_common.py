@@ -79,6 +79,16 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, allow_no
         raise arg_error(name, describe(t), f"of dtype {names}", kind=TypeError)
 
 
+def out_of_range_error(name: str, values: torch.Tensor, bad: torch.Tensor, accepted: str) -> ValueError:
+    """The error for the tensor argument ``name`` whose entries flagged in ``bad`` (a bool tensor of its shape, with
+    at least one True) are outside what is ``accepted``: names the first such entry, its value and the count.
+    Reads the values (a device-to-host copy on CUDA: call it only where value checks run)."""
+    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
+    position = ", ".join(map(str, where))
+    return ValueError(f"{name} must be {accepted}, got {int(values[tuple(where)])} at {name}[{position}] "
+                      f"({int(bad.sum())} entries out of range)")
+
+
 def finite_float(name: str, value, accepted: str):
     """``value`` as a finite Python float (bools refused), else the error naming ``name`` and ``accepted``; a
     symbolic float (traced arithmetic) passes through unchecked."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from kda_compile.ops._common import out_of_range_error
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """At least float32."""
@@ -38,13 +40,9 @@ def check_block_index_values(block_indices: torch.Tensor, keys: int, block_size:
     the op calls it there only when value checks are on, ``custom_ops.indices_checked``)."""
     blocks = num_key_blocks(keys, block_size)
     bad = (block_indices < -1) | (block_indices >= blocks)
-    if not bool(bad.any()):
-        return
-    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
-    position = ", ".join(map(str, where))
-    raise ValueError(f"block_indices must be -1 (empty slot) or block indices in [0, ceil(T / block_size)) = "
-                     f"[0, {blocks}), got {int(block_indices[tuple(where)])} at block_indices[{position}] "
-                     f"({int(bad.sum())} entries out of range)")
+    if bool(bad.any()):
+        raise out_of_range_error("block_indices", block_indices, bad,
+                                 f"-1 (empty slot) or block indices in [0, ceil(T / block_size)) = [0, {blocks})")
 
 
 def visible_keys(block_indices: torch.Tensor, keys: int, block_size: int, query_positions: torch.Tensor | None,

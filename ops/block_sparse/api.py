@@ -54,8 +54,8 @@ def block_sparse_attention(
     Returns:
         out [B, H, Sq, Dv] in query's dtype. A row with no visible key (all its slots empty, or every key of its
         blocks in its future or padded; T = 0 too) gives 0, never NaN (internally its log-sum-exp is -inf).
-        Differentiable w.r.t. query, key and value; the backward is autograd through the reference math on every
-        device (recorded as a fallback on CUDA: no backward kernel yet).
+        Differentiable w.r.t. query, key and value: on CUDA a Triton backward (dk / dv summed by atomics, so
+        not bitwise reproducible run to run) wherever the forward kernel runs, else autograd through the reference.
 
     Bad arguments raise ValueError / TypeError naming the argument, its value and what is accepted, eagerly and,
     unchanged, from a ``torch.compile(fullgraph=True)`` function when it runs (docs/op-input-errors.md).

@@ -7,9 +7,12 @@ scale) -> (out, lse)``
     accepts: the Triton kernel (``triton_forward.py``); CPU, float64, and other block sizes on CUDA (logged
     through ``record_fallback``): the reference (``reference.py``).
 
-``block_sparse_attention_bwd(grad_out, grad_lse?, <the forward's tensors>, block_size, scale) -> (dq, dk, dv)``
-    each in its input's shape and dtype, contiguous: autograd through the reference on every device (on CUDA
-    recorded as a fallback: there is no Triton backward kernel yet; docs/block-sparse.md, section "Backward").
+``block_sparse_attention_bwd(grad_out, grad_lse?, <the forward's tensors>, out, lse, block_size, scale)
+-> (dq, dk, dv)``
+    each in its input's shape and dtype, contiguous. Where the forward ran the Triton kernel, the Triton backward
+    (``triton_backward.py``: dq per program, dk / dv by float32 atomics, reusing the forward's lse); elsewhere
+    autograd through the reference (on CUDA logged with the forward's reason; docs/block-sparse.md, section
+    "Backward").
 
 Values of ``block_indices``: -1 or a block in ``[0, ceil(T / block_size))``, else a ValueError naming the first
 entry: checked on the CPU on every call, on CUDA with ``KDA_COMPILE_CHECK_INPUTS=1`` only (``indices_checked``);
@@ -97,11 +100,20 @@ def _block_sparse_attention_fwd_fake(query, key, value, block_indices, query_pos
 @torch.library.custom_op("kda_compile::block_sparse_attention_bwd", mutates_args=())
 def block_sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key: Tensor,
                                value: Tensor, block_indices: Tensor, query_positions: Optional[Tensor],
-                               key_padding_mask: Optional[Tensor], block_size: int,
+                               key_padding_mask: Optional[Tensor], out: Tensor, lse: Tensor, block_size: int,
                                scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) by autograd through the reference (the forward's values are recomputed there)."""
-    if query.device.type == "cuda":
-        record_fallback(OP, "torch reference backward", "there is no Triton backward kernel yet")
+    """(dq, dk, dv): the Triton backward on CUDA where the kernels take the call, else autograd through the
+    reference (which recomputes the forward)."""
+    if key.shape[2] and query.device.type == "cuda":
+        problem = _kernel_problem(query, block_size)
+        if problem is None:
+            from kda_compile.ops.block_sparse.triton_backward import block_sparse_attention_bwd_triton
+
+            with on_device(cuda_index(query.device)):
+                return block_sparse_attention_bwd_triton(grad_out, grad_lse, query, key, value, block_indices,
+                                                         query_positions, key_padding_mask, out, lse, block_size,
+                                                         scale)
+        record_fallback(OP, "torch reference backward", problem)
 
     def run(leaves):
         return block_sparse_attention_reference(leaves["query"], leaves["key"], leaves["value"], block_indices,
@@ -114,13 +126,14 @@ def block_sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], que
 
 @block_sparse_attention_bwd.register_fake
 def _block_sparse_attention_bwd_fake(grad_out, grad_lse, query, key, value, block_indices, query_positions,
-                                     key_padding_mask, block_size, scale):
+                                     key_padding_mask, out, lse, block_size, scale):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, block_indices, query_positions, key_padding_mask, block_size, scale = inputs
-    ctx.save_for_backward(query, key, value, block_indices, query_positions, key_padding_mask)
+    out, lse = output
+    ctx.save_for_backward(query, key, value, block_indices, query_positions, key_padding_mask, out, lse)
     ctx.params = (block_size, scale)
 
 

@@ -140,8 +140,21 @@ def block_sparse_attention_fwd_kernel(
     tl.store(Lse + b * stride_lb + heads * stride_lh + i * stride_ls, lse, mask=h_ok)
 
 
-def _precision(dtype: torch.dtype) -> str:
+def precision(dtype: torch.dtype) -> str:
+    """The dots' input precision: IEEE in float32 (the reference's rounding), the default for half types."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def padded_width(width: int) -> int:
+    """A head width's tile: the next power of two, at least 16 (the dots' smallest)."""
+    return max(16, next_power_of_2(width))
+
+
+def head_block_rows(heads_per_group: int) -> tuple[int, int]:
+    """(rows of a program's head block, head blocks per group): a group's heads padded to a power of two of 16
+    to ``MAX_HEADS_PER_PROGRAM`` rows, more heads over several programs."""
+    rows = min(MAX_HEADS_PER_PROGRAM, padded_width(heads_per_group))
+    return rows, cdiv(heads_per_group, rows)
 
 
 def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size: int, scale: float,
@@ -160,12 +173,11 @@ def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_si
     num_blocks = cdiv(keys, block_size)
     selection = selection_in_block_order(block_indices, num_blocks)
     per_group = heads // groups
-    block_m = min(MAX_HEADS_PER_PROGRAM, max(16, next_power_of_2(per_group)))
-    head_blocks = cdiv(per_group, block_m)
+    block_m, head_blocks = head_block_rows(per_group)
     positions = query_positions if query_positions is not None else selection  # an unread stand-in
     padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else selection
-    position_strides = (query_positions.stride() if query_positions is not None else (0, 0))
-    padding_strides = (padding.stride() if key_padding_mask is not None else (0, 0))
+    position_strides = query_positions.stride() if query_positions is not None else (0, 0)
+    padding_strides = padding.stride() if key_padding_mask is not None else (0, 0)
     grid = (batch * queries, groups * head_blocks)
     block_sparse_attention_fwd_kernel[grid](
         query, key, value, selection, positions, padding, out, lse,
@@ -173,8 +185,8 @@ def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_si
         *out.stride(), *lse.stride(),
         queries, keys, selection.shape[-1], per_group, head_blocks, dim, d_v, num_blocks, float(scale),
         BLOCK_SIZE=block_size, BLOCK_N=key_tile(block_size), BLOCK_M=block_m,
-        BLOCK_D=max(16, next_power_of_2(dim)), BLOCK_DV=max(16, next_power_of_2(d_v)),
+        BLOCK_D=padded_width(dim), BLOCK_DV=padded_width(d_v),
         HAS_POS=query_positions is not None, HAS_PAD=key_padding_mask is not None,
-        PRECISION=_precision(query.dtype), num_warps=4, num_stages=2,
+        PRECISION=precision(query.dtype), num_warps=4, num_stages=2,
     )
     return out, lse

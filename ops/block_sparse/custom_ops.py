@@ -3,12 +3,11 @@
 ``block_sparse_attention_fwd(query, key, value, block_indices, query_positions?, key_padding_mask?, block_size,
 scale) -> (out, lse)``
     out [B, H, Sq, Dv] contiguous in query's dtype, lse [B, H, Sq] float32 contiguous (natural log; -inf for a
-    row without a visible key, whose out is 0). CUDA float16 / bfloat16 / float32 with a block size the kernel
+    row without a visible key, whose out is 0; a residual for the backward, not differentiable). CUDA float16 / bfloat16 / float32 with a block size the kernel
     accepts: the Triton kernel (``triton_forward.py``); CPU, float64, and other block sizes on CUDA (logged
     through ``record_fallback``): the reference (``reference.py``).
 
-``block_sparse_attention_bwd(grad_out, grad_lse?, <the forward's tensors>, out, lse, block_size, scale)
--> (dq, dk, dv)``
+``block_sparse_attention_bwd(grad_out, <the forward's tensors>, out, lse, block_size, scale) -> (dq, dk, dv)``
     each in its input's shape and dtype, contiguous. Where the forward ran the Triton kernel, the Triton backward
     (``triton_backward.py``: dq per program, dk / dv by float32 atomics, reusing the forward's lse); elsewhere
     autograd through the reference (on CUDA logged with the forward's reason; docs/block-sparse.md, section
@@ -98,8 +97,7 @@ def _block_sparse_attention_fwd_fake(query, key, value, block_indices, query_pos
 
 
 @torch.library.custom_op("kda_compile::block_sparse_attention_bwd", mutates_args=())
-def block_sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], query: Tensor, key: Tensor,
-                               value: Tensor, block_indices: Tensor, query_positions: Optional[Tensor],
+def block_sparse_attention_bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor, query_positions: Optional[Tensor],
                                key_padding_mask: Optional[Tensor], out: Tensor, lse: Tensor, block_size: int,
                                scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): the Triton backward on CUDA where the kernels take the call, else autograd through the
@@ -110,7 +108,7 @@ def block_sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], que
             from kda_compile.ops.block_sparse.triton_backward import block_sparse_attention_bwd_triton
 
             with on_device(cuda_index(query.device)):
-                return block_sparse_attention_bwd_triton(grad_out, grad_lse, query, key, value, block_indices,
+                return block_sparse_attention_bwd_triton(grad_out, query, key, value, block_indices,
                                                          query_positions, key_padding_mask, out, lse, block_size,
                                                          scale)
         record_fallback(OP, "torch reference backward", problem)
@@ -120,12 +118,12 @@ def block_sparse_attention_bwd(grad_out: Tensor, grad_lse: Optional[Tensor], que
                                                 block_size, scale, query_positions, key_padding_mask)
 
     inputs = {"query": query, "key": key, "value": value}
-    grads = grads_by_autograd(run, inputs, grad_out, grad_lse)
+    grads = grads_by_autograd(run, inputs, grad_out, None)
     return tuple(g.to(t.dtype).contiguous() for g, t in zip(grads, inputs.values()))
 
 
 @block_sparse_attention_bwd.register_fake
-def _block_sparse_attention_bwd_fake(grad_out, grad_lse, query, key, value, block_indices, query_positions,
+def _block_sparse_attention_bwd_fake(grad_out, query, key, value, block_indices, query_positions,
                                      key_padding_mask, out, lse, block_size, scale):
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
@@ -133,12 +131,13 @@ def _block_sparse_attention_bwd_fake(grad_out, grad_lse, query, key, value, bloc
 def _setup_context(ctx, inputs, output):
     query, key, value, block_indices, query_positions, key_padding_mask, block_size, scale = inputs
     out, lse = output
+    ctx.mark_non_differentiable(lse)
     ctx.save_for_backward(query, key, value, block_indices, query_positions, key_padding_mask, out, lse)
     ctx.params = (block_size, scale)
 
 
-def _backward(ctx, grad_out, grad_lse):
-    dq, dk, dv = torch.ops.kda_compile.block_sparse_attention_bwd(grad_out, grad_lse, *ctx.saved_tensors,
+def _backward(ctx, grad_out, _grad_lse):  # lse is not differentiable
+    dq, dk, dv = torch.ops.kda_compile.block_sparse_attention_bwd(grad_out, *ctx.saved_tensors,
                                                                   *ctx.params)
     return dq, dk, dv, None, None, None, None, None
 

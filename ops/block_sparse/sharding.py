@@ -1,7 +1,7 @@
 """DTensor placements of the block-sparse attention ops. docs/distributed.md has the table.
 
 Query heads are independent, and each KV group's selection serves exactly that group's query heads: query
-``[B, H, Sq, D]``, out, lse, grad_out and grad_lse on dim 1 together with key, value and block_indices
+``[B, H, Sq, D]``, out, lse and grad_out on dim 1 together with key, value and block_indices
 ``[B, G, ...]`` on their dim 1 (H and G must divide into the same number of blocks, so a rank's query heads go
 with their own groups); query_positions and key_padding_mask (per batch row, shared by all heads) replicated.
 Gradients follow their inputs. Anything else runs replicated.
@@ -12,7 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from kda_compile.ops._sharding import OpCall, Strategy, heads_split_evenly, replicated
 
-HEAD_SIDE = ("query", "key", "value", "block_indices", "out", "lse", "grad_out", "grad_lse")
+HEAD_SIDE = ("query", "key", "value", "block_indices", "out", "lse", "grad_out")
 
 
 def _head_inputs(call: OpCall) -> dict | None:

@@ -4,7 +4,7 @@ Kernel and launcher only (no torch.compile, no dispatch). The programs are the f
 query, KV group and block of the group's heads; ``triton_forward.py``), walking the same selection in block
 order with repeats skipped, tile by tile. Each recomputes the probabilities from the forward's log-sum-exp,
 ``p = exp(s - lse)``, and with ``delta = rowsum(dout * out)`` (a torch reduction before the launch) forms
-``ds = p * (dout @ v^T - delta + dlse)``: then ``dq += scale * ds @ k`` in registers (the program owns its rows,
+``ds = p * (dout @ v^T - delta)``: then ``dq += scale * ds @ k`` in registers (the program owns its rows,
 so dq is stored once, in the query dtype), while ``dk += scale * ds^T @ q`` and ``dv += p^T @ dout`` go to float32
 buffers [B, G, T, *] by atomic adds (the queries that selected a block add to it concurrently; the order of
 those adds is not fixed, so dk / dv are not bitwise reproducible run to run). A row without a visible key
@@ -28,7 +28,7 @@ from kda_compile.ops.block_sparse.triton_forward import (
 
 
 @triton.jit
-def _tile_gradients(q, do, lse2, delta, dlse, k_base, v_base, pad_base, dk_base, dv_base, start, pos, T, offs_n,
+def _tile_gradients(q, do, lse2, delta, k_base, v_base, pad_base, dk_base, dv_base, start, pos, T, offs_n,
                     offs_d, d_ok, offs_dv, dv_ok, dq, qk_scale, scale, stride_kt, stride_kd, stride_vt, stride_vd,
                     stride_mt, stride_gt, stride_gd, stride_ht, stride_hd,
                     HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
@@ -46,7 +46,7 @@ def _tile_gradients(q, do, lse2, delta, dlse, k_base, v_base, pad_base, dk_base,
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     p = tl.where(ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None] + dlse[:, None])
+    ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     dv_tile = tl.dot(tl.trans(p).to(do.dtype), do, input_precision=PRECISION)
     dk_tile = tl.dot(tl.trans(ds).to(q.dtype), q, input_precision=PRECISION) * scale
@@ -59,7 +59,7 @@ def _tile_gradients(q, do, lse2, delta, dlse, k_base, v_base, pad_base, dk_base,
 
 @triton.jit
 def block_sparse_attention_bwd_kernel(
-    Q, K, V, Idx, Pos, Pad, DO, Lse, Delta, DLse, DQ, DK, DV,
+    Q, K, V, Idx, Pos, Pad, DO, Lse, Delta, DQ, DK, DV,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kg, stride_kt, stride_kd,
     stride_vb, stride_vg, stride_vt, stride_vd,
@@ -72,12 +72,11 @@ def block_sparse_attention_bwd_kernel(
     stride_hb, stride_hg, stride_ht, stride_hd,
     SQ, T, SLOTS, HEADS_PER_GROUP, HEAD_BLOCKS, D, DV_WIDTH, NUM_BLOCKS, scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, HAS_POS: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DLSE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    BLOCK_DV: tl.constexpr, HAS_POS: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dQ[b, heads, i] (query dtype, [B, H, Sq, D] contiguous) for one query and one block of one group's heads;
-    adds into DK [B, G, T, D] and DV [B, G, T, DV] (float32). DO by strides; Lse, Delta, DLse float32 [B, H, Sq]
-    (DLse: HAS_DLSE); the rest as the forward kernel. Grid (B * Sq, G * HEAD_BLOCKS)."""
+    adds into DK [B, G, T, D] and DV [B, G, T, DV] (float32). DO by strides; Lse, Delta float32 [B, H, Sq]; the rest as
+    the forward kernel. Grid (B * Sq, G * HEAD_BLOCKS)."""
     token = tl.program_id(0)
     b = (token // SQ).to(tl.int64)
     i = (token % SQ).to(tl.int64)
@@ -103,10 +102,6 @@ def block_sparse_attention_bwd_kernel(
     lse = tl.load(Lse + stats, mask=h_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # no key: p = 0 on every slot
     delta = tl.load(Delta + b * stride_eb + heads * stride_eh + i * stride_es, mask=h_ok, other=0.0)
-    if HAS_DLSE:
-        dlse = tl.load(DLse + stats, mask=h_ok, other=0.0)
-    else:
-        dlse = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = K + b * stride_kb + g * stride_kg
     v_base = V + b * stride_vb + g * stride_vg
     dk_base = DK + b * stride_gb + g * stride_gg
@@ -122,7 +117,7 @@ def block_sparse_attention_bwd_kernel(
             for offset in range(0, BLOCK_SIZE, BLOCK_N):
                 start = block.to(tl.int64) * BLOCK_SIZE + offset
                 if (start < T) & (start <= pos):
-                    dq = _tile_gradients(q, do, lse2, delta, dlse, k_base, v_base, pad_base, dk_base, dv_base,
+                    dq = _tile_gradients(q, do, lse2, delta, k_base, v_base, pad_base, dk_base, dv_base,
                                          start, pos, T, offs_n, offs_d, d_ok, offs_dv, dv_ok, dq, qk_scale, scale,
                                          stride_kt, stride_kd, stride_vt, stride_vd, stride_mt, stride_gt,
                                          stride_gd, stride_ht, stride_hd, HAS_PAD, PRECISION)
@@ -131,13 +126,13 @@ def block_sparse_attention_bwd_kernel(
              mask=h_ok[:, None] & d_ok[None, :])
 
 
-def block_sparse_attention_bwd_triton(grad_out, grad_lse, query, key, value, block_indices, query_positions,
+def block_sparse_attention_bwd_triton(grad_out, query, key, value, block_indices, query_positions,
                                       key_padding_mask, out, lse, block_size: int, scale: float):
     """(dq, dk, dv), each contiguous in its input's dtype and shape. ``out`` / ``lse``: the forward's outputs
-    (``block_sparse_attention_fwd_triton``); ``grad_lse`` None or float [B, H, Sq]."""
+    (``block_sparse_attention_fwd_triton``)."""
     batch, heads, queries, dim = query.shape
     groups, keys, d_v = key.shape[1], key.shape[2], value.shape[-1]
-    query, lse = query.contiguous(), lse.contiguous()  # dq is written at query's strides, dlse read at lse's
+    query = query.contiguous()  # dq is written at query's strides
     dq = torch.empty_like(query)
     dk = torch.zeros((batch, groups, keys, dim), dtype=torch.float32, device=key.device)
     dv = torch.zeros((batch, groups, keys, d_v), dtype=torch.float32, device=key.device)
@@ -145,7 +140,6 @@ def block_sparse_attention_bwd_triton(grad_out, grad_lse, query, key, value, blo
         num_blocks = cdiv(keys, block_size)
         selection = selection_in_block_order(block_indices, num_blocks)
         delta = (grad_out.float() * out.float()).sum(-1)
-        dlse = grad_lse.float().contiguous() if grad_lse is not None else lse  # read at lse's strides
         per_group = heads // groups
         block_m, head_blocks = head_block_rows(per_group)
         positions = query_positions if query_positions is not None else selection  # an unread stand-in
@@ -153,14 +147,13 @@ def block_sparse_attention_bwd_triton(grad_out, grad_lse, query, key, value, blo
         position_strides = query_positions.stride() if query_positions is not None else (0, 0)
         padding_strides = padding.stride() if key_padding_mask is not None else (0, 0)
         block_sparse_attention_bwd_kernel[(batch * queries, groups * head_blocks)](
-            query, key, value, selection, positions, padding, grad_out, lse, delta, dlse, dq, dk, dv,
+            query, key, value, selection, positions, padding, grad_out, lse, delta, dq, dk, dv,
             *query.stride(), *key.stride(), *value.stride(), *selection.stride(), *position_strides,
             *padding_strides, *grad_out.stride(), *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
             queries, keys, selection.shape[-1], per_group, head_blocks, dim, d_v, num_blocks, float(scale),
             BLOCK_SIZE=block_size, BLOCK_N=key_tile(block_size), BLOCK_M=block_m, BLOCK_D=padded_width(dim),
             BLOCK_DV=padded_width(d_v), HAS_POS=query_positions is not None,
-            HAS_PAD=key_padding_mask is not None, HAS_DLSE=grad_lse is not None,
-            PRECISION=precision(query.dtype), num_warps=4, num_stages=1,
+            HAS_PAD=key_padding_mask is not None, PRECISION=precision(query.dtype), num_warps=4, num_stages=1,
         )
     elif not keys:
         dq.zero_()

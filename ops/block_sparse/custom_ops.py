@@ -3,9 +3,9 @@
 ``block_sparse_attention_fwd(query, key, value, block_indices, query_positions?, key_padding_mask?, block_size,
 scale) -> (out, lse)``
     out [B, H, Sq, Dv] contiguous in query's dtype, lse [B, H, Sq] float32 contiguous (natural log; -inf for a
-    row without a visible key, whose out is 0; a residual for the backward, not differentiable). CUDA float16 / bfloat16 / float32 with a block size the kernel
-    accepts: the Triton kernel (``triton_forward.py``); CPU, float64, and other block sizes on CUDA (logged
-    through ``record_fallback``): the reference (``reference.py``).
+    row without a visible key, whose out is 0; a residual for the backward, not differentiable). CUDA float16 /
+    bfloat16 / float32 with a block size the kernel accepts: the Triton kernel (``triton_forward.py``); CPU,
+    float64, and other block sizes on CUDA (logged through ``record_fallback``): the reference (``reference.py``).
 
 ``block_sparse_attention_bwd(grad_out, <the forward's tensors>, out, lse, block_size, scale) -> (dq, dk, dv)``
     each in its input's shape and dtype, contiguous. Where the forward ran the Triton kernel, the Triton backward
@@ -97,9 +97,9 @@ def _block_sparse_attention_fwd_fake(query, key, value, block_indices, query_pos
 
 
 @torch.library.custom_op("kda_compile::block_sparse_attention_bwd", mutates_args=())
-def block_sparse_attention_bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor, query_positions: Optional[Tensor],
-                               key_padding_mask: Optional[Tensor], out: Tensor, lse: Tensor, block_size: int,
-                               scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def block_sparse_attention_bwd(grad_out: Tensor, query: Tensor, key: Tensor, value: Tensor, block_indices: Tensor,
+                               query_positions: Optional[Tensor], key_padding_mask: Optional[Tensor], out: Tensor,
+                               lse: Tensor, block_size: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): the Triton backward on CUDA where the kernels take the call, else autograd through the
     reference (which recomputes the forward)."""
     if key.shape[2] and query.device.type == "cuda":

@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, format_table, rel_error, row
+from kda_compile.bench.common import cuda_graph_time, format_table, named_choices, rel_error, row
 
 logger = logging.getLogger("kda_compile.bench.block_sparse")
 
@@ -31,14 +31,6 @@ REFERENCE_ELEMENTS = 1 << 31  # the float32 reference's dense scores must stay u
 def add_arguments(parser) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes to measure")
     parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated providers")
-
-
-def choices(text: str, allowed, option: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise SystemExit(f"{option} must name some of {', '.join(allowed)}, got {text!r}")
-    return names
 
 
 def random_selection(batch: int, queries: int, keys: int, device) -> torch.Tensor:
@@ -83,8 +75,8 @@ def run(args) -> list[dict]:
         raise SystemExit("the block_sparse benchmark needs a CUDA device")
     from kda_compile.ops.block_sparse.reference import block_sparse_attention_reference
 
-    shapes = choices(args.shapes, tuple(SHAPES), "--shapes")
-    providers = _providers(choices(args.providers, PROVIDERS, "--providers"))
+    shapes = named_choices(args.shapes, tuple(SHAPES), "--shapes")
+    providers = _providers(named_choices(args.providers, PROVIDERS, "--providers"))
     torch.manual_seed(0)
     rows, table = [], []
     for name in shapes:

@@ -23,6 +23,8 @@ from kda_compile.ops.block_sparse.triton_forward import (
     key_tile,
     padded_width,
     precision,
+    program_rows,
+    selected_tile,
     selection_in_block_order,
 )
 
@@ -75,20 +77,10 @@ def block_sparse_attention_bwd_kernel(
     BLOCK_DV: tl.constexpr, HAS_POS: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dQ[b, heads, i] (query dtype, [B, H, Sq, D] contiguous) for one query and one block of one group's heads;
-    adds into DK [B, G, T, D] and DV [B, G, T, DV] (float32). DO by strides; Lse, Delta float32 [B, H, Sq]; the rest as
-    the forward kernel. Grid (B * Sq, G * HEAD_BLOCKS)."""
-    token = tl.program_id(0)
-    b = (token // SQ).to(tl.int64)
-    i = (token % SQ).to(tl.int64)
-    g = tl.program_id(1) // HEAD_BLOCKS
-    in_group = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
-    h_ok = in_group < HEADS_PER_GROUP
-    heads = (g * HEADS_PER_GROUP + in_group).to(tl.int64)
-    if HAS_POS:
-        pos = tl.load(Pos + b * stride_pb + i * stride_ps).to(tl.int64)
-    else:
-        pos = T - SQ + i
-
+    adds into DK [B, G, T, D] and DV [B, G, T, DV] (float32). DO by strides; Lse, Delta float32 [B, H, Sq]; the
+    rest as the forward kernel. Grid (B * Sq, G * HEAD_BLOCKS)."""
+    b, i, g, heads, h_ok, pos = program_rows(Pos, stride_pb, stride_ps, SQ, T, HEADS_PER_GROUP, HEAD_BLOCKS, BLOCK_M,
+                                             HAS_POS)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -110,18 +102,13 @@ def block_sparse_attention_bwd_kernel(
     i_base = Idx + b * stride_ib + g * stride_ig + i * stride_is
     qk_scale = scale * LOG2E
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    previous = tl.load(i_base) * 0 - 1
-    for slot in range(0, SLOTS):
-        block = tl.load(i_base + slot * stride_ik)
-        if (block < NUM_BLOCKS) & (block != previous):  # an empty slot, or a repeat: nothing to add
-            for offset in range(0, BLOCK_SIZE, BLOCK_N):
-                start = block.to(tl.int64) * BLOCK_SIZE + offset
-                if (start < T) & (start <= pos):
-                    dq = _tile_gradients(q, do, lse2, delta, k_base, v_base, pad_base, dk_base, dv_base,
-                                         start, pos, T, offs_n, offs_d, d_ok, offs_dv, dv_ok, dq, qk_scale, scale,
-                                         stride_kt, stride_kd, stride_vt, stride_vd, stride_mt, stride_gt,
-                                         stride_gd, stride_ht, stride_hd, HAS_PAD, PRECISION)
-        previous = block
+    for tile in range(0, SLOTS * (BLOCK_SIZE // BLOCK_N)):
+        start, active = selected_tile(i_base, stride_ik, tile, pos, T, NUM_BLOCKS, BLOCK_SIZE, BLOCK_N)
+        if active:
+            dq = _tile_gradients(q, do, lse2, delta, k_base, v_base, pad_base, dk_base, dv_base, start, pos, T,
+                                 offs_n, offs_d, d_ok, offs_dv, dv_ok, dq, qk_scale, scale, stride_kt, stride_kd,
+                                 stride_vt, stride_vd, stride_mt, stride_gt, stride_gd, stride_ht, stride_hd,
+                                 HAS_PAD, PRECISION)
     tl.store(DQ + row + offs_d[None, :] * stride_qd, (dq * scale).to(DQ.dtype.element_ty),
              mask=h_ok[:, None] & d_ok[None, :])
 

@@ -50,6 +50,38 @@ def selection_in_block_order(block_indices: torch.Tensor, num_blocks: int) -> to
 
 
 @triton.jit
+def program_rows(Pos, stride_pb, stride_ps, SQ, T, HEADS_PER_GROUP, HEAD_BLOCKS, BLOCK_M: tl.constexpr,
+                 HAS_POS: tl.constexpr):
+    """(b, i, g, heads, h_ok, pos) of this program of the grid (B * Sq, G * HEAD_BLOCKS): its batch row, query and
+    group, its block of the group's heads (and which of those rows are heads), and the query's position (Pos
+    [B, Sq] with HAS_POS, else ``T - Sq + i``)."""
+    token = tl.program_id(0)
+    b = (token // SQ).to(tl.int64)
+    i = (token % SQ).to(tl.int64)
+    g = tl.program_id(1) // HEAD_BLOCKS
+    in_group = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h_ok = in_group < HEADS_PER_GROUP
+    heads = (g * HEADS_PER_GROUP + in_group).to(tl.int64)
+    if HAS_POS:
+        pos = tl.load(Pos + b * stride_pb + i * stride_ps).to(tl.int64)
+    else:
+        pos = T - SQ + i
+    return b, i, g, heads, h_ok, pos
+
+
+@triton.jit
+def selected_tile(i_base, stride_ik, tile, pos, T, NUM_BLOCKS, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(start, active) of key tile ``tile`` of a selection walk (``BLOCK_SIZE // BLOCK_N`` tiles per slot): its first
+    key slot, and whether it has anything to attend: not an empty slot, not a repeat of the slot before (the
+    selection is in block order), not past the keys, not wholly in the query's future."""
+    slot = tile // (BLOCK_SIZE // BLOCK_N)
+    block = tl.load(i_base + slot * stride_ik)
+    before = tl.load(i_base + (slot - 1) * stride_ik, mask=slot > 0, other=-1)
+    start = block.to(tl.int64) * BLOCK_SIZE + (tile % (BLOCK_SIZE // BLOCK_N)) * BLOCK_N
+    return start, (block < NUM_BLOCKS) & (block != before) & (start < T) & (start <= pos)
+
+
+@triton.jit
 def _attend_tile(q, k_base, v_base, pad_base, start, pos, T, offs_n, offs_d, d_ok, offs_dv, dv_ok, m_i, l_i, acc,
                  qk_scale, stride_kt, stride_kd, stride_vt, stride_vd, stride_pt,
                  HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
@@ -92,18 +124,8 @@ def block_sparse_attention_fwd_kernel(
     Q [B, H, Sq, D], K [B, G, T, D], V [B, G, T, DV], Idx int32 [B, G, Sq, SLOTS] in block order
     (``selection_in_block_order``), Pos int [B, Sq] (HAS_POS; else position ``T - Sq + i``), Pad [B, T] uint8
     (HAS_PAD), all by strides. Grid (B * Sq, G * HEAD_BLOCKS)."""
-    token = tl.program_id(0)
-    b = (token // SQ).to(tl.int64)
-    i = (token % SQ).to(tl.int64)
-    g = tl.program_id(1) // HEAD_BLOCKS
-    in_group = (tl.program_id(1) % HEAD_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
-    h_ok = in_group < HEADS_PER_GROUP
-    heads = (g * HEADS_PER_GROUP + in_group).to(tl.int64)
-    if HAS_POS:
-        pos = tl.load(Pos + b * stride_pb + i * stride_ps).to(tl.int64)
-    else:
-        pos = T - SQ + i
-
+    b, i, g, heads, h_ok, pos = program_rows(Pos, stride_pb, stride_ps, SQ, T, HEADS_PER_GROUP, HEAD_BLOCKS, BLOCK_M,
+                                             HAS_POS)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -119,17 +141,12 @@ def block_sparse_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    previous = tl.load(i_base) * 0 - 1
-    for slot in range(0, SLOTS):
-        block = tl.load(i_base + slot * stride_ik)
-        if (block < NUM_BLOCKS) & (block != previous):  # an empty slot, or a repeat: nothing to add
-            for offset in range(0, BLOCK_SIZE, BLOCK_N):
-                start = block.to(tl.int64) * BLOCK_SIZE + offset
-                if (start < T) & (start <= pos):  # else every slot of the tile is past the end or in the future
-                    m_i, l_i, acc = _attend_tile(q, k_base, v_base, pad_base, start, pos, T, offs_n, offs_d, d_ok,
-                                                 offs_dv, dv_ok, m_i, l_i, acc, qk_scale, stride_kt, stride_kd,
-                                                 stride_vt, stride_vd, stride_mt, HAS_PAD, PRECISION)
-        previous = block
+    for tile in range(0, SLOTS * (BLOCK_SIZE // BLOCK_N)):
+        start, active = selected_tile(i_base, stride_ik, tile, pos, T, NUM_BLOCKS, BLOCK_SIZE, BLOCK_N)
+        if active:
+            m_i, l_i, acc = _attend_tile(q, k_base, v_base, pad_base, start, pos, T, offs_n, offs_d, d_ok, offs_dv,
+                                         dv_ok, m_i, l_i, acc, qk_scale, stride_kt, stride_kd, stride_vt, stride_vd,
+                                         stride_mt, HAS_PAD, PRECISION)
 
     alive = l_i > 0
     safe_l = tl.where(alive, l_i, 1.0)

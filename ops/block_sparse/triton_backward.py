@@ -16,17 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv
-from kda_compile.ops.block_sparse.triton_forward import (
-    LOG2E,
-    head_block_rows,
-    key_tile,
-    padded_width,
-    precision,
-    program_rows,
-    selected_tile,
-    selection_in_block_order,
-)
+from kda_compile.ops.block_sparse.triton_forward import LOG2E, program_rows, selected_tile, selection_walk
 
 
 @triton.jit
@@ -117,31 +107,18 @@ def block_sparse_attention_bwd_triton(grad_out, query, key, value, block_indices
                                       key_padding_mask, out, lse, block_size: int, scale: float):
     """(dq, dk, dv), each contiguous in its input's dtype and shape. ``out`` / ``lse``: the forward's outputs
     (``block_sparse_attention_fwd_triton``)."""
-    batch, heads, queries, dim = query.shape
-    groups, keys, d_v = key.shape[1], key.shape[2], value.shape[-1]
+    batch, groups, keys, dim = key.shape
     query = query.contiguous()  # dq is written at query's strides
-    dq = torch.empty_like(query)
+    launch = query.numel() > 0 and keys > 0
+    dq = torch.empty_like(query) if launch else torch.zeros_like(query)  # the kernel writes every row of dq
     dk = torch.zeros((batch, groups, keys, dim), dtype=torch.float32, device=key.device)
-    dv = torch.zeros((batch, groups, keys, d_v), dtype=torch.float32, device=key.device)
-    if dq.numel() and keys:
-        num_blocks = cdiv(keys, block_size)
-        selection = selection_in_block_order(block_indices, num_blocks)
+    dv = torch.zeros((batch, groups, keys, value.shape[-1]), dtype=torch.float32, device=key.device)
+    if launch:
         delta = (grad_out.float() * out.float()).sum(-1)
-        per_group = heads // groups
-        block_m, head_blocks = head_block_rows(per_group)
-        positions = query_positions if query_positions is not None else selection  # an unread stand-in
-        padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else selection
-        position_strides = query_positions.stride() if query_positions is not None else (0, 0)
-        padding_strides = padding.stride() if key_padding_mask is not None else (0, 0)
-        block_sparse_attention_bwd_kernel[(batch * queries, groups * head_blocks)](
-            query, key, value, selection, positions, padding, grad_out, lse, delta, dq, dk, dv,
-            *query.stride(), *key.stride(), *value.stride(), *selection.stride(), *position_strides,
-            *padding_strides, *grad_out.stride(), *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
-            queries, keys, selection.shape[-1], per_group, head_blocks, dim, d_v, num_blocks, float(scale),
-            BLOCK_SIZE=block_size, BLOCK_N=key_tile(block_size), BLOCK_M=block_m, BLOCK_D=padded_width(dim),
-            BLOCK_DV=padded_width(d_v), HAS_POS=query_positions is not None,
-            HAS_PAD=key_padding_mask is not None, PRECISION=precision(query.dtype), num_warps=4, num_stages=1,
+        walk = selection_walk(query, key, value, block_indices, block_size, query_positions, key_padding_mask)
+        block_sparse_attention_bwd_kernel[walk.grid](
+            *walk.tensors, grad_out, lse, delta, dq, dk, dv, *walk.strides, *grad_out.stride(), *lse.stride(),
+            *delta.stride(), *dk.stride(), *dv.stride(), *walk.sizes, float(scale), **walk.meta,
+            num_warps=4, num_stages=1,
         )
-    elif not keys:
-        dq.zero_()
     return dq, dk.to(key.dtype), dv.to(value.dtype)

@@ -17,6 +17,8 @@ Accepted block sizes: multiples of 16 (the key tile is the largest of 64, 32 and
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -174,19 +176,23 @@ def head_block_rows(heads_per_group: int) -> tuple[int, int]:
     return rows, cdiv(heads_per_group, rows)
 
 
-def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size: int, scale: float,
-                                      query_positions=None, key_padding_mask=None):
-    """(out [B, H, Sq, Dv] contiguous in query's dtype, lse [B, H, Sq] float32, natural log, -inf without a key).
+@dataclass(frozen=True)
+class SelectionWalk:
+    """What both kernels take first, in their order: the tensors (query, key, value, the selection in block order,
+    the positions and the padding mask, or unread stand-ins), their strides, the sizes, the launch grid and the
+    compile-time constants."""
 
-    query [B, H, Sq, D], key [B, G, T, D], value [B, G, T, Dv], block_indices [B, G, Sq, K] int32 / int64,
-    query_positions None or int [B, Sq], key_padding_mask None or bool [B, T]; any strides. ``block_size`` must
-    pass ``block_size_problem``."""
+    tensors: tuple
+    strides: tuple
+    sizes: tuple
+    grid: tuple
+    meta: dict
+
+
+def selection_walk(query, key, value, block_indices, block_size: int, query_positions, key_padding_mask):
+    """The :class:`SelectionWalk` of one call (query, key, value at the strides the kernel reads them)."""
     batch, heads, queries, dim = query.shape
     groups, keys, d_v = key.shape[1], key.shape[2], value.shape[-1]
-    out = torch.empty((batch, heads, queries, d_v), dtype=query.dtype, device=query.device)
-    lse = torch.empty((batch, heads, queries), dtype=torch.float32, device=query.device)
-    if out.numel() == 0:
-        return out, lse
     num_blocks = cdiv(keys, block_size)
     selection = selection_in_block_order(block_indices, num_blocks)
     per_group = heads // groups
@@ -195,15 +201,33 @@ def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_si
     padding = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else selection
     position_strides = query_positions.stride() if query_positions is not None else (0, 0)
     padding_strides = padding.stride() if key_padding_mask is not None else (0, 0)
-    grid = (batch * queries, groups * head_blocks)
-    block_sparse_attention_fwd_kernel[grid](
-        query, key, value, selection, positions, padding, out, lse,
-        *query.stride(), *key.stride(), *value.stride(), *selection.stride(), *position_strides, *padding_strides,
-        *out.stride(), *lse.stride(),
-        queries, keys, selection.shape[-1], per_group, head_blocks, dim, d_v, num_blocks, float(scale),
-        BLOCK_SIZE=block_size, BLOCK_N=key_tile(block_size), BLOCK_M=block_m,
-        BLOCK_D=padded_width(dim), BLOCK_DV=padded_width(d_v),
-        HAS_POS=query_positions is not None, HAS_PAD=key_padding_mask is not None,
-        PRECISION=precision(query.dtype), num_warps=4, num_stages=2,
+    return SelectionWalk(
+        tensors=(query, key, value, selection, positions, padding),
+        strides=(*query.stride(), *key.stride(), *value.stride(), *selection.stride(), *position_strides,
+                 *padding_strides),
+        sizes=(queries, keys, selection.shape[-1], per_group, head_blocks, dim, d_v, num_blocks),
+        grid=(batch * queries, groups * head_blocks),
+        meta=dict(BLOCK_SIZE=block_size, BLOCK_N=key_tile(block_size), BLOCK_M=block_m, BLOCK_D=padded_width(dim),
+                  BLOCK_DV=padded_width(d_v), HAS_POS=query_positions is not None,
+                  HAS_PAD=key_padding_mask is not None, PRECISION=precision(query.dtype)),
+    )
+
+
+def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size: int, scale: float,
+                                      query_positions=None, key_padding_mask=None):
+    """(out [B, H, Sq, Dv] contiguous in query's dtype, lse [B, H, Sq] float32, natural log, -inf without a key).
+
+    query [B, H, Sq, D], key [B, G, T, D], value [B, G, T, Dv], block_indices [B, G, Sq, K] int32 / int64,
+    query_positions None or int [B, Sq], key_padding_mask None or bool [B, T]; any strides. ``block_size`` must
+    pass ``block_size_problem``."""
+    batch, heads, queries, _ = query.shape
+    out = torch.empty((batch, heads, queries, value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, heads, queries), dtype=torch.float32, device=query.device)
+    if out.numel() == 0:
+        return out, lse
+    walk = selection_walk(query, key, value, block_indices, block_size, query_positions, key_padding_mask)
+    block_sparse_attention_fwd_kernel[walk.grid](
+        *walk.tensors, out, lse, *walk.strides, *out.stride(), *lse.stride(), *walk.sizes, float(scale),
+        **walk.meta, num_warps=4, num_stages=2,
     )
     return out, lse

@@ -10,6 +10,8 @@ import functools
 import importlib
 import inspect
 import logging
+import math
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -75,6 +77,29 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, allow_no
     if dtypes is not None and t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise arg_error(name, describe(t), f"of dtype {names}", kind=TypeError)
+
+
+def out_of_range_error(name: str, values: torch.Tensor, bad: torch.Tensor, accepted: str) -> ValueError:
+    """The error for the tensor argument ``name`` whose entries flagged in ``bad`` (a bool tensor of its shape, with
+    at least one True) are outside what is ``accepted``: names the first such entry, its value and the count.
+    Reads the values (a device-to-host copy on CUDA: call it only where value checks run)."""
+    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
+    position = ", ".join(map(str, where))
+    return ValueError(f"{name} must be {accepted}, got {int(values[tuple(where)])} at {name}[{position}] "
+                      f"({int(bad.sum())} entries out of range)")
+
+
+def finite_float(name: str, value, accepted: str):
+    """``value`` as a finite Python float (bools refused), else the error naming ``name`` and ``accepted``; a
+    symbolic float (traced arithmetic) passes through unchecked."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise arg_error(name, shown(value), accepted, kind=TypeError)
+    value = float(value)
+    if not -math.inf < value < math.inf:  # also False for NaN; comparisons trace where math.isfinite does not
+        raise arg_error(name, value, accepted)
+    return value
 
 
 def check_attn_mask(attn_mask, full: tuple, device: torch.device, *, device_owner: str, dims: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kda_compile.bench.__main__ import main
+from kda_compile.bench.common import named_choices
 from kda_compile.bench.kda import prefill_shapes
 from kda_compile.bench.kda_providers import Shape
 
@@ -496,7 +497,7 @@ def test_moe_benchmark_names_what_it_accepts():
     from kda_compile.bench import moe
 
     with pytest.raises(SystemExit, match="--models must name some of qwen3_next, deepseek_v32, kimi_linear"):
-        moe._choices("llama", tuple(moe.WIDTHS), "--models")
+        named_choices("llama", tuple(moe.WIDTHS), "--models")
 
 
 # ---- the KDA benchmark's cold-start mode ----------------------------------------------------------------------
@@ -552,3 +553,20 @@ def test_cold_start_mode_defaults_to_every_gate():
     kda.add_arguments(parser)
     args = parser.parse_args(["--modes", "cold_start"])
     assert args.modes == ["cold_start"] and kda.resolve_gates(args) == ["lower_bound", "softplus", "softplus_strong"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
+def test_block_sparse_benchmark_says_it_needs_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        main(["block_sparse", "--csv", str(tmp_path / "out.csv")])
+
+
+def test_block_sparse_benchmark_names_what_it_accepts_and_draws_hf_selections():
+    from kda_compile.bench import block_sparse
+
+    with pytest.raises(SystemExit, match="--shapes must name some of decode-b1, decode-b16, chunk, prefill"):
+        named_choices("long", tuple(block_sparse.SHAPES), "--shapes")
+    idx = block_sparse.random_selection(2, 300, 700, "cpu")  # 6 blocks of 128; query 0 sees 4 of them
+    own = torch.arange(400, 700) // 128
+    assert idx.shape == (2, block_sparse.GROUPS, 300, 6) and torch.equal(idx[..., 0], own.expand(2, 4, 300))
+    assert ((idx == -1) | (idx <= own[:, None])).all() and (idx == -1).any()

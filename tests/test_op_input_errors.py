@@ -59,6 +59,11 @@ def _experts():
                 top_k_weights=_randn(3, 2), gate_up_proj=_randn(3, 12, 8), down_proj=_randn(3, 8, 6))
 
 
+def _block_sparse():
+    return dict(query=_randn(1, 4, 3, 8), key=_randn(1, 2, 10, 8), value=_randn(1, 2, 10, 6),
+                block_indices=torch.tensor([[[[0, -1], [1, 0], [2, 1]]] * 2]), block_size=4)
+
+
 OPS = {  # public op name -> (function, good arguments)
     "attention": (ops.attention, _attention),
     "attention_with_lse": (ops.attention_with_lse, _attention),
@@ -71,6 +76,7 @@ OPS = {  # public op name -> (function, good arguments)
     "chunk_gated_delta_rule": (ops.chunk_gated_delta_rule, _delta_rule(True)),
     "fused_recurrent_gated_delta_rule": (ops.fused_recurrent_gated_delta_rule, _delta_rule(True)),
     "moe_experts": (ops.moe_experts, _experts),
+    "block_sparse_attention": (ops.block_sparse_attention, _block_sparse),
 }
 NOT_OPS = {"CPContext", "build_cp_context"}  # context-parallel set-up, no tensor op
 ALIASES = {"chunk_gdn": "chunk_gated_delta_rule", "fused_recurrent_gdn": "fused_recurrent_gated_delta_rule"}
@@ -140,6 +146,18 @@ CASES = {
         ("gate_up-width", lambda a: dict(a, gate_up_proj=a["gate_up_proj"][..., :5]), ValueError, "gate_up_proj"),
         ("down-dtype", lambda a: dict(a, down_proj=a["down_proj"].double()), TypeError, "down_proj"),
         ("hidden-rank", lambda a: dict(a, hidden_states=a["hidden_states"][0]), ValueError, "hidden_states"),
+    ],
+    "block_sparse_attention": [
+        ("block_size-zero", lambda a: dict(a, block_size=0), ValueError, "block_size"),
+        ("block_size-float", lambda a: dict(a, block_size=4.0), TypeError, "block_size"),
+        ("indices-float", lambda a: dict(a, block_indices=a["block_indices"].float()), TypeError, "block_indices"),
+        ("indices-groups", lambda a: dict(a, block_indices=a["block_indices"][:, :1]), ValueError, "block_indices"),
+        ("key-groups", lambda a: dict(a, key=_randn(1, 3, 10, 8), value=_randn(1, 3, 10, 6)), ValueError, "key"),
+        ("value-dtype", lambda a: dict(a, value=a["value"].double()), TypeError, "value"),
+        ("positions-shape", lambda a: dict(a, query_positions=torch.zeros(1, 2, dtype=torch.long)), ValueError,
+         "query_positions"),
+        ("padding-dtype", lambda a: dict(a, key_padding_mask=torch.ones(1, 10)), TypeError, "key_padding_mask"),
+        ("scale-nan", lambda a: dict(a, scale=math.nan), ValueError, "scale"),
     ],
 }
 PARAMS = [pytest.param(op, *case[1:], id=f"{op}-{case[0]}") for op, cases in CASES.items() for case in cases]

@@ -318,3 +318,43 @@ def test_make_mla_args_is_deterministic_and_checks_its_case():
     with pytest.raises(ValueError, match="case.mask_shape must be one of"):
         make_mla_args(case.with_(mask_shape="3d"))
 
+
+
+# ---------------------------------------------------------------------------------------------
+# block-sparse attention strategies
+# ---------------------------------------------------------------------------------------------
+@settings(deadline=None)
+@given(args=testing.block_sparse_inputs(dtypes=(torch.float32, torch.float64)))
+def test_block_sparse_inputs_are_valid_calls(args):
+    from kda_compile.ops import block_sparse_attention
+
+    case = args.case
+    assert args["query"].shape == (case.b, case.heads, case.sq, case.dim) and case.heads % case.groups == 0
+    assert args["key"].shape == (case.b, case.groups, case.t, case.dim)
+    assert args["value"].shape == (case.b, case.groups, case.t, case.dv)
+    idx = args["block_indices"]
+    assert idx.shape == (case.b, case.groups, case.sq, case.slots) and (idx[0, 0, 0] == -1).all()
+    assert ((idx >= -1) & (idx < -(-case.t // case.block_size))).all()
+    assert (args["query_positions"] is None) != case.positions and (args["key_padding_mask"] is None) != case.padding
+    out = block_sparse_attention(**args)  # the op accepts every draw
+    assert out.shape == (case.b, case.heads, case.sq, case.dv) and torch.isfinite(out).all()
+
+
+@given(case=testing.block_sparse_cases(max_batch=1, max_queries=3, max_keys=9, max_groups=1, max_heads_per_group=2,
+                                       block_sizes=(4,), head_dims=(8,), kinds="decode", transposed=False))
+def test_block_sparse_cases_respect_their_bounds(case):
+    assert case.b == 1 and case.sq == 1 and case.t <= 9 and case.groups == 1 and case.heads <= 2
+    assert (case.block_size, case.dim, case.dv, case.transposed) == (4, 8, 8, False)
+
+
+def test_make_block_sparse_args_is_deterministic_and_checks_its_case():
+    case = testing.BlockSparseCase(positions=True, padding=True, repeats=True, slots=3)
+    a, b = testing.make_block_sparse_args(case, seed=3), testing.make_block_sparse_args(case, seed=3)
+    for name, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[name]), name
+    assert "seed=3" in repr(a)
+    with pytest.raises(ValueError, match="case.groups must divide case.heads"):
+        testing.make_block_sparse_args(case.with_(groups=3))
+    with pytest.raises(ValueError, match="kinds must contain only"):
+        testing.block_sparse_inputs(kinds=("sometimes",)).example()

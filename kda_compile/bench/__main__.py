@@ -27,6 +27,7 @@ BENCHMARKS = {
     "gdn": "kda_compile.bench.gdn",
     "cp": "kda_compile.bench.context_parallel",
     "moe": "kda_compile.bench.moe",
+    "block_sparse": "kda_compile.bench.block_sparse",
 }
 REPORT_DIR = pathlib.Path("benchmarks")
 

@@ -140,6 +140,16 @@ def write_csv(rows: list[dict], path: pathlib.Path) -> None:
         writer.writerows(rows)
 
 
+def named_choices(text: str, allowed, option: str) -> list[str]:
+    """The comma-separated names of ``text`` (a command-line option's value), each one of ``allowed``; else exits
+    naming ``option`` and what it accepts."""
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"{option} must name some of {', '.join(allowed)}, got {text!r}")
+    return names
+
+
 def format_table(headers: list[str], lines: list[list]) -> str:
     """A GitHub-markdown table (floats with 3 decimals, anything else as ``str``)."""
     text = [headers] + [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in line] for line in lines]

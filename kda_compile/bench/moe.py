@@ -15,7 +15,8 @@ import types
 
 import torch
 
-from kda_compile.bench.common import cuda_graph_time, format_table, measure_copy_bandwidth, rel_error, row
+from kda_compile.bench.common import (cuda_graph_time, format_table, measure_copy_bandwidth, named_choices, rel_error,
+                                      row)
 
 logger = logging.getLogger("kda_compile.bench.moe")
 
@@ -28,14 +29,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--models", default=",".join(WIDTHS), help="comma-separated widths to measure")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per call")
     parser.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated providers")
-
-
-def _choices(text: str, allowed, option: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in allowed]
-    if unknown or not names:
-        raise SystemExit(f"{option} must name some of {', '.join(allowed)}, got {text!r}")
-    return names
 
 
 def _hf_module(gate_up: torch.Tensor, down: torch.Tensor):
@@ -76,8 +69,8 @@ def run(args) -> list[dict]:
         raise SystemExit("the moe benchmark needs a CUDA device")
     from kda_compile.ops.moe.reference import moe_experts_reference
 
-    models = _choices(args.models, tuple(WIDTHS), "--models")
-    providers = _providers(_choices(args.providers, PROVIDERS, "--providers"))
+    models = named_choices(args.models, tuple(WIDTHS), "--models")
+    providers = _providers(named_choices(args.providers, PROVIDERS, "--providers"))
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
     torch.manual_seed(0)
     copy_tbs = measure_copy_bandwidth()[1]

@@ -62,6 +62,11 @@ draws a call (prefill, chunk, decode, a static cache; pools of 1 to 16 around T'
 padded queries; the key flags as None, a bool mask or HF's cache rows; quantised inputs with exact ties);
 building blocks ``dsa_pooled_cases`` / ``DSAPooledCase`` / ``make_dsa_pooled_args`` / ``hf_cache_rows``.
 
+Block-sparse attention (``kda_compile.ops.block_sparse_attention``, MiniMax-M3's sparse layers):
+``block_sparse_inputs`` draws a call (prefill, a chunk, decode; GQA groups; block sizes around T's edges; -1
+padding, repeated blocks and empty selections; explicit query positions; padded keys; HF's strided layout);
+building blocks ``block_sparse_cases`` / ``BlockSparseCase`` / ``make_block_sparse_args``.
+
 Needs ``hypothesis``: ``pip install "kda-compile[testing]"``.
 """
 try:
@@ -81,6 +86,14 @@ from kda_compile.testing.attention_strategies import (
     attention_cases,
     attention_inputs,
     make_attention_args,
+)
+from kda_compile.testing.block_sparse_strategies import (
+    BLOCK_SPARSE_QUERY_KINDS,
+    BlockSparseArgs,
+    BlockSparseCase,
+    block_sparse_cases,
+    block_sparse_inputs,
+    make_block_sparse_args,
 )
 from kda_compile.testing.gdn_strategies import GDN_GATE_FORMS, GDNArgs, gdn_inputs, make_gdn_args
 from kda_compile.testing.dsa_strategies import (
@@ -134,6 +147,12 @@ __all__ = [
     "attention_cases",
     "attention_inputs",
     "make_attention_args",
+    "BLOCK_SPARSE_QUERY_KINDS",
+    "BlockSparseArgs",
+    "BlockSparseCase",
+    "block_sparse_cases",
+    "block_sparse_inputs",
+    "make_block_sparse_args",
     "GDN_GATE_FORMS",
     "GDNArgs",
     "gdn_inputs",

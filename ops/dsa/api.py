@@ -10,13 +10,11 @@ in host time per call (docs/dsa.md, section 4, "Tuning measurements", "host time
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from kda_compile.ops._argument_errors import deferred_error, sizes
-from kda_compile.ops._common import arg_error, check_tensor, describe, dispatcher_needed, gradients_needed, shown
+from kda_compile.ops._common import (arg_error, check_tensor, describe, dispatcher_needed, finite_float,
+                                     gradients_needed, shown)
 from kda_compile.ops.dsa import custom_ops  # registers torch.ops.kda_compile.dsa_*
 from kda_compile.ops.dsa.pooled.reference import output_width
 
@@ -312,7 +310,7 @@ def _check_sparse(q, k, v, indices, scale, d_v):
         if d_v is not None and _int("d_v", d_v) != v.shape[3]:
             raise arg_error("d_v", d_v, f"None or v's last dim {v.shape[3]}")
         d_v = v.shape[3]
-    return (dqk ** -0.5 if scale is None else _finite_float("scale", scale, "None or a finite float")), d_v
+    return (dqk ** -0.5 if scale is None else finite_float("scale", scale, "None or a finite float")), d_v
 
 
 def _direct(q: torch.Tensor, *tensors) -> bool:
@@ -338,16 +336,4 @@ def _check_topk_and_scale(topk, scale) -> float:
         raise arg_error("topk", shown(topk), "an int >= 1", kind=TypeError)
     if topk < 1:
         raise arg_error("topk", topk, "an int >= 1")
-    return _finite_float("scale", scale, "a finite float")
-
-
-def _finite_float(name: str, value, accepted: str):
-    """A finite Python float; a symbolic float (traced arithmetic) passes through unchecked."""
-    if isinstance(value, (torch.SymFloat, torch.SymInt)):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise arg_error(name, shown(value), accepted, kind=TypeError)
-    value = float(value)
-    if not -math.inf < value < math.inf:  # also False for NaN; comparisons trace where math.isfinite does not
-        raise arg_error(name, value, accepted)
-    return value
+    return finite_float("scale", scale, "a finite float")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from kda_compile.ops._common import out_of_range_error
+
 BLOCK_BYTES = 64 << 20  # temporaries of one query block (CPU path); the kernels bound their own tiles
 ORDER_INDEX_MASK = (1 << 31) - 1  # an order key's low 31 bits: the inverted key (or pool) index
 
@@ -72,12 +74,8 @@ def check_index_values(indices: torch.Tensor, keys: int) -> None:
     caller) is a ValueError naming the first offending entry. Reads the values (one pass; a device-to-host copy
     of two numbers on CUDA, so the CUDA kernels call it only when value checks are on: ``custom_ops``)."""
     bad = (indices < -1) | (indices >= keys)
-    if not bool(bad.any()):
-        return
-    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
-    position = ", ".join(map(str, where))
-    raise ValueError(f"indices must be -1 (no key) or key indices in [0, T) = [0, {keys}), got "
-                     f"{int(indices[tuple(where)])} at indices[{position}] ({int(bad.sum())} entries out of range)")
+    if bool(bad.any()):
+        raise out_of_range_error("indices", indices, bad, f"-1 (no key) or key indices in [0, T) = [0, {keys})")
 
 
 # ----------------------------------------------------------------------------------------------

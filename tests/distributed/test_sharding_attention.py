@@ -1,5 +1,6 @@
 """The softmax-attention family on DTensors: ``attention``, ``mla_attention``, ``dsa_indexer_topk``,
-``dsa_sparse_attention`` (ops/attention|mla|dsa/sharding.py, docs/distributed.md).
+``dsa_sparse_attention``, ``block_sparse_attention`` (ops/attention|mla|dsa|block_sparse/sharding.py,
+docs/distributed.md).
 
 On a 2-rank mesh (CPU over gloo in float64; 2 GPUs over NCCL in float32, marked ``cuda``), inputs sharded on
 their heads give the one-process outputs and gradients to a relative error of 1e-10 (float64) / 1e-5 (float32),
@@ -8,7 +9,8 @@ eagerly with nothing communicated and under
 GQA attention with sinks and a per-head mask that takes a gradient; MQA attention (the key / value head
 replicated, its gradients partial sums) with a broadcast mask; MLA in both forms (latent and rope key
 replicated, ``kv_b_proj.weight`` sharded on its rows); DSA's sparse attention in the absorbed MQA form and with
-grouped key heads. DSA's indexer is replicated-only: replicated inputs communicate nothing; head-sharded ones
+grouped key heads; the block-sparse attention with query heads, their KV groups and the groups' selections
+sharded together. DSA's indexer is replicated-only: replicated inputs communicate nothing; head-sharded ones
 are gathered by DTensor and still give the one-process indices.
 """
 from __future__ import annotations
@@ -109,6 +111,28 @@ def _dsa_cases(gen, dtype) -> list:
     ]
 
 
+def _block_sparse_cases(gen, dtype) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distributed.dtensor_checks import TOLERANCES, Case
+    from kda_compile.ops import block_sparse_attention
+
+    rand, tol = _randn(gen, dtype), TOLERANCES[dtype]
+    B, H, G, S, T, D = 2, 4, 2, 5, 20, 16
+    idx = torch.randint(-1, 3, (B, G, S, 2), generator=gen)
+    inputs = {"q": rand(B, H, S, D), "k": rand(B, G, T, D), "v": rand(B, G, T, 8), "idx": idx,
+              "positions": torch.randint(0, T, (B, S), generator=gen)}
+
+    def call(t):
+        return (block_sparse_attention(t["q"], t["k"], t["v"], t["idx"], block_size=8,
+                                       query_positions=t["positions"]),)
+
+    heads = Shard(1)
+    return [Case("block_sparse_attention", call, inputs,
+                 {"q": heads, "k": heads, "v": heads, "idx": heads, "positions": Replicate()},
+                 output_placements=(heads,), ops=("block_sparse_attention_fwd",), tol=tol)]
+
+
 def attention_family_worker(rank: int, world_size: int, device: str) -> None:
     from torch.distributed.tensor import init_device_mesh
 
@@ -116,7 +140,7 @@ def attention_family_worker(rank: int, world_size: int, device: str) -> None:
 
     mesh = init_device_mesh(device, (world_size,))
     gen = torch.Generator().manual_seed(0)
-    for cases in (_attention_cases, _mla_cases, _dsa_cases):
+    for cases in (_attention_cases, _mla_cases, _dsa_cases, _block_sparse_cases):
         for case in cases(gen, DTYPES[device]):
             check_case(case, mesh)
 

@@ -106,11 +106,12 @@ def test_the_ops_menus_end_with_a_kernel_that_serves_every_call():
     from kda_compile.ops.dsa.indexer import wgmma_indexer
     from kda_compile.ops.dsa.pooled import cuda_keys
     from kda_compile.ops.dsa.sparse import wgmma_forward
+    from kda_compile.ops.block_sparse import custom_ops as block_sparse
     from kda_compile.ops.moe import choice as moe_choice
 
     menus = [dsa_kernels.INDEXER, dsa_kernels.POOLED_INDEXER, dsa_kernels.SPARSE_ATTENTION,
              dsa_kernels.SPARSE_ATTENTION_BACKWARD, wgmma_indexer.MENU, wgmma_forward.MENU, cuda_keys.MENU,
-             moe_choice.MENU]
+             moe_choice.MENU, block_sparse.FORWARD, block_sparse.BACKWARD]
     for menu in menus:
         last = menu.kernels[-1]
         assert last.outside_design is None and last.cannot_run is None and last.costlier is None, menu.op

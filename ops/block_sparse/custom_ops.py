@@ -5,7 +5,8 @@ scale) -> (out, lse)``
     out [B, H, Sq, Dv] contiguous in query's dtype, lse [B, H, Sq] float32 contiguous (natural log; -inf for a
     row without a visible key, whose out is 0; a residual for the backward, not differentiable). CUDA float16 /
     bfloat16 / float32 with a block size the kernel accepts: the Triton kernel (``triton_forward.py``); CPU,
-    float64, and other block sizes on CUDA (logged through ``record_fallback``): the reference (``reference.py``).
+    float64, and other block sizes on CUDA (a recorded fallback; the kernel menu ``FORWARD``,
+    ``ops/_kernel_choice.py``): the reference (``reference.py``).
 
 ``block_sparse_attention_bwd(grad_out, <the forward's tensors>, out, lse, block_size, scale) -> (dq, dk, dv)``
     each in its input's shape and dtype, contiguous. Where the forward ran the Triton kernel, the Triton backward
@@ -27,7 +28,8 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops import envs
-from kda_compile.ops._common import cuda_index, grads_by_autograd, module_unusable, on_device, record_fallback
+from kda_compile.ops._common import cuda_index, grads_by_autograd, module_unusable, on_device
+from kda_compile.ops._kernel_choice import Kernel, KernelMenu
 from kda_compile.ops.block_sparse.reference import block_sparse_attention_reference, check_block_index_values
 
 OP = "block_sparse_attention"
@@ -57,6 +59,19 @@ def _kernel_problem(query: Tensor, block_size: int) -> str | None:
     return block_size_problem(block_size)
 
 
+def _off_cuda(query: Tensor, block_size: int) -> str | None:
+    return None if query.device.type == "cuda" else f"the kernels run on CUDA; the inputs are on {query.device}"
+
+
+def _menu(triton_label: str, reference_label: str) -> KernelMenu:
+    return KernelMenu(OP, (Kernel("triton", triton_label, outside_design=_off_cuda, cannot_run=_kernel_problem),
+                           Kernel("reference", reference_label)))
+
+
+FORWARD = _menu("Triton block-sparse attention kernel", "torch reference")
+BACKWARD = _menu("Triton block-sparse attention backward kernels", "torch reference backward")
+
+
 def block_sparse_attention_fwd_impl(query, key, value, block_indices, query_positions, key_padding_mask,
                                     block_size, scale):
     """What the forward op runs on the inputs' device."""
@@ -66,15 +81,12 @@ def block_sparse_attention_fwd_impl(query, key, value, block_indices, query_posi
     if key.shape[2] == 0:
         return (query.new_zeros((batch, heads, queries, value.shape[-1])),
                 query.new_full((batch, heads, queries), float("-inf"), dtype=torch.float32))
-    if query.device.type == "cuda":
-        problem = _kernel_problem(query, block_size)
-        if problem is None:
-            from kda_compile.ops.block_sparse.triton_forward import block_sparse_attention_fwd_triton
+    if FORWARD.choose(query, block_size).name == "triton":
+        from kda_compile.ops.block_sparse.triton_forward import block_sparse_attention_fwd_triton
 
-            with on_device(cuda_index(query.device)):
-                return block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size, scale,
-                                                         query_positions, key_padding_mask)
-        record_fallback(OP, "torch reference", problem)
+        with on_device(cuda_index(query.device)):
+            return block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size, scale,
+                                                     query_positions, key_padding_mask)
     out, lse = block_sparse_attention_reference(query, key, value, block_indices, block_size, scale,
                                                 query_positions, key_padding_mask)
     return out.to(query.dtype).contiguous(), lse.float().contiguous()
@@ -102,16 +114,12 @@ def block_sparse_attention_bwd(grad_out: Tensor, query: Tensor, key: Tensor, val
                                lse: Tensor, block_size: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv): the Triton backward on CUDA where the kernels take the call, else autograd through the
     reference (which recomputes the forward)."""
-    if key.shape[2] and query.device.type == "cuda":
-        problem = _kernel_problem(query, block_size)
-        if problem is None:
-            from kda_compile.ops.block_sparse.triton_backward import block_sparse_attention_bwd_triton
+    if key.shape[2] and BACKWARD.choose(query, block_size).name == "triton":
+        from kda_compile.ops.block_sparse.triton_backward import block_sparse_attention_bwd_triton
 
-            with on_device(cuda_index(query.device)):
-                return block_sparse_attention_bwd_triton(grad_out, query, key, value, block_indices,
-                                                         query_positions, key_padding_mask, out, lse, block_size,
-                                                         scale)
-        record_fallback(OP, "torch reference backward", problem)
+        with on_device(cuda_index(query.device)):
+            return block_sparse_attention_bwd_triton(grad_out, query, key, value, block_indices, query_positions,
+                                                     key_padding_mask, out, lse, block_size, scale)
 
     def run(leaves):
         return block_sparse_attention_reference(leaves["query"], leaves["key"], leaves["value"], block_indices,

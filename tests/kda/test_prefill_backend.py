@@ -75,7 +75,7 @@ def test_bounded_lower_bound_gate_prefers_our_kernels(monkeypatch, caplog):
 
     bounded = dict(use_gate_in_kernel=True, lower_bound=-BOUNDED_GATE_LIMIT)
     assert ours.preferred_reason(cuda, torch.bfloat16, 128, 128, KDAOptions(scale=0.1, **bounded))
-    monkeypatch.setattr(backends, "_logged_preferences", set())
+    monkeypatch.setattr(backends.REGISTRY, "_logged_preferences", set())
     with caplog.at_level(logging.INFO, logger="kda_compile.ops.kda"):
         assert chosen(**bounded) == "triton_chunk"
         assert chosen(**bounded) == "triton_chunk"

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import torch
 
 from kda_compile.ops._backend_registry import BackendRegistry
-from kda_compile.ops._common import record_fallback
 from kda_compile.ops.gdn.reference import gdn_reference
 # (the KDA route hands the KDA op's residual slots through)
 from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS  # noqa: F401
@@ -78,7 +77,7 @@ class ReferenceBackend(KDAReferenceBackend):
 
 REFERENCE = ReferenceBackend()
 # (priority, backend), higher priority tried first, and the only_backends restriction (process-wide).
-REGISTRY = BackendRegistry("GDN", REFERENCE)
+REGISTRY = BackendRegistry("GDN", REFERENCE, recorded="past any backend")
 register_backend = REGISTRY.register
 registered_backends = REGISTRY.names
 backend_named = REGISTRY.named
@@ -89,18 +88,4 @@ only_backends = REGISTRY.only
 
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: GDNOptions):
     """The backend that serves this call; on CUDA, a call the first candidate cannot serve is logged."""
-    allowed = REGISTRY.allowed
-    reasons = []
-    for _, backend in REGISTRY.entries:
-        if (allowed is not None and backend.name not in allowed) or op not in backend.serves:
-            continue
-        in_design = getattr(backend, "in_design", None)
-        if in_design is not None and not in_design(device, dtype, K, V, opts):
-            continue  # an extra fast path that does not take this call: serving it elsewhere is no fallback
-        reason = backend.unsupported_reason(device, dtype, K, V, opts)
-        if reason is None:
-            if reasons and device.type == "cuda":
-                record_fallback(op, backend.name, "; ".join(reasons))
-            return backend
-        reasons.append(f"{backend.name}: {reason}")
-    raise AssertionError("the reference backend supports every call")  # unreachable
+    return REGISTRY.select(op, device, dtype, K, V, opts)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kda_compile.ops._backend_registry import BackendRegistry
-from kda_compile.ops._common import grads_by_autograd, record_fallback
+from kda_compile.ops._common import grads_by_autograd
 from kda_compile.ops.kda.reference import kda_reference
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -96,7 +96,7 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 
 # (priority, backend), higher priority tried first, and the only_backends restriction (process-wide).
-REGISTRY = BackendRegistry("KDA", REFERENCE)
+REGISTRY = BackendRegistry("KDA", REFERENCE, recorded="on the reference")
 register_backend = REGISTRY.register
 registered_backends = REGISTRY.names
 backend_named = REGISTRY.named
@@ -109,25 +109,6 @@ def restricted_to() -> frozenset[str] | None:
     return REGISTRY.allowed
 
 
-_logged_preferences: set[tuple[str, str, str]] = set()  # (op, backend, reason) already logged
-
-
 def select_backend(op: str, device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions):
     """The backend that serves this call. Falling to the reference on CUDA is logged once per reason."""
-    reasons = []
-    allowed = REGISTRY.allowed
-    candidates = [backend for _, backend in REGISTRY.entries
-                  if (allowed is None or backend.name in allowed) and op in getattr(backend, "serves", (op,))]
-    preferred = {backend: why for backend in candidates if hasattr(backend, "preferred_reason")
-                 and (why := backend.preferred_reason(device, dtype, K, V, opts))}
-    for backend in list(preferred) + [backend for backend in candidates if backend not in preferred]:
-        reason = backend.unsupported_reason(device, dtype, K, V, opts)
-        if reason is None:
-            if backend is REFERENCE and device.type == "cuda":
-                record_fallback(op, REFERENCE.name, "; ".join(reasons) or "no fast backend registered")
-            if backend in preferred and (op, backend.name, preferred[backend]) not in _logged_preferences:
-                _logged_preferences.add((op, backend.name, preferred[backend]))
-                logger.info("%s: %s serves this call ahead of its priority: %s", op, backend.name, preferred[backend])
-            return backend
-        reasons.append(f"{backend.name}: {reason}")
-    raise AssertionError("the reference backend supports every call")  # unreachable
+    return REGISTRY.select(op, device, dtype, K, V, opts)

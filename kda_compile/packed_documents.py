@@ -33,10 +33,16 @@ def _batch_size(position_ids: torch.Tensor, kwargs: dict) -> int:
 
 
 def _uses_cache(module: Any, kwargs: dict) -> bool:
+    """Whether the call runs with a cache, as HF decides: ``use_cache`` from the call, else the config's, off
+    when training with gradient checkpointing; or a cache passed."""
+    if kwargs.get("past_key_values") is not None:
+        return True
     use_cache = kwargs.get("use_cache")
     if use_cache is None:
         use_cache = getattr(getattr(module, "config", None), "use_cache", False)
-    return bool(use_cache) or kwargs.get("past_key_values") is not None
+    if module.training and getattr(module, "is_gradient_checkpointing", False) is True:
+        return False
+    return bool(use_cache)
 
 
 def _why_not_split(module: Any, position_ids: torch.Tensor, kwargs: dict) -> str | None:

@@ -7,7 +7,7 @@ into one row with restarting ``position_ids``, as ``DataCollatorWithFlattening``
 both sides compute in fp32, the chunked delta rule in different orders), with no graph break and the report
 listing every linear-attention layer's conv and delta rule as per document; the same with the offsets given as
 ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (through ``optimize()`` and through ``torch.compile(backend=
-"kda_compile")``); Qwen3.5's parameter gradients of the packed row's summed next-token loss equal those of
+"kda_compile")``, whose rewritten graph reads no value to the host); Qwen3.5's parameter gradients of the packed row's summed next-token loss equal those of
 the separate documents' summed losses (relative error of all gradients together < 1e-4, and of each parameter's
 relative to that norm: some are about 1e-6 of it, where fp32 rounding alone exceeds 1e-4 of their own norm); calls without packing (no ``position_ids``, or ``0..T-1``) keep eager's logits. HF's torch
 path runs whatever is installed (FLA / causal-conv1d bind CUDA-only kernels). Also: the per-document conv equals
@@ -23,6 +23,7 @@ import torch
 
 import kda_compile
 from kda_compile import Config, optimize
+from kda_compile.backend import KdaCompileBackend
 from kda_compile.packed_documents import with_document_offsets
 from kda_compile.passes.substitution.documents import causal_conv1d_per_document, document_offsets
 from kda_compile.passes.substitution.sites import CONV_OP
@@ -116,17 +117,46 @@ def test_calls_without_packing_keep_eager_logits(family):
     assert kda_compile.report(compiled).graph_breaks == ()
 
 
+HOST_READS = {"item", "tolist", "nonzero", "_local_scalar_dense", "_local_scalar_dense.default"}  # host reads
+
+
+class HostReadCheck:
+    """The kda_compile backend, keeping the names of the calls of the graphs it rewrote, and their number (a host
+    read Dynamo does not capture is a graph break: a second graph)."""
+
+    def __init__(self) -> None:
+        self.backend = KdaCompileBackend(QUICK)
+        self.calls: list[str] = []
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        self.graphs += 1
+        compiled = self.backend(gm, example_inputs, **kwargs)
+        self.calls += [str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes
+                       if n.op in ("call_function", "call_method")]
+        return compiled
+
+
 @pytest.mark.parametrize("through", ["optimize", "backend"])
 @torch.no_grad()
 def test_offsets_given_as_flash_attention_keywords(through):
+    """Exact offsets through ``optimize()``; through the backend, the ``T + 1`` offsets ``optimize()`` derives, and
+    the rewritten graph reads no value to the host."""
     with torch_path(modeling("kimi_linear"), *DELTA_FUNCTIONS["kimi_linear"], *CONV_FUNCTIONS):
         model = build_model("kimi_linear")
         ids, positions, offsets = packed_row(model.config.vocab_size)
         expected = each_alone(model, ids)
-        compiled = optimize(model, QUICK) if through == "optimize" else torch.compile(model, backend="kda_compile")
+        check = HostReadCheck()
+        if through == "optimize":
+            compiled = optimize(model, QUICK)
+        else:
+            compiled, offsets = torch.compile(model, backend=check), document_offsets(positions)
         packed = compiled(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
                           max_length_q=max(LENGTHS), max_length_k=max(LENGTHS), use_cache=False).logits
         assert rel_error(packed, expected) < LOGITS_TOL
+        if through == "backend":
+            assert "causal_conv1d_per_document" not in check.calls and "searchsorted" in check.calls
+            assert check.graphs == 1 and check.calls and not HOST_READS & set(check.calls)
 
 
 def next_token_targets(ids: torch.Tensor) -> torch.Tensor:

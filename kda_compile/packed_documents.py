@@ -24,6 +24,15 @@ OFFSET_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k")
 _logged: set[str] = set()
 
 
+def _covered_model(module: Any) -> Any:
+    """``module`` when it is a model of a covered family, else the first such model it wraps (e.g. in a PEFT
+    model), or None."""
+    if type(module).__module__ in CONV_MODULES:
+        return module
+    modules = getattr(module, "modules", None)
+    return next((m for m in modules() if type(m).__module__ in CONV_MODULES), None) if callable(modules) else None
+
+
 def _batch_size(position_ids: torch.Tensor, kwargs: dict) -> int:
     for name in ("input_ids", "inputs_embeds"):
         value = kwargs.get(name)
@@ -69,17 +78,19 @@ def _log_once(module: Any, reason: str) -> None:
 
 def with_document_offsets(module: Any, kwargs: dict) -> dict:
     """``kwargs`` of a call of ``module``, with ``cu_seq_lens_q`` / ``cu_seq_lens_k`` set to the offsets of the
-    documents in ``position_ids`` when HF's masks split the call into documents and ``module`` is covered;
-    ``kwargs`` itself otherwise (offsets the caller gave are kept)."""
+    documents in ``position_ids`` when HF's masks split the call into documents and ``module`` is (or wraps) a
+    model of a covered family; ``kwargs`` itself otherwise (offsets the caller gave are kept)."""
     position_ids = kwargs.get("position_ids")
-    if (not isinstance(position_ids, torch.Tensor) or type(module).__module__ not in CONV_MODULES
-            or any(kwargs.get(name) is not None for name in OFFSET_KEYWORDS)):
+    if not isinstance(position_ids, torch.Tensor) or any(kwargs.get(name) is not None for name in OFFSET_KEYWORDS):
         return kwargs
-    if kwargs.get("attention_mask") is not None or _uses_cache(module, kwargs):
+    model = _covered_model(module)  # its config says how HF runs the call
+    if model is None:
+        return kwargs
+    if kwargs.get("attention_mask") is not None or _uses_cache(model, kwargs):
         return kwargs  # HF's masks do not split this call either: one sequence per row
-    reason = _why_not_split(module, position_ids, kwargs)
+    reason = _why_not_split(model, position_ids, kwargs)
     if reason is not None:
-        _log_once(module, reason)
+        _log_once(model, reason)
         return kwargs
     offsets = document_offsets(position_ids)
     return {**kwargs, **{name: offsets for name in OFFSET_KEYWORDS}}

@@ -251,3 +251,6 @@ def test_calls_not_kept_apart_are_logged(caplog):
     one_row = dict(call, input_ids=call["input_ids"][:1], position_ids=positions[:1])
     assert with_document_offsets(model, one_row)["cu_seq_lens_q"].tolist() == [0, 2, 4, 4, 4]
     assert with_document_offsets(model, dict(one_row, use_cache=True)) == dict(one_row, use_cache=True)
+    wrapper = torch.nn.Sequential(model)  # e.g. a PEFT model around it: still covered
+    assert with_document_offsets(wrapper, one_row)["cu_seq_lens_k"].tolist() == [0, 2, 4, 4, 4]
+    assert with_document_offsets(torch.nn.Linear(2, 2), one_row) is one_row  # not a covered family

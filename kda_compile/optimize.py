@@ -50,7 +50,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from kda_compile import cache_checks, cuda_graphs, process_hooks, sliding_window_cache, strict
+from kda_compile import cache_checks, cuda_graphs, packed_documents, process_hooks, sliding_window_cache, strict
 from kda_compile.ops._common import strict_fallbacks
 from kda_compile.backend import CAPTURE_DATA_DEPENDENT, KdaCompileBackend
 from kda_compile.config import Config
@@ -80,7 +80,8 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
     first (kda_compile.cache_checks; ``module``'s input embeddings give the dtype). On every call's path:
     reading or setting a Dynamo config value costs microseconds, so this reads one and sets it only to
     raise it. With ``Config.strict`` the call runs under kda_compile.strict's checks (``strict_target``:
-    what ``report()`` answers for)."""
+    what ``report()`` answers for). A call that packs documents into one row gets their offsets for the
+    linear-attention layers (kda_compile.packed_documents; docs/packed-documents.md)."""
 
     capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
     if backend.config.strict:
@@ -90,6 +91,8 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
     def run(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # traced from inside another compiled region
             return compiled(*args, **kwargs)
+        if module is not None:  # packed documents: their offsets for the linear-attention layers
+            kwargs = packed_documents.with_document_offsets(module, kwargs)
         cache = cuda_graphs.cache_of_call(kwargs, None)
         phase = cuda_graphs.phase_of_call(args, kwargs) if cache is not None or cudagraphs_requested else None
         if cache is not None and phase is not None and cuda_graphs.is_compileable_cache(cache):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kda_compile.ops.kda.reference import run_packed
 from kda_compile.ops.kda.validation import check_cu_seqlens_values
 
 L2NORM_EPS = 1e-6
@@ -106,15 +107,6 @@ def chunk_gdn_core(q, k, v, g, beta, scale: float, state: torch.Tensor, chunk_si
     return o.transpose(1, 2), state
 
 
-def _pad_packed(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, t_max: int) -> torch.Tensor:
-    """Packed ``[1, T, ...]`` -> padded ``[N, t_max, ...]`` (zeros past each sequence's end)."""
-    steps = torch.arange(t_max, device=x.device)
-    valid = steps[None, :] < lengths[:, None]
-    padded = x[0][torch.where(valid, starts[:, None] + steps[None, :], 0)]
-    mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
-    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
 def gdn_reference(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seqlens=None, A_log=None,
                   dt_bias=None, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                   use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, chunk_size: int = 64):
@@ -135,16 +127,9 @@ def gdn_reference(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seql
         return o.to(q.dtype), final
     offsets = cu_seqlens.tolist()  # the one host read of this path (the padding needs the longest length)
     check_cu_seqlens_values(offsets, T)
-    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    N = lengths.numel()
-    t_max = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)
-    padded = [_pad_packed(x, starts, lengths, t_max) for x in (qf, kf, vf, gf, bf)]
+    N = len(offsets) - 1
     state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(N, HV, K, V)
-    o_pad, final = chunk_gdn_core(*padded, scale, state, chunk_size)
-    steps = torch.arange(t_max, device=q.device)
-    valid = steps[None, :] < lengths[:, None]
-    positions = (starts[:, None] + steps[None, :])[valid]
-    o = o_pad.new_zeros(T, HV, V).index_put((positions,), o_pad[valid])
+    o, final = run_packed(chunk_gdn_core, (qf, kf, vf, gf, bf), cu_seqlens, offsets, state, scale, chunk_size)
     return o.unsqueeze(0).to(q.dtype), final
 
 

@@ -163,6 +163,37 @@ def _pad_varlen(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, t_
     return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def run_packed(core, inputs: tuple, cu_seqlens: torch.Tensor, offsets: list[int], state: torch.Tensor,
+               scale: float, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``core(q, k, v, g, beta, scale, state, chunk_size)`` (a chunked recurrence over equal-length rows) on the
+    non-empty sequences of ``cu_seqlens`` (``offsets``: its checked host copy), padded to ``[n, t_max]``.
+    Returns ``o`` ``[T, HV, V]`` scattered back by position and the final states of all N sequences (an
+    empty one's is its initial state). Empty sequences are not padded: T + 1 offsets of which most are
+    empty (how packed documents arrive, docs/packed-documents.md) cost what the documents alone cost."""
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    kept = [i for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])) if b > a]
+    v = inputs[2]
+    if not kept:
+        return v.new_zeros(v.shape[1:]), state
+    index = None
+    if len(kept) < len(offsets) - 1:
+        index = torch.tensor(kept, device=cu_seqlens.device)
+        starts, lengths, state_kept = starts[index], lengths[index], state[index]
+    else:
+        state_kept = state
+    t_max = max(offsets[i + 1] - offsets[i] for i in kept)
+    padded = [_pad_varlen(x, starts, lengths, t_max) for x in inputs]
+    o_pad, final = core(*padded, scale, state_kept, chunk_size)  # [n, t_max, HV, V]
+    if index is not None:
+        final = state.index_copy(0, index, final)
+    steps = torch.arange(t_max, device=v.device)
+    valid = steps[None, :] < lengths[:, None]
+    positions = (starts[:, None] + steps[None, :])[valid]
+    # Scatter back by position (the checked offsets cover every token exactly once).
+    o = o_pad.new_zeros(v.shape[1:]).index_put((positions,), o_pad[valid])
+    return o, final
+
+
 def kda_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -204,16 +235,7 @@ def kda_reference(
 
     offsets = cu_seqlens.tolist()  # the one host read of this path (the padding needs the longest length)
     check_cu_seqlens_values(offsets, T)
-    starts, ends = cu_seqlens[:-1].long(), cu_seqlens[1:].long()
-    lengths = ends - starts
-    N = lengths.numel()
-    t_max = max((b - a for a, b in zip(offsets[:-1], offsets[1:])), default=0)
-    padded = [_pad_varlen(x, starts, lengths, t_max) for x in (qf, kf, vf, gf, bf)]
+    N = len(offsets) - 1
     state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(N, HV, K, V)
-    o_pad, final = chunk_kda_core(*padded, scale, state, chunk_size)  # [N, t_max, HV, V]
-    steps = torch.arange(t_max, device=q.device)
-    valid = steps[None, :] < lengths[:, None]
-    positions = (starts[:, None] + steps[None, :])[valid]
-    # Scatter back by position (the checked offsets cover every token exactly once).
-    o = o_pad.new_zeros(T, HV, V).index_put((positions,), o_pad[valid])
+    o, final = run_packed(chunk_kda_core, (qf, kf, vf, gf, bf), cu_seqlens, offsets, state, scale, chunk_size)
     return o.unsqueeze(0).to(q.dtype), final

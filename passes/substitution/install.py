@@ -87,6 +87,7 @@ from kda_compile.ops import envs
 from kda_compile.passes.delta_rule import probe as delta_rule_probe  # look-alike functions, probed
 from kda_compile.passes.dsa import qsa_indexer  # QSA indexers, registered with the entry points below
 from kda_compile.passes.substitution import moe_experts  # HF's grouped-GEMM experts, likewise
+from kda_compile.passes.substitution.documents import register_conv_substitutes  # per-document causal conv1d
 from kda_compile.passes.substitution.registry import lock, register
 from kda_compile.passes.substitution.substitutes import (HF_FAMILIES, HfFamily, _fla_chunk_substitute,
                                                          _fla_gdn_chunk_substitute, _fla_gdn_recurrent_substitute,
@@ -228,13 +229,15 @@ def _register_hf() -> None:
 def register_loaded_entry_points() -> None:
     """Register the substitutes of every known entry point whose module is imported, then the probing
     substitutes of look-alike functions of transformers modeling modules (delta_rule/probe.py), the
-    QSA indexers' (dsa/qsa_indexer.py) and HF's grouped-GEMM experts (moe_experts.py)."""
+    QSA indexers' (dsa/qsa_indexer.py), HF's grouped-GEMM experts (moe_experts.py) and HF's causal conv1d of the
+    delta-rule families for packed documents (documents.py)."""
     with lock:
         _register_fla()
         _register_hf()
         delta_rule_probe.register_probed_entry_points()
         qsa_indexer.register_loaded_indexers()
         moe_experts.register(register)
+        register_conv_substitutes(register)
 
 
 # ----------------------------------------------------------------------------------------------

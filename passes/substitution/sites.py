@@ -28,6 +28,10 @@ entries named ``moe_experts``::
 HF's grouped GEMM traced as written (training, or a form the op does not compute) is the model's own path, not a
 left-alone candidate: the substitute logs its reason once at INFO.
 
+A causal conv1d that keeps packed documents apart (substitution/documents.py, docs/packed-documents.md) is
+reported as ``model.layers.0.linear_attn (modeling_qwen3_next.py:699) -> causal_conv1d_per_document(
+entry=transformers causal_conv1d_fn, kernel_size=4)``; its delta-rule site reads ``cu_seqlens=True``.
+
 Left alone (reported): a Hugging Face torch reference (``chunk_kimi_delta_attention`` /
 ``recurrent_kimi_delta_attention``, or a GDN model's ``torch_chunk_gated_delta_rule`` /
 ``torch_recurrent_gated_delta_rule``) traced as written and not collapsed by another rewrite,
@@ -53,7 +57,7 @@ from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_g
 from kda_compile.passes.delta_rule import probe
 from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.rewrite import RewriteLog
-from kda_compile.passes.substitution import install
+from kda_compile.passes.substitution import documents, install
 from kda_compile.passes.substitution import moe_experts as moe_substitute
 from kda_compile.passes.substitution import substitutes as kda_substitutes
 from kda_compile.passes.toolkit.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
@@ -67,6 +71,7 @@ FLAGS = ("scale", "use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sig
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _SUBSTITUTES_FILE = os.path.abspath(kda_substitutes.__file__)
+_DOCUMENTS_FILE = os.path.abspath(documents.__file__)
 _WRAPPER_DIRS = (os.sep + os.path.join("transformers", "integrations") + os.sep,)
 
 
@@ -95,6 +100,12 @@ def kda_call(node: torch.fx.Node) -> tuple[str, dict[str, Any]] | None:
     return KDA_OPS[schema.name], arguments
 
 
+def _caller_line(frames: list[tuple[str, int, str]], first_ours: int) -> str:
+    """``file:line`` of the model code that called into kda_compile (HF's kernel wrappers skipped)."""
+    callers = [(p, line) for p, line, _ in frames[:first_ours] if not any(d in p for d in _WRAPPER_DIRS)]
+    return f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else ""
+
+
 def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
     """Which entry point a KDA node stands for, and the model line that called it."""
     frames = _frames(node)
@@ -105,8 +116,7 @@ def _entry_and_source(node: torch.fx.Node) -> tuple[str, str]:
         function = _reference_function(frames)
         unrolled = f" (transformers {function} unrolled, then collapsed)" if function else ""
         return "graph rewrite" + unrolled, source_line(node)
-    callers = [(p, line) for p, line, _ in frames[:first_ours] if not any(d in p for d in _WRAPPER_DIRS)]
-    source = f"{os.path.basename(callers[-1][0])}:{callers[-1][1]}" if callers else ""
+    source = _caller_line(frames, first_ours)
     probed = probe.recognised_entry(frames)
     if probed is not None:  # a look-alike function, recognised by what it computes
         return probed, source
@@ -157,6 +167,22 @@ def unsubstituted_references(gm: torch.fx.GraphModule) -> dict[tuple[str, str], 
     return {key: count for key, count in found.items() if key not in collapsed}
 
 
+CONV_OP = "causal_conv1d_per_document"  # how the report names a conv that keeps packed documents apart
+
+
+def per_document_convs(gm: torch.fx.GraphModule) -> dict[str, tuple[str, Any]]:
+    """module path -> (model line, kernel size) of each conv traced by the per-document conv substitute
+    (substitution/documents.py), read from the unfold of its taps."""
+    found: dict[str, tuple[str, Any]] = {}
+    for node in gm.graph.nodes:
+        frames = _frames(node)
+        at = next((i for i, (path, _, fn) in enumerate(frames)
+                   if fn == documents.CONV_FRAME and os.path.abspath(path) == _DOCUMENTS_FILE), None)
+        if at is not None and node.op == "call_method" and node.target == "unfold":
+            found[module_path(node)] = (_caller_line(frames, at), node.args[2] if len(node.args) > 2 else None)
+    return found
+
+
 NAME = "kda_substitution"  # the Config field of trace-time substitution, and the name its entries carry
 MOE_OP = "kda_compile::moe_experts"
 MOE_NAME = "moe_experts"  # the name its entries carry (switched with the other substitutes by kda_substitution)
@@ -195,6 +221,9 @@ def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None
         op = f"kda_compile.ops.{op}" if op else str(getattr(node.target, "_schema").name).replace("::", ".")
         log.rewritten.append(Rewritten(NAME, module_path(node), source, op,
                                        site_details(node, kind, arguments, entry)))
+    for site, (source, width) in per_document_convs(gm).items():
+        log.rewritten.append(Rewritten(NAME, site, source, CONV_OP, {"entry": documents.CONV_ENTRY,
+                                                                     "kernel_size": width}))
     for (site, function), count in unsubstituted_references(gm).items():
         probed = "; ".join(probe.traced_as_written(function))
         why = probed or (f"its substitute is not registered ({install.ENV_SWITCH}=0, or see the "

@@ -79,6 +79,24 @@ def _declined(entry_point: str, reason: str) -> bool:
     return True
 
 
+@torch._dynamo.assume_constant_result
+def _not_kept_apart(entry_point: str, reason: str) -> bool:
+    logger.warning("%s: packed documents are not kept apart, each token sees the documents before it: %s",
+                   entry_point, reason)
+    return True
+
+
+# Packed documents (docs/packed-documents.md): HF's GDN layers pass the flash-attention offsets
+# ``cu_seq_lens_q`` on as ``cu_seqlens``; Kimi-Linear's pass every keyword on, ``cu_seq_lens_q`` among them.
+OFFSETS_KEYWORD = "cu_seq_lens_q"
+
+
+def document_offsets_of(kwargs: dict) -> Any:
+    """The packed documents' offsets a delta-rule call carries (``cu_seqlens``, else ``cu_seq_lens_q``), or None."""
+    offsets = kwargs.get("cu_seqlens")
+    return kwargs.get(OFFSETS_KEYWORD) if offsets is None else offsets
+
+
 def _is_default(value: Any, default: Any) -> bool:
     if value is default:
         return True
@@ -185,7 +203,8 @@ def _hf_chunk_substitute(entry: str, original: Callable) -> Callable:
                         use_qk_l2norm_in_kernel, **kwargs)
         return chunk_kda(query, key, value, g, beta, initial_state=_as_state(initial_state),
                          output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
+                         chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64,
+                         cu_seqlens=document_offsets_of(kwargs))
 
     return hf_chunk_kimi_delta_attention
 
@@ -222,7 +241,8 @@ def _hf_gdn_chunk_substitute(entry: str, original: Callable) -> Callable:
         return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=_as_state(initial_state),
                                       output_final_state=output_final_state,
                                       use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64)
+                                      chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64,
+                                      cu_seqlens=document_offsets_of(kwargs))
 
     return hf_chunk_gated_delta_rule
 
@@ -245,15 +265,22 @@ def _hf_gdn_recurrent_substitute(entry: str, original: Callable) -> Callable:
 def _hf_wrapper_substitute(entry: str, wrapper: Callable, serve: Callable, applicable_params: tuple,
                            torch_bound: bool) -> Callable:
     """HF's wrapper: keep the keywords its bound implementation takes (as HF does), then call
-    ``serve`` (the substitute of that implementation). Packed sequences with the torch fallback
-    bound go through HF's own code, which refuses them."""
+    ``serve`` (the substitute of that implementation). Packed documents' offsets (``cu_seqlens``, or
+    Kimi-Linear's ``cu_seq_lens_q``, which HF's filter drops) reach ``serve`` as ``cu_seqlens`` whatever
+    is bound, so each document runs on its own (docs/packed-documents.md). ``seq_idx`` with the torch
+    fallback bound goes through HF's own code, which refuses it."""
     twin = _copy_of(wrapper)
 
     def hf_kda_wrapper(*args, **kwargs):
-        if not _substituting(entry) or (torch_bound and (kwargs.get("cu_seqlens") is not None
-                                                         or kwargs.get("seq_idx") is not None)):
+        offsets = document_offsets_of(kwargs)
+        if not _substituting(entry) or (torch_bound and kwargs.get("seq_idx") is not None):
+            if offsets is not None and not torch_bound:
+                _not_kept_apart(entry, "Config(kda_substitution=False)")
             return twin(*args, **kwargs)
-        return serve(*args, **{k: v for k, v in kwargs.items() if k in applicable_params})
+        kept = {k: v for k, v in kwargs.items() if k in applicable_params}
+        if offsets is not None:
+            kept["cu_seqlens"] = offsets
+        return serve(*args, **kept)
 
     return hf_kda_wrapper
 

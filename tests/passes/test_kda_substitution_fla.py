@@ -5,7 +5,8 @@ Checked: the fake FLA is substituted when imported after kda_compile, when impor
 (subprocess) and when HF's wrapper bound it, with positional arguments bound by FLA's own order; its
 ``chunk_gated_delta_rule`` / ``fused_recurrent_gated_delta_rule`` (and ``*_gdn`` aliases) become the
 GDN ops; a bf16 recurrent state is upcast as FLA reads it; an argument kda_compile does not take
-leaves the call to FLA (a logged graph break), as does ``Config(kda_substitution=False)``; the
+leaves the call to FLA (a logged graph break), as does ``Config(kda_substitution=False)``; packed
+documents' offsets that Kimi-Linear passes as ``cu_seq_lens_q`` reach the op through a FLA-bound wrapper; the
 environment switch registers nothing.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from kda_compile import Config
+from kda_compile.ops import chunk_kda
 from kda_compile.passes.substitution import install as kda_substitution, registry
 from kda_compile.testing import rel_error
 
@@ -171,6 +173,27 @@ def test_hf_wrapper_bound_to_fla_is_substituted(hf_with_fake_fla):
         o_ref, state_ref = call(q, k, v, g, beta, h0)
         assert fla_kda.calls == [name.split("_")[0] == "chunk" and "chunk_kda" or "fused_recurrent_kda"]
         assert rel_error(o, o_ref) < FP32_TOL and rel_error(state, state_ref) < FP32_TOL
+
+
+def test_hf_wrapper_bound_to_fla_keeps_packed_documents_apart(hf_with_fake_fla):
+    """Kimi-Linear passes packed documents' offsets on as ``cu_seq_lens_q``, which HF's wrapper drops before
+    FLA's ``chunk_kda``: they reach the op as ``cu_seqlens`` (docs/packed-documents.md)."""
+    module, fla_kda = hf_with_fake_fla
+    (q, k, v, g, beta), _ = inputs(T=11, B=1, state=False)
+    spans = ((0, 4), (4, 5), (5, 11))
+    offsets = torch.tensor([0, 4, 5, 11, 11], dtype=torch.int32)  # an empty last document
+
+    def call(q, k, v, g, beta, offsets):
+        return module.chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True,
+                                                 cu_seq_lens_q=offsets)[0]
+
+    fla_kda.calls.clear()
+    o, cap = compile_call(call, q, k, v, g, beta, offsets)
+    assert fla_kda.calls == [] and kda_ops(cap) == ["chunk_kda_fwd"]
+    (site,) = cap.reports[-1].rewritten
+    assert site.details["cu_seqlens"] is True
+    alone = [chunk_kda(*(x[:, a:b] for x in (q, k, v, g, beta)), use_qk_l2norm_in_kernel=True)[0] for a, b in spans]
+    assert rel_error(o, torch.cat(alone, 1)) < FP32_TOL
 
 
 IMPORT_ORDER_SCRIPT = textwrap.dedent('''

@@ -12,6 +12,7 @@ that are not covered here are logged once, with the reason.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -22,15 +23,25 @@ logger = logging.getLogger("kda_compile.packed_documents")
 
 OFFSET_KEYWORDS = ("cu_seq_lens_q", "cu_seq_lens_k")
 _logged: set[str] = set()
+_covered: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # module -> covered model or None
 
 
 def _covered_model(module: Any) -> Any:
     """``module`` when it is a model of a covered family, else the first such model it wraps (e.g. in a PEFT
-    model), or None."""
+    model), or None. Looked up once per module: a decode step must not walk the module tree."""
     if type(module).__module__ in CONV_MODULES:
         return module
+    try:
+        return _covered[module]
+    except (KeyError, TypeError):  # TypeError: not weakly referenceable (a plain function)
+        pass
     modules = getattr(module, "modules", None)
-    return next((m for m in modules() if type(m).__module__ in CONV_MODULES), None) if callable(modules) else None
+    found = next((m for m in modules() if type(m).__module__ in CONV_MODULES), None) if callable(modules) else None
+    try:
+        _covered[module] = found
+    except TypeError:
+        pass
+    return found
 
 
 def _batch_size(position_ids: torch.Tensor, kwargs: dict) -> int:

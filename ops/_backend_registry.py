@@ -88,7 +88,8 @@ class BackendRegistry:
                     record_fallback(op, backend.name, "; ".join(reasons))
             if backend in preferred and (op, backend.name, preferred[backend]) not in self._logged_preferences:
                 self._logged_preferences.add((op, backend.name, preferred[backend]))
-                self._logger.info("%s: %s serves this call ahead of its priority: %s", op, backend.name, preferred[backend])
+                self._logger.info("%s: %s serves this call ahead of its priority: %s", op, backend.name,
+                                  preferred[backend])
             return backend
         raise AssertionError(f"the {self.family} reference backend supports every call")  # unreachable
 

@@ -79,6 +79,14 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, allow_no
         raise arg_error(name, describe(t), f"of dtype {names}", kind=TypeError)
 
 
+def values_checked(t: torch.Tensor) -> bool:
+    """Whether the values of the index tensor ``t`` (indices, offsets) are checked in this call
+    (docs/op-input-errors.md): always on the CPU, where reading them is one pass over host memory; on CUDA only
+    with ``KDA_COMPILE_CHECK_INPUTS=1``, since the check reads them to the host, a device synchronisation per call
+    (and no CUDA-graph capture)."""
+    return t.device.type == "cpu" or envs.check_inputs()
+
+
 def out_of_range_error(name: str, values: torch.Tensor, bad: torch.Tensor, accepted: str) -> ValueError:
     """The error for the tensor argument ``name`` whose entries flagged in ``bad`` (a bool tensor of its shape, with
     at least one True) are outside what is ``accepted``: names the first such entry, its value and the count.
@@ -294,8 +302,9 @@ def dispatcher_needed(*tensors) -> bool:
     Dynamo traces (the op must appear in the graph), under a dispatch mode (fake tensors, tracing,
     profilers that count ops) or a functorch transform, or when an input is a tensor subclass (a
     DTensor: the op's sharding rule runs it on the local shards). Otherwise eager inference (decode, and
-    prefill without gradients; KDA, GDN and DSA) skips the dispatcher's Python path, which costs more host time than a decode kernel takes on the GPU
-    (and more than a short prefill's kernels with the KDA prefill op's empty residual outputs; docs/performance.md)."""
+    prefill without gradients; KDA, GDN and DSA) skips the dispatcher's Python path, which costs more host time
+    than a decode kernel takes on the GPU (and more than a short prefill's kernels with the KDA prefill op's empty
+    residual outputs; docs/performance.md)."""
     return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or torch._C._are_functorch_transforms_active()
             or any(t is not None and type(t) not in _PLAIN_TENSORS for t in tensors))

@@ -15,9 +15,9 @@ scale) -> (out, lse)``
     "Backward").
 
 Values of ``block_indices``: -1 or a block in ``[0, ceil(T / block_size))``, else a ValueError naming the first
-entry: checked on the CPU on every call, on CUDA with ``KDA_COMPILE_CHECK_INPUTS=1`` only (``indices_checked``);
-unchecked entries outside that range are read by the kernel as empty slots. No key (T = 0): out = 0,
-lse = -inf, zero gradients, without a kernel.
+entry: checked on the CPU on every call, on CUDA with ``KDA_COMPILE_CHECK_INPUTS=1`` only
+(``ops._common.values_checked``); unchecked entries outside that range are read by the kernel as empty slots.
+No key (T = 0): out = 0, lse = -inf, zero gradients, without a kernel.
 """
 from __future__ import annotations
 
@@ -27,19 +27,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops import envs
-from kda_compile.ops._common import cuda_index, grads_by_autograd, module_unusable, on_device
+from kda_compile.ops._common import cuda_index, grads_by_autograd, module_unusable, on_device, values_checked
 from kda_compile.ops._kernel_choice import Kernel, KernelMenu
 from kda_compile.ops.block_sparse.reference import block_sparse_attention_reference, check_block_index_values
 
 OP = "block_sparse_attention"
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def indices_checked(block_indices: Tensor) -> bool:
-    """Whether the values of ``block_indices`` are checked in this call: always on the CPU; on CUDA only with
-    ``KDA_COMPILE_CHECK_INPUTS=1`` (the check reads them to the host, a device synchronisation per call)."""
-    return block_indices.device.type == "cpu" or envs.check_inputs()
 
 
 @functools.cache
@@ -75,7 +68,7 @@ BACKWARD = _menu("Triton block-sparse attention backward kernels", "torch refere
 def block_sparse_attention_fwd_impl(query, key, value, block_indices, query_positions, key_padding_mask,
                                     block_size, scale):
     """What the forward op runs on the inputs' device."""
-    if indices_checked(block_indices):
+    if values_checked(block_indices):
         check_block_index_values(block_indices, key.shape[2], block_size)
     batch, heads, queries, _ = query.shape
     if key.shape[2] == 0:

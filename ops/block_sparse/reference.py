@@ -37,7 +37,7 @@ def default_positions(batch: int, queries: int, keys: int, device) -> torch.Tens
 def check_block_index_values(block_indices: torch.Tensor, keys: int, block_size: int) -> None:
     """Every entry of ``block_indices`` must be -1 (an empty slot) or a block index in ``[0, ceil(T / block_size))``:
     anything else is a ValueError naming the first such entry. Reads the values (a device-to-host copy on CUDA:
-    the op calls it there only when value checks are on, ``custom_ops.indices_checked``)."""
+    the op calls it there only when value checks are on, ``ops._common.values_checked``)."""
     blocks = num_key_blocks(keys, block_size)
     bad = (block_indices < -1) | (block_indices >= blocks)
     if bool(bad.any()):

@@ -31,8 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops import envs
-from kda_compile.ops._common import empty_like_absent
+from kda_compile.ops._common import empty_like_absent, values_checked
 from kda_compile.ops.dsa import kernels
 from kda_compile.ops.dsa.pooled.reference import output_width, pooled_indexer_topk_reference
 from kda_compile.ops.dsa.reference import (
@@ -58,7 +57,7 @@ def _fresh(t: Tensor, inputs) -> Tensor:
 def indexer_topk_impl(q, k, weights, key_mask, cu_seqlens, topk, scale, is_causal):
     """What the op runs on the inputs' device; eager calls that need no dispatcher call it directly (``api``)."""
     if k.shape[1] == 0:  # no key to select (T = 0): every slot is padding, on any device, without a kernel
-        if cu_seqlens is not None and (cu_seqlens.device.type == "cpu" or envs.check_inputs()):
+        if cu_seqlens is not None and values_checked(cu_seqlens):
             check_cu_seqlens_values(cu_seqlens, 0)  # as the reference and the CUDA kernels check them
         return torch.full((q.shape[0], q.shape[1], topk), -1, dtype=torch.int32, device=q.device)
     if q.device.type == "cuda":
@@ -108,11 +107,9 @@ def _dsa_pooled_indexer_topk_fake(q, k, gate, weights, key_valid, ape, query_mas
 # Sparse attention
 # ----------------------------------------------------------------------------------------------
 def indices_checked(indices: Tensor) -> bool:
-    """Whether the values of ``indices`` are checked in this call (docs/op-input-errors.md): always on the CPU,
-    where reading them is one pass over host memory; on CUDA only with ``KDA_COMPILE_CHECK_INPUTS=1``, since the
-    check reads them to the host, a device synchronisation per call (and no CUDA-graph capture). Unchecked
+    """Whether the values of ``indices`` are checked in this call (``ops._common.values_checked``). Unchecked
     indices outside ``[-1, T)`` are undefined behaviour on the CUDA kernels (a row past the keys is read)."""
-    return indices.device.type == "cpu" or envs.check_inputs()
+    return values_checked(indices)
 
 
 def _no_keys(q: Tensor, k: Tensor) -> bool:

@@ -175,10 +175,12 @@ def per_document_convs(gm: torch.fx.GraphModule) -> dict[str, tuple[str, Any]]:
     (substitution/documents.py), read from the unfold of its taps."""
     found: dict[str, tuple[str, Any]] = {}
     for node in gm.graph.nodes:
+        if node.op != "call_method" or node.target != "unfold":  # only unfolds: no stack trace parsed for the rest
+            continue
         frames = _frames(node)
         at = next((i for i, (path, _, fn) in enumerate(frames)
                    if fn == documents.CONV_FRAME and os.path.abspath(path) == _DOCUMENTS_FILE), None)
-        if at is not None and node.op == "call_method" and node.target == "unfold":
+        if at is not None:
             found[module_path(node)] = (_caller_line(frames, at), node.args[2] if len(node.args) > 2 else None)
     return found
 

@@ -7,12 +7,13 @@ into one row with restarting ``position_ids``, as ``DataCollatorWithFlattening``
 both sides compute in fp32, the chunked delta rule in different orders), with no graph break and the report
 listing every linear-attention layer's conv and delta rule as per document; the same with the offsets given as
 ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (through ``optimize()`` and through ``torch.compile(backend=
-"kda_compile")``, whose rewritten graph reads no value to the host); Qwen3.5's parameter gradients of the packed row's summed next-token loss equal those of
-the separate documents' summed losses (relative error of all gradients together < 1e-4, and of each parameter's
-relative to that norm: some are about 1e-6 of it, where fp32 rounding alone exceeds 1e-4 of their own norm); calls without packing (no ``position_ids``, or ``0..T-1``) keep eager's logits. HF's torch
-path runs whatever is installed (FLA / causal-conv1d bind CUDA-only kernels). Also: the per-document conv equals
-HF's conv run on each document on random inputs, the offsets derived from position ids, and the log of calls
-that cannot be kept apart (a batch of two rows; ``Config(kda_substitution=False)``).
+"kda_compile")``, whose rewritten graph reads no value to the host); Qwen3.5's parameter gradients of the packed
+row's summed next-token loss equal those of the separate documents' summed losses (relative error of all
+gradients together < 1e-4, and of each parameter's relative to that norm: some are about 1e-6 of it, where fp32
+rounding alone exceeds 1e-4 of their own norm); calls without packing (no ``position_ids``, or ``0..T-1``) keep
+eager's logits. HF's torch path runs whatever is installed (FLA / causal-conv1d bind CUDA-only kernels).
+Also: the per-document conv equals HF's conv run on each document on random inputs, the offsets derived from
+position ids, and the log of calls that cannot be kept apart (a batch of two rows; ``Config(kda_substitution=False)``).
 """
 from __future__ import annotations
 

@@ -26,7 +26,6 @@ report (``record_fallback``).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +33,6 @@ import torch
 from kda_compile.ops._backend_registry import BackendRegistry
 from kda_compile.ops._common import grads_by_autograd
 from kda_compile.ops.kda.reference import kda_reference
-
-logger = logging.getLogger("kda_compile.ops.kda")
 
 MAX_RESIDUALS = 13  # FLA's 7 (gate cumsum, Aqk, Akk, normalised q/k and rstd) + its 6 kept intermediates
 

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from kda_compile.cli_help import HelpFormatter
+from kda_compile.coverage.models import ATTN_IMPLEMENTATIONS
 
 logger = logging.getLogger("kda_compile.coverage")
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="coverage.md",
                         help="markdown file to write (the repository's table is docs/coverage.md: name it to refresh "
                              "that one)")
-    parser.add_argument("--attn", default="eager", choices=("eager", "sdpa"),
+    parser.add_argument("--attn", default="eager", choices=ATTN_IMPLEMENTATIONS,
                         help="HF attention implementation the tiny models are built with")
     parser.add_argument("--jobs", type=int, default=1, help="families run at once (one process each)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family")

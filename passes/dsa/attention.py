@@ -81,6 +81,7 @@ import torch.fx
 
 from kda_compile.passes.attention.mask import (NEW_ONES, WHERE, MaskMeaning, NotUnderstood, check_fill,
                                                read_additive_mask, read_bool_mask)
+from kda_compile.passes.dsa.block_sparse import rewrite_block_sparse
 from kda_compile.passes.dsa.patterns import (COUNTS, INDEX_MASK, LONG, SCATTER, SCATTER_ADD_, SELECTION, TOPK, NotDSA,
                                              block_sparse_sites, is_mask_slice)
 from kda_compile.passes.dsa.pooled import rewrite_pooled_indexers
@@ -268,6 +269,14 @@ def _dsa_ops():
     return (dsa_indexer_topk, dsa_sparse_attention), None
 
 
+def _block_sparse_op():
+    try:
+        from kda_compile.ops import block_sparse_attention
+    except ImportError:
+        return None
+    return block_sparse_attention
+
+
 def _pooled_op():
     try:
         from kda_compile.ops import dsa_pooled_indexer_topk
@@ -287,7 +296,8 @@ class DSAAttentionRewrite(GraphRewrite):
         for path, reason in block_sparse_sites(graph).items():
             log.left_alone.append(LeftAlone(self.name, path, "", f"block-sparse DSA, not rewritten: {reason}"))
         report_qsa_indexers(graph, self.name, log)
-        pooled = rewrite_pooled_indexers(graph, _pooled_op(), self.name, log)
+        block_sparse = rewrite_block_sparse(graph, _block_sparse_op(), self.name, log)
+        pooled = block_sparse + rewrite_pooled_indexers(graph, _pooled_op(), self.name, log)
         topks = [(n, b) for n in graph.nodes if TOPK.bind(n) is not None for b in SELECTION.matches(n, Bindings())]
         scatters = [(n, b) for n in graph.nodes if SCATTER.bind(n) is not None and len(n.users) == 1
                     for b in INDEX_MASK.matches(next(iter(n.users)), Bindings())]

@@ -24,8 +24,6 @@ from kda_compile.passes.toolkit.matching import (ADD, CAST, MATMUL, MUL, TRANSPO
 BLOCK_SPARSE_MODULES = {
     "transformers.models.deepseek_v4.modeling_deepseek_v4": (
         "Attention", "deepseek_v4 selects top-k over compressed KV (CSA / HCA compressors), not over tokens"),
-    "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl": (
-        "Attention", "minimax_m3_vl selects 128-token blocks (top-16 plus a local block), not tokens"),
 }
 
 TOPK = family("topk", ("input", "k", "dim", "largest", "sorted"), functions=(torch.topk,), methods=("topk",),

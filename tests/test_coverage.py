@@ -3,9 +3,10 @@
 A fixed list of fast families runs through :func:`run_family` in-process with
 ``Config(compiler="eager")`` (llama and qwen3: plain / q-k-norm GQA, fully rewritten; gemma3_text:
 sliding + full layers; prophetnet: 4-D and 5-D attention (its predict stream folded into the batch dim),
-fully rewritten; minimax_m3_vl_text: its block-sparse attention is left alone, so the table shows a
-left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown writer on hand-made rows, a
-family that fails to build, times out or is unknown becomes a row or a usage error, not a crash, and the
+fully rewritten; minimax_m3_vl_text: its default config's layers are full attention, fully rewritten (its sparse
+layers: tests/models/test_minimax_m3_block_sparse.py); deepseek_v4: its block-sparse DSA is left alone, so the
+table shows a left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown
+writer on hand-made rows, a family that fails to build, times out or is unknown becomes a row or a usage error, not a crash, and the
 written file reads back exactly (rows, notes, families not run) for ``--resume``, which runs only the rest.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch  # noqa: E402
 
 from kda_compile.bench import e2e_kimi  # noqa: E402
 
-CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "prophetnet", "minimax_m3_vl_text")
+CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "prophetnet", "minimax_m3_vl_text", "deepseek_v4")
 ERROR_TOL = 1e-4
 
 

@@ -19,7 +19,8 @@ from kda_compile.passes.toolkit.matching import (ADD, CAST, MATMUL, MUL, TRANSPO
 # Block-sparse DSA variants: their indexers score compressed / pooled key blocks, which the token-level
 # indexer op does not compute (glm5_next's pooled indexer has its own op: passes/dsa/pooled.py; qwen4_exp's
 # QSA indexer is traced branch-free, passes/dsa/qsa_indexer.py, and its attention is softmax attention under the
-# selection mask). Keyed on the transformers modeling module -> (the module class suffix the
+# selection mask; minimax_m3_vl's block selections feed block_sparse_attention, passes/dsa/block_sparse.py).
+# Keyed on the transformers modeling module -> (the module class suffix the
 # report names, reason); a new variant is one more entry.
 BLOCK_SPARSE_MODULES = {
     "transformers.models.deepseek_v4.modeling_deepseek_v4": (

@@ -45,7 +45,7 @@ from kda_compile.passes.toolkit.graph_tools import (describe_node, erase_unused,
 from kda_compile.passes.toolkit.matching import GETITEM, REPEAT_INTERLEAVE, family
 
 OP = "kda_compile.block_sparse_attention"
-HF_MODULE = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
+HF_FILE = "modeling_minimax_m3_vl.py"  # where build_block_mask is (a copy elsewhere is not recognised)
 
 NEW_FULL = family("new_full", ("input", "size", "fill_value"), methods=("new_full",),
                   defaults={"dtype": None, "device": None, "requires_grad": False})
@@ -228,9 +228,9 @@ def rewrite_block_sparse(graph: torch.fx.Graph, op: Callable | None, rewrite: st
             out = insert_call(graph, site.output, "to", (out, tensor_of(site.output).dtype), meta_from=site.output)
         site.output.replace_all_uses_with(out)
         erase_unused(graph, site.replaced)
-        q, k = tensor_of(site.query), tensor_of(site.key)
+        q, k, topk = tensor_of(site.query), tensor_of(site.key), tensor_of(mask.indices).shape[-1]
         log.rewritten.append(Rewritten(rewrite, *where, OP, dict(
-            heads=f"{q.shape[1]}/{k.shape[1]}", block_size=mask.block_size, topk=tensor_of(mask.indices).shape[-1],
+            heads=f"{q.shape[1]}/{k.shape[1]}", block_size=mask.block_size, topk=static_int(topk) or str(topk),
             scale=round(site.scale if site.scale is not None else float(q.shape[-1]) ** -0.5, 6),
             attention=site.kind, positions="position_ids" if mask.positions is not None else "causal mask",
             key_padding=padding is not None)))
@@ -273,4 +273,4 @@ def _from_build_block_mask(node: torch.fx.Node) -> bool:
         return False
     last = node.meta["stack_trace"].strip().splitlines()
     frames = [line for line in last if line.lstrip().startswith("File ")]
-    return bool(frames) and frames[-1].rstrip().endswith("in build_block_mask") and "minimax_m3" in frames[-1]
+    return bool(frames) and frames[-1].rstrip().endswith("in build_block_mask") and f"{HF_FILE}\"" in frames[-1]

@@ -6,7 +6,8 @@ Checked, for HF's eager and SDPA attention, through ``kda_compile.optimize(model
 DynamicCache: a prefill, a second prefill into the non-empty cache (chunked prefill) and a decode step each give
 eager's logits within ``TOL`` (relative error, fp32); every graph holds one ``block_sparse_attention`` for the sparse
 layer and no [B, H, Sq, T] tensor, and the rewrite left nothing alone (strict mode: it would raise). Greedy
-``generate()`` on a left-padded batch of two prompts of different lengths gives eager's tokens and logits. A mask
+``generate()`` on a left-padded batch of two prompts of different lengths gives eager's tokens and logits; so do
+indexers with fewer selections than KV groups, or one per query head. A mask
 the op cannot express (a 4-D mask passed in by the caller) keeps HF's dense-masked attention, with the reason in
 ``kda_compile.report()``, and still eager's logits.
 """
@@ -32,9 +33,9 @@ BLOCK, TOPK = 4, 2
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
-def build(attn: str) -> torch.nn.Module:
+def build(attn: str, selections: int | None = None) -> torch.nn.Module:
     cfg = tiny_config("minimax_m3_vl_text")
-    cfg.index_n_heads = cfg.num_key_value_heads  # HF's contract: one selection per KV group
+    cfg.index_n_heads = selections or cfg.num_key_value_heads  # HF's contract: one selection per KV group
     cfg.index_block_size, cfg.index_topk_blocks, cfg.index_local_blocks = BLOCK, TOPK, 1
     cfg.layer_types = ["minimax_m3_sparse", "full_attention"]
     torch.manual_seed(0)
@@ -122,7 +123,7 @@ def test_left_padded_batch_generates_eagers_tokens():
     prompt = ids(2, 9, 6)
     mask = torch.ones_like(prompt)
     mask[0, :4] = 0  # rows of 5 and 9 tokens
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, output_logits=True,
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
     expected = model.generate(prompt, **kwargs)
     fast = optimize(model.forward, QUICK, fullgraph=True)
@@ -134,6 +135,21 @@ def test_left_padded_batch_generates_eagers_tokens():
     assert torch.equal(got.sequences, expected.sequences)
     for step, (have, want) in enumerate(zip(got.logits, expected.logits)):
         assert rel_error(have, want) < TOL, step
+    assert_rewritten(kda_compile.report(fast).graphs)
+
+
+@pytest.mark.parametrize("selections", [1, 4])  # fewer selections than the 2 KV groups, or one per query head
+def test_selection_counts_other_than_the_kv_groups(selections):
+    model = build("eager", selections)
+    prompt = ids(2, 10, 8)
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    fast = optimize(model.forward, QUICK, fullgraph=True)
+    with torch.no_grad():
+        want = model(prompt, attention_mask=mask).logits
+        have = fast(prompt, attention_mask=mask).logits
+    keep = mask.bool()  # a padded query sees no key: HF's full-attention layer averages, ours gives 0
+    assert rel_error(have[keep], want[keep]) < TOL
     assert_rewritten(kda_compile.report(fast).graphs)
 
 

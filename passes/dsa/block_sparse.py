@@ -28,6 +28,7 @@ the reason. Every node of ``build_block_mask`` is erased: no [B, H, Sq, T] tenso
 """
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -43,6 +44,8 @@ from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.toolkit.graph_tools import (describe_node, erase_unused, insert_call, known_equal,
                                                     module_path, source_line, static_int, tensor_of)
 from kda_compile.passes.toolkit.matching import GETITEM, REPEAT_INTERLEAVE, family
+
+logger = logging.getLogger("kda_compile.passes.dsa_block_sparse")
 
 OP = "kda_compile.block_sparse_attention"
 HF_FILE = "modeling_minimax_m3_vl.py"  # where build_block_mask is (a copy elsewhere is not recognised)
@@ -192,50 +195,59 @@ def _per_group(graph: torch.fx.Graph, at: torch.fx.Node, site: AttentionSite, ma
 
 def rewrite_block_sparse(graph: torch.fx.Graph, op: Callable | None, rewrite: str, log) -> int:
     """Replace every MiniMax-M3 block-masked attention of ``graph`` by ``op`` (block_sparse_attention, None when
-    the ops lack it); log each site as rewritten or left alone. Returns the sites rewritten."""
+    the ops lack it); log each site as rewritten or left alone (with the reason, also logged). Returns the sites
+    rewritten."""
     outputs = [n for n in graph.nodes if _from_build_block_mask(n)]
     eager = eager_sites_by_mask(graph) if outputs else {}
     rewritten, memo = 0, {}
     for output in outputs:
         where = (module_path(output), source_line(output))
-        inserted: list[torch.fx.Node] = []
         try:
-            if op is None:
-                raise NotDSA("kda_compile.ops has no block_sparse_attention")
-            mask = read_block_mask(output)
-            site = _attention_over(output, eager, AttentionSite(output, mask.indices, mask.base, "",
-                                                                *([None] * 5), replaced=mask.nodes))
-            if site.sinks is not None:
-                raise NotDSA("the attention has sinks, which block_sparse_attention does not take")
-            padding, inserted = (None, []) if mask.base is None else _key_padding(graph, site.output, site, mask,
-                                                                                     memo)
-            key, value, indices = _per_group(graph, site.output, site, mask)
-            inserted += [n for n in (key, value, indices) if n not in (site.key, site.value, mask.indices)]
-            kwargs = dict(block_size=mask.block_size, scale=site.scale, query_positions=mask.positions,
-                          key_padding_mask=padding)
-            try:
-                out = insert_call(graph, site.output, op, (site.query, key, value, indices), kwargs,
-                                  meta_from=site.output)
-            except (TypeError, ValueError) as exc:
-                raise NotDSA(f"{OP} refuses the arguments: {exc}") from exc
+            details = _replace(graph, output, op, eager, memo)
         except NotDSA as exc:
-            erase_unused(graph, inserted)
+            logger.info("%s (%s) keeps HF's dense-masked attention: %s", *where, exc)
             log.left_alone.append(LeftAlone(rewrite, *where, f"block-sparse attention kept dense: {exc}"))
             continue
-        out = insert_call(graph, site.output, hf_rows_without_keys,
-                          (out, value, indices, mask.block_size, mask.positions, padding), meta_from=site.output)
-        if tensor_of(out).dtype != tensor_of(site.output).dtype:
-            out = insert_call(graph, site.output, "to", (out, tensor_of(site.output).dtype), meta_from=site.output)
-        site.output.replace_all_uses_with(out)
-        erase_unused(graph, site.replaced)
-        q, k, topk = tensor_of(site.query), tensor_of(site.key), tensor_of(mask.indices).shape[-1]
-        log.rewritten.append(Rewritten(rewrite, *where, OP, dict(
-            heads=f"{q.shape[1]}/{k.shape[1]}", block_size=mask.block_size, topk=static_int(topk) or str(topk),
-            scale=round(site.scale if site.scale is not None else float(q.shape[-1]) ** -0.5, 6),
-            attention=site.kind, positions="position_ids" if mask.positions is not None else "causal mask",
-            key_padding=padding is not None)))
+        log.rewritten.append(Rewritten(rewrite, *where, OP, details))
         rewritten += 1
     return rewritten
+
+
+def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, eager: dict, memo: dict) -> dict:
+    """Put ``op`` in place of the attention over the block mask ``output``; the report's details. NotDSA, with
+    the graph as it was, when the site is not one the op computes."""
+    if op is None:
+        raise NotDSA("kda_compile.ops has no block_sparse_attention")
+    mask = read_block_mask(output)
+    site = _attention_over(output, eager, AttentionSite(output, mask.indices, mask.base, "", *([None] * 5),
+                                                        replaced=mask.nodes))
+    if site.sinks is not None:
+        raise NotDSA("the attention has sinks, which block_sparse_attention does not take")
+    at, inserted = site.output, []
+    try:
+        padding, inserted = (None, []) if mask.base is None else _key_padding(graph, at, site, mask, memo)
+        key, value, indices = _per_group(graph, at, site, mask)
+        inserted += [n for n in (key, value, indices) if n not in (site.key, site.value, mask.indices)]
+        kwargs = dict(block_size=mask.block_size, scale=site.scale, query_positions=mask.positions,
+                      key_padding_mask=padding)
+        try:
+            out = insert_call(graph, at, op, (site.query, key, value, indices), kwargs, meta_from=at)
+        except (TypeError, ValueError) as exc:
+            raise NotDSA(f"{OP} refuses the arguments: {exc}") from exc
+    except NotDSA:
+        erase_unused(graph, inserted)
+        raise
+    out = insert_call(graph, at, hf_rows_without_keys, (out, value, indices, mask.block_size, mask.positions,
+                                                        padding), meta_from=at)
+    if tensor_of(out).dtype != tensor_of(at).dtype:
+        out = insert_call(graph, at, "to", (out, tensor_of(at).dtype), meta_from=at)
+    at.replace_all_uses_with(out)
+    erase_unused(graph, site.replaced)
+    q, k, topk = tensor_of(site.query), tensor_of(site.key), tensor_of(mask.indices).shape[-1]
+    return dict(heads=f"{q.shape[1]}/{k.shape[1]}", block_size=mask.block_size, topk=static_int(topk) or str(topk),
+                scale=round(site.scale if site.scale is not None else float(q.shape[-1]) ** -0.5, 6),
+                attention=site.kind, positions="position_ids" if mask.positions is not None else "causal mask",
+                key_padding=padding is not None)
 
 
 def hf_rows_without_keys(out: torch.Tensor, value: torch.Tensor, block_indices: torch.Tensor, block_size: int,

@@ -298,7 +298,8 @@ class DSAAttentionRewrite(GraphRewrite):
         for path, reason in block_sparse_sites(graph).items():
             log.left_alone.append(LeftAlone(self.name, path, "", f"block-sparse DSA, not rewritten: {reason}"))
         report_qsa_indexers(graph, self.name, log)
-        block_sparse = rewrite_block_sparse(graph, _block_sparse_op(), self.name, log)
+        block_sparse = rewrite_block_sparse(graph, _block_sparse_op(), self.name, log,
+                                            single_query_key_mask)
         pooled = block_sparse + rewrite_pooled_indexers(graph, _pooled_op(), self.name, log)
         topks = [(n, b) for n in graph.nodes if TOPK.bind(n) is not None for b in SELECTION.matches(n, Bindings())]
         scatters = [(n, b) for n in graph.nodes if SCATTER.bind(n) is not None and len(n.users) == 1

@@ -22,9 +22,11 @@ module reads that subgraph back (:func:`read_block_mask`), and the attention it 
 
 The model's mask must be proved the bottom-right causal mask, with or without key padding
 (``attention.mask.read_additive_mask`` / ``read_bool_mask``): that is exactly the op's default query positions
-``T - Sq + i`` and its ``key_padding_mask``. Anything else (a mask passed in by the caller, packed sequences, a
-static cache's mask, whose queries are not the last Sq slots) keeps HF's dense-masked attention, reported with
-the reason. Every node of ``build_block_mask`` is erased: no [B, H, Sq, T] tensor is left.
+``T - Sq + i`` and its ``key_padding_mask``; or, for one query (a static cache's decode step), a [B, 1, 1, T]
+mask of the keys it may see (the DSA rewrite's ``single_query_key_mask``). Anything else (a mask passed in by
+the caller, packed sequences, a prefill into a static cache, whose queries are not the last Sq slots) keeps HF's
+dense-masked attention, reported with the reason. Every node of ``build_block_mask`` is erased: no
+[B, H, Sq, T] tensor is left. Rows that see no key keep HF's value there (:func:`hf_rows_without_keys`).
 """
 from __future__ import annotations
 
@@ -144,10 +146,11 @@ def read_block_mask(output: torch.fx.Node) -> BlockMask:
                  f"causal bound")
 
 
-def _key_padding(graph: torch.fx.Graph, at: torch.fx.Node, site: AttentionSite, mask: BlockMask,
-                 memo: dict) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+def _key_padding(graph: torch.fx.Graph, at: torch.fx.Node, site: AttentionSite, mask: BlockMask, memo: dict,
+                 single_query: Callable | None) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
     """The op's ``key_padding_mask`` ([B, T] bool, or None) for the model's mask, and the nodes inserted for it;
-    NotDSA when that mask is not the bottom-right causal one (with or without key padding)."""
+    NotDSA when that mask is neither the bottom-right causal one (with or without key padding) nor, for one query,
+    a mask ``single_query`` (the DSA rewrite's ``single_query_key_mask``) reads as the keys it may see."""
     q_len, keys = tensor_of(site.query).shape[2], tensor_of(site.key).shape[2]
     base = mask.base
     key = (base, str(q_len), str(keys))
@@ -155,10 +158,13 @@ def _key_padding(graph: torch.fx.Graph, at: torch.fx.Node, site: AttentionSite, 
         read = read_bool_mask if tensor_of(base).dtype == torch.bool else read_additive_mask
         memo[key] = read(base, q_len, keys)
     meaning = memo[key]
+    if not isinstance(meaning, MaskMeaning) and single_query is not None:
+        meaning = single_query(base, q_len, keys, at, memo) or meaning
     if not isinstance(meaning, MaskMeaning):
         raise NotDSA(f"the model's mask ({describe_node(base)}) is not one block_sparse_attention expresses: "
                      f"{meaning}")
-    if not meaning.causal or meaning.sliding_window is not None:
+    # one query (a decode step) sees every slot its mask allows: the default position T - 1 bounds nothing
+    if not (meaning.causal or known_equal(q_len, 1)) or meaning.sliding_window is not None:
         raise NotDSA(f"the model's mask ({describe_node(base)}) is not the bottom-right causal mask: causal="
                      f"{meaning.causal}, sliding_window={meaning.sliding_window}")
     if meaning.key_padding is None:
@@ -193,17 +199,20 @@ def _per_group(graph: torch.fx.Graph, at: torch.fx.Node, site: AttentionSite, ma
     raise NotDSA(f"{selections} block selections and {groups} KV groups: neither divides the other")
 
 
-def rewrite_block_sparse(graph: torch.fx.Graph, op: Callable | None, rewrite: str, log) -> int:
+def rewrite_block_sparse(graph: torch.fx.Graph, op: Callable | None, rewrite: str, log,
+                         single_query: Callable | None = None) -> int:
     """Replace every MiniMax-M3 block-masked attention of ``graph`` by ``op`` (block_sparse_attention, None when
     the ops lack it); log each site as rewritten or left alone (with the reason, also logged). Returns the sites
-    rewritten."""
+    rewritten. ``single_query(mask, Sq, T, before, memo)``: a decode step's [B, 1, 1, T] mask (a static cache's)
+    as a ``MaskMeaning`` of the keys it allows, or None (the DSA rewrite's reader, passed in: it imports this
+    module)."""
     outputs = [n for n in graph.nodes if _from_build_block_mask(n)]
     eager = eager_sites_by_mask(graph) if outputs else {}
     rewritten, memo = 0, {}
     for output in outputs:
         where = (module_path(output), source_line(output))
         try:
-            details = _replace(graph, output, op, eager, memo)
+            details = _replace(graph, output, op, eager, memo, single_query)
         except NotDSA as exc:
             logger.info("%s (%s) keeps HF's dense-masked attention: %s", *where, exc)
             log.left_alone.append(LeftAlone(rewrite, *where, f"block-sparse attention kept dense: {exc}"))
@@ -213,7 +222,8 @@ def rewrite_block_sparse(graph: torch.fx.Graph, op: Callable | None, rewrite: st
     return rewritten
 
 
-def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, eager: dict, memo: dict) -> dict:
+def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, eager: dict, memo: dict,
+             single_query: Callable | None) -> dict:
     """Put ``op`` in place of the attention over the block mask ``output``; the report's details. NotDSA, with
     the graph as it was, when the site is not one the op computes."""
     if op is None:
@@ -225,7 +235,8 @@ def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, 
         raise NotDSA("the attention has sinks, which block_sparse_attention does not take")
     at, inserted = site.output, []
     try:
-        padding, inserted = (None, []) if mask.base is None else _key_padding(graph, at, site, mask, memo)
+        padding, inserted = ((None, []) if mask.base is None
+                             else _key_padding(graph, at, site, mask, memo, single_query))
         key, value, indices = _per_group(graph, at, site, mask)
         inserted += [n for n in (key, value, indices) if n not in (site.key, site.value, mask.indices)]
         kwargs = dict(block_size=mask.block_size, scale=site.scale, query_positions=mask.positions,
@@ -246,7 +257,7 @@ def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, 
     q, k, topk = tensor_of(site.query), tensor_of(site.key), tensor_of(mask.indices).shape[-1]
     return dict(heads=f"{q.shape[1]}/{k.shape[1]}", block_size=mask.block_size, topk=static_int(topk) or str(topk),
                 scale=round(site.scale if site.scale is not None else float(q.shape[-1]) ** -0.5, 6),
-                attention=site.kind, positions="position_ids" if mask.positions is not None else "causal mask",
+                attention=site.kind, positions="position_ids" if mask.positions is not None else "last Sq slots",
                 key_padding=padding is not None)
 
 

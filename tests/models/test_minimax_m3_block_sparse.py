@@ -7,7 +7,9 @@ DynamicCache: a prefill, a second prefill into the non-empty cache (chunked pref
 eager's logits within ``TOL`` (relative error, fp32); every graph holds one ``block_sparse_attention`` for the sparse
 layer and no [B, H, Sq, T] tensor, and the rewrite left nothing alone (strict mode: it would raise). Greedy
 ``generate()`` on a left-padded batch of two prompts of different lengths gives eager's tokens and logits; so do
-indexers with fewer selections than KV groups, or one per query head. A mask
+indexers with fewer selections than KV groups, or one per query head. A StaticCache's decode step is rewritten
+(its one-query mask read as the keys it may see); its prefill, whose queries are not the last Sq of the cache's
+slots, keeps HF's attention with the reason reported. A mask
 the op cannot express (a 4-D mask passed in by the caller) keeps HF's dense-masked attention, with the reason in
 ``kda_compile.report()``, and still eager's logits.
 """
@@ -151,6 +153,22 @@ def test_selection_counts_other_than_the_kv_groups(selections):
     keep = mask.bool()  # a padded query sees no key: HF's full-attention layer averages, ours gives 0
     assert rel_error(have[keep], want[keep]) < TOL
     assert_rewritten(kda_compile.report(fast).graphs)
+
+
+def test_a_static_cache_decode_step_is_rewritten_and_its_prefill_stays_dense():
+    model = build("eager")
+    fast = optimize(model.forward, Config(compiler="aot_eager"), fullgraph=True)
+    theirs, ours = (transformers.StaticCache(config=model.config, max_cache_len=20) for _ in range(2))
+    with torch.no_grad():
+        for step, chunk in enumerate([ids(1, 9, 9), ids(1, 1, 10)]):
+            want = model(chunk, past_key_values=theirs, use_cache=True).logits
+            have = fast(chunk, past_key_values=ours, use_cache=True).logits
+            assert rel_error(have, want) < TOL, step
+    prefill, decode = kda_compile.report(fast).graphs
+    # the prefill's queries sit at the cache position, not at T - Sq + i of the cache's 20 slots
+    (kept,) = [c for c in prefill.left_alone if c.rewrite == "dsa_attention"]
+    assert "block-sparse attention kept dense" in kept.reason and "causal diagonal" in kept.reason, kept.reason
+    assert_rewritten([decode])  # one query: its [B, 1, 1, T] mask is the keys it may see
 
 
 def test_a_mask_the_op_cannot_express_stays_dense_with_its_reason():

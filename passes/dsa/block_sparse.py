@@ -14,7 +14,7 @@ for eager and SDPA attention, ``MiniMaxM3VLIndexer.build_block_mask``::
 
 and dense attention over that mask (eager's matmul-softmax-matmul or SDPA, the keys repeated per group). This
 module reads that subgraph back (:func:`read_block_mask`), and the attention it feeds (DSA's reader:
-``sparse._attention_over``), and puts in their place::
+``sparse.attention_over``), and puts in their place::
 
     out = block_sparse_attention(q, k, v, block_indices, block_size=block_size, scale=scale,
                                  query_positions=position_ids,   # without a mask; with one: None
@@ -41,7 +41,7 @@ import torch.fx
 from kda_compile.passes.attention.mask import (AND, ARANGE, COMPARE, ZEROS, MaskMeaning, read_additive_mask,
                                                read_bool_mask)
 from kda_compile.passes.dsa.patterns import INVERT, MASKED_FILL, NotDSA
-from kda_compile.passes.dsa.sparse import AttentionSite, _attention_over, eager_sites_by_mask
+from kda_compile.passes.dsa.sparse import AttentionSite, attention_over, eager_sites_by_mask
 from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.toolkit.graph_tools import (describe_node, erase_unused, insert_call, known_equal,
                                                     module_path, source_line, static_int, tensor_of)
@@ -229,7 +229,7 @@ def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, 
     if op is None:
         raise NotDSA("kda_compile.ops has no block_sparse_attention")
     mask = read_block_mask(output)
-    site = _attention_over(output, eager, AttentionSite(output, mask.indices, mask.base, "", *([None] * 5),
+    site = attention_over(output, eager, AttentionSite(output, mask.indices, mask.base, "", *([None] * 5),
                                                         replaced=mask.nodes))
     if site.sinks is not None:
         raise NotDSA("the attention has sinks, which block_sparse_attention does not take")

@@ -87,7 +87,7 @@ def read_attention(scatter: torch.fx.Node, bindings: Bindings, eager: dict) -> A
     if bindings["template"] is not bindings["indices"]:
         raise NotDSA(f"the top-k mask is shaped after {describe_node(bindings['template'])}, not the indices")
     combined, base, nodes = _combined_mask(index_mask)
-    return _attention_over(combined, eager, AttentionSite(scatter, bindings["indices"], base, "", *([None] * 5),
+    return attention_over(combined, eager, AttentionSite(scatter, bindings["indices"], base, "", *([None] * 5),
                                                           replaced=bindings.nodes + nodes))
 
 
@@ -122,14 +122,14 @@ def read_pooled_attention(scatter_add: torch.fx.Node, bindings: Bindings, eager:
             raise NotDSA(f"the selection mask becomes {describe_node(where)}, not torch.where(mask, 0, min)")
         combined, nodes = where, nodes + (where, zero)
     site = AttentionSite(counts, indices, None, "", *([None] * 5), replaced=nodes, valid=bindings["valid"])
-    site = _attention_over(combined, eager, site)
+    site = attention_over(combined, eager, site)
     lt = COMPARE[operator.lt].bind(bindings["lt"])
     if not known_equal(lt["other"], tensor_of(site.key).shape[2]):
         raise NotDSA(f"the indices are checked against {lt['other']}, not the key length")
     return site
 
 
-def _attention_over(combined: torch.fx.Node, eager: dict, site: AttentionSite) -> AttentionSite:
+def attention_over(combined: torch.fx.Node, eager: dict, site: AttentionSite) -> AttentionSite:
     """``site`` completed with the attention ``combined`` (its mask, and nothing else's) feeds."""
     if len(combined.users) != 1:
         raise NotDSA(f"the combined mask ({describe_node(combined)}) is used by more than one attention")

@@ -4,8 +4,8 @@ A call of an ``optimize()`` result on a covered Hugging Face model (the delta-ru
 delta-rule functions kda_compile substitutes: kimi_linear, qwen3_next, qwen3_5, qwen3_5_moe, olmo_hybrid,
 qwen4_exp) that Hugging Face's masks split into documents (``position_ids`` given, no ``attention_mask``, no
 cache) gets the documents' offsets as HF's flash-attention keywords ``cu_seq_lens_q`` / ``cu_seq_lens_k``,
-which HF forwards to every layer: ``T + 1`` offsets derived from ``position_ids`` on the device (a fixed
-shape, no host read). Offsets the caller passes are kept. The substitutes then run each document's conv and
+which HF forwards to every layer: ``B * T + 1`` offsets over the batch's rows laid end to end (flash
+attention's layout), derived from ``position_ids`` on the device (a fixed shape, no host read). Offsets the caller passes are kept. The substitutes then run each document's conv and
 delta rule on its own (passes/substitution/documents.py, substitutes.py). Calls that HF's masks split but
 that are not covered here are logged once, with the reason.
 """
@@ -74,9 +74,8 @@ def _why_not_split(module: Any, position_ids: torch.Tensor, kwargs: dict) -> str
     if position_ids.dim() not in (1, 2):
         return f"position_ids has shape {tuple(position_ids.shape)}, not [batch, T]"
     batch = _batch_size(position_ids, kwargs)
-    if batch != 1:
-        return (f"a batch of {batch} rows: documents are kept apart in a batch of one packed row only; each "
-                f"row's linear-attention layers run it as one sequence")
+    if position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch):
+        return f"position_ids has {position_ids.shape[0]} rows for a batch of {batch}"
     return None
 
 
@@ -103,5 +102,6 @@ def with_document_offsets(module: Any, kwargs: dict) -> dict:
     if reason is not None:
         _log_once(model, reason)
         return kwargs
-    offsets = document_offsets(position_ids)
+    rows = position_ids.view(1, -1) if position_ids.dim() == 1 else position_ids
+    offsets = document_offsets(rows.expand(_batch_size(position_ids, kwargs), -1))  # over the rows end to end
     return {**kwargs, **{name: offsets for name in OFFSET_KEYWORDS}}

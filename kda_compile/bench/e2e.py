@@ -12,6 +12,10 @@ with HF eager, Inductor, kda_compile and kda_compile in CUDA graphs, for
 The last two bind no FLA kernels: their baseline is plain HF eager (``hf_eager``), and they measure decode only
 unless ``--prompts`` asks for prefill rows too. ``--smoke`` runs any of them at tiny widths on CPU.
 
+``--train`` (any ``--model``; llama: the Llama-3.1-8B-shaped model): training steps instead, forward with labels and
+backward at ``--train-tokens`` tokens, each configuration in a fresh process with empty compile caches
+(e2e_train.py: ``time_per_step``, ``gpu_time_per_step``, ``peak_memory``, ``first_step_time``).
+
 ``--model llama`` (the default) without ``--decode-shapes`` or ``--smoke``: the prefill benchmark of a Llama-style
 model of about 1B parameters (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 8192), random weights, bf16,
 batch 1, the decoder body without the LM head (as in the project's anchors), prompts of 1k / 4k / 8k tokens, in:
@@ -38,7 +42,7 @@ import logging
 
 import torch
 
-from kda_compile.bench import e2e_hybrid
+from kda_compile.bench import e2e_hybrid, e2e_train
 from kda_compile.bench.common import format_table, row, time_quantiles
 from kda_compile.cli_help import HelpFormatter
 
@@ -62,6 +66,7 @@ examples:
                                           decode runner on the Llama-3.1-8B-shaped model, baseline hf_eager
   e2e --model llama                       the Llama-style 1B prefill benchmark (no decode)
   e2e --model MODEL --smoke               tiny widths on CPU (llama: the decode runner)
+  e2e --model kimi_linear --train         training steps at 2k and 8k tokens, hf_eager_fla against kda_compile
 """
 
 
@@ -98,6 +103,14 @@ def add_arguments(parser) -> None:
                         help="kimi_linear, qwen3_next: longest prompt run on HF's torch fallback (its chunk path is "
                              "memory-hungry)")
     decode.add_argument("--compile-mode", default=None, help="torch.compile mode of the compiled configurations")
+    train = parser.add_argument_group("training steps (--train)")
+    train.add_argument("--train", action="store_true",
+                       help="measure training steps (forward with labels + backward), each configuration and length "
+                            "in a fresh process with empty compile caches; --configs: the model's HF eager "
+                            "baselines and kda_compile (default: its first baseline and kda_compile)")
+    train.add_argument("--train-tokens", default=None,
+                       help="comma-separated tokens per step, one sequence (default: 2048,8192; --smoke: 16)")
+    train.add_argument("--train-steps", type=int, default=5, help="timed steps after two warm-up steps")
     decode.add_argument("--smoke", action="store_true",
                         help="tiny widths on CPU in fp32, kda_compile on aot_eager: check the wiring, not the speed "
                              "(llama: the decode benchmark); --configs, --prompts and --decode-shapes narrow it")
@@ -157,7 +170,21 @@ def _prefill_configs(text: str | None) -> list[str]:
     return configs
 
 
+def run_train(args) -> list[dict]:
+    """Training rows of the model's HybridModel (llama: the Llama-3.1-8B-shaped one). Decode options are refused
+    rather than ignored."""
+    given = [flag for flag, value in (("--decode-shapes", args.decode_shapes), ("--prompts", args.prompts),
+                                      ("--no-cache", args.no_cache), ("--compile-mode", args.compile_mode))
+             if value not in (None, False)]
+    if given:
+        raise SystemExit(f"--train measures training steps; {', '.join(given)} belong to the prefill / decode runs")
+    spec = importlib.import_module(DECODE_MODELS[args.model]).MODEL
+    return e2e_train.run(spec, args)
+
+
 def run(args) -> list[dict]:
+    if args.train:
+        return run_train(args)
     if runs_decode(args):
         return run_decode(args)
     configs = _prefill_configs(args.configs)

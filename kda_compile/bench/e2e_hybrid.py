@@ -144,11 +144,17 @@ def _positive_int(text: str, option: str, example: str) -> int:
     return int(text)
 
 
-def parse_prompts(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
-    """``"1024,4096"`` -> (1024, 4096); None -> the model's default prompts."""
+def parse_lengths(text: str | None, default: tuple[int, ...], option: str = "--prompts",
+                  example: str = "1024,4096") -> tuple[int, ...]:
+    """``"1024,4096"`` -> (1024, 4096); None -> ``default``; anything else is refused naming ``option``."""
     if text is None:
         return default
-    return tuple(_positive_int(p, "--prompts", "1024,4096") for p in text.split(","))
+    return tuple(_positive_int(p, option, example) for p in text.split(","))
+
+
+def parse_prompts(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``--prompts``: ``"1024,4096"`` -> (1024, 4096); None -> the model's default prompts."""
+    return parse_lengths(text, default)
 
 
 def parse_decode_shapes(text: str) -> tuple[tuple[int, int], ...]:

@@ -12,6 +12,12 @@ The selection is first put in that order by the launcher (``selection_in_block_o
 to the one before it, so a repeated index counts once, as in Hugging Face's mask. An index the launcher is handed
 outside ``[-1, num_blocks)`` (unchecked values on CUDA) is read as an empty slot, never as a row past the keys.
 
+A call with too few programs to fill the GPU (decode: one query per sequence, a handful of KV groups) also splits
+each selection into ``splits`` runs of consecutive slots, one program each (the grid's third axis): every program
+writes its run's normalised output and log-sum-exp in float32, and ``combine_splits_kernel`` merges them by their
+log-sum-exp weights (docs/block-sparse.md, section "Kernel"). ``split_count`` chooses the count from the grid and
+the device's SM count.
+
 Accepted block sizes: multiples of 16 (the key tile is the largest of 64, 32 and 16 that divides the block);
 ``block_size_problem`` says why another one is refused (the op then runs the reference, logged).
 """
@@ -23,12 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kda_compile.ops._common import cdiv, next_power_of_2
+from kda_compile.ops._common import cdiv, cuda_index, next_power_of_2, sm_count, triton_interpreted
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 KEY_TILES = (64, 32, 16)  # the key tile: the largest of these dividing block_size
 MAX_HEADS_PER_PROGRAM = 64
+PROGRAMS_PER_SM = 2  # a grid below this many programs per SM splits the selections (``split_count``)
+INTERPRETER_SMS = 4  # the SM count assumed under the Triton interpreter (so CPU tests take the split path)
 
 
 def key_tile(block_size: int) -> int | None:
@@ -115,17 +123,19 @@ def block_sparse_attention_fwd_kernel(
     stride_vb, stride_vg, stride_vt, stride_vd,
     stride_ib, stride_ig, stride_is, stride_ik,
     stride_pb, stride_ps, stride_mb, stride_mt,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh, stride_ls,
-    SQ, T, SLOTS, HEADS_PER_GROUP, HEAD_BLOCKS, D, DV, NUM_BLOCKS, scale,
+    stride_ob, stride_oh, stride_os, stride_od, stride_osplit,
+    stride_lb, stride_lh, stride_ls, stride_lsplit,
+    SQ, T, SLOTS, HEADS_PER_GROUP, HEAD_BLOCKS, D, DV, NUM_BLOCKS, scale, SLOTS_PER_SPLIT,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, HAS_POS: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Out[b, heads, i] and Lse[b, heads, i] for one query and one block of one group's heads.
+    """Out[b, heads, i] and Lse[b, heads, i] for one query, one block of one group's heads and one run of
+    ``SLOTS_PER_SPLIT`` selection slots (the split ``program_id(2)``; one run of all slots when unsplit).
 
     Q [B, H, Sq, D], K [B, G, T, D], V [B, G, T, DV], Idx int32 [B, G, Sq, SLOTS] in block order
     (``selection_in_block_order``), Pos int [B, Sq] (HAS_POS; else position ``T - Sq + i``), Pad [B, T] uint8
-    (HAS_PAD), all by strides. Grid (B * Sq, G * HEAD_BLOCKS)."""
+    (HAS_PAD), all by strides; Out / Lse gain a split stride (0 when unsplit). Grid (B * Sq, G * HEAD_BLOCKS,
+    splits)."""
     b, i, g, heads, h_ok, pos = program_rows(Pos, stride_pb, stride_ps, SQ, T, HEADS_PER_GROUP, HEAD_BLOCKS, BLOCK_M,
                                              HAS_POS)
     offs_d = tl.arange(0, BLOCK_D)
@@ -143,7 +153,10 @@ def block_sparse_attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for tile in range(0, SLOTS * (BLOCK_SIZE // BLOCK_N)):
+    split = tl.program_id(2)
+    first_tile = split * SLOTS_PER_SPLIT * (BLOCK_SIZE // BLOCK_N)
+    end_tile = tl.minimum(SLOTS, (split + 1) * SLOTS_PER_SPLIT) * (BLOCK_SIZE // BLOCK_N)
+    for tile in range(first_tile, end_tile):
         start, active = selected_tile(i_base, stride_ik, tile, pos, T, NUM_BLOCKS, BLOCK_SIZE, BLOCK_N)
         if active:
             m_i, l_i, acc = _attend_tile(q, k_base, v_base, pad_base, start, pos, T, offs_n, offs_d, d_ok, offs_dv,
@@ -153,10 +166,34 @@ def block_sparse_attention_fwd_kernel(
     alive = l_i > 0
     safe_l = tl.where(alive, l_i, 1.0)
     o = acc / safe_l[:, None]
-    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + i * stride_os + offs_dv[None, :] * stride_od,
-             o.to(Out.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
+    tl.store(Out + b * stride_ob + heads[:, None] * stride_oh + i * stride_os + split * stride_osplit
+             + offs_dv[None, :] * stride_od, o.to(Out.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
     lse = tl.where(alive, (m_i + tl.log2(safe_l)) * LN2, float("-inf"))
-    tl.store(Lse + b * stride_lb + heads * stride_lh + i * stride_ls, lse, mask=h_ok)
+    tl.store(Lse + b * stride_lb + heads * stride_lh + i * stride_ls + split * stride_lsplit, lse, mask=h_ok)
+
+
+@triton.jit
+def combine_splits_kernel(Part, PartLse, Out, Lse, SPLITS, DV, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Out[r] and Lse[r] of one (batch row, head, query) r from its splits' float32 partials: Part [R, SPLITS, DV]
+    (each normalised over its own keys) and PartLse [R, SPLITS] (natural log, -inf for a split without a key),
+    weighted by ``exp(lse_s - lse)``. A row with no key in any split gives 0 and -inf. Contiguous tensors; grid
+    (R,)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < SPLITS
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < DV
+    lse_s = tl.load(PartLse + row * SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse_s, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # no inf - inf on a row without keys
+    weight = tl.exp(lse_s - top)
+    total = tl.sum(weight, 0)
+    part = tl.load(Part + (row * SPLITS + offs_s)[:, None] * DV + offs_dv[None, :],
+                   mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+    alive = total > 0
+    o = tl.sum(part * weight[:, None], 0) / tl.where(alive, total, 1.0)
+    tl.store(Out + row * DV + offs_dv, o.to(Out.dtype.element_ty), mask=dv_ok)
+    tl.store(Lse + row, tl.where(alive, top + tl.log(tl.where(alive, total, 1.0)), float("-inf")))
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -213,21 +250,49 @@ def selection_walk(query, key, value, block_indices, block_size: int, query_posi
     )
 
 
+def split_count(programs: int, slots: int, device: torch.device) -> int:
+    """How many runs of consecutive slots to split each selection into: 1 when the unsplit grid of ``programs``
+    already gives ``PROGRAMS_PER_SM`` programs per SM, else enough runs to reach that (at most one per slot)."""
+    sms = INTERPRETER_SMS if triton_interpreted() or device.type != "cuda" else sm_count(cuda_index(device))
+    target = PROGRAMS_PER_SM * sms
+    if programs >= target or slots <= 1:
+        return 1
+    return cdiv(slots, cdiv(slots, min(slots, cdiv(target, programs))))  # no empty run at the end
+
+
 def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size: int, scale: float,
-                                      query_positions=None, key_padding_mask=None):
+                                      query_positions=None, key_padding_mask=None, splits: int | None = None):
     """(out [B, H, Sq, Dv] contiguous in query's dtype, lse [B, H, Sq] float32, natural log, -inf without a key).
 
     query [B, H, Sq, D], key [B, G, T, D], value [B, G, T, Dv], block_indices [B, G, Sq, K] int32 / int64,
     query_positions None or int [B, Sq], key_padding_mask None or bool [B, T]; any strides. ``block_size`` must
-    pass ``block_size_problem``."""
+    pass ``block_size_problem``. ``splits``: runs per selection (default ``split_count``; 1 is the unsplit
+    kernel alone), at most K."""
     batch, heads, queries, _ = query.shape
     out = torch.empty((batch, heads, queries, value.shape[-1]), dtype=query.dtype, device=query.device)
     lse = torch.empty((batch, heads, queries), dtype=torch.float32, device=query.device)
     if out.numel() == 0:
         return out, lse
     walk = selection_walk(query, key, value, block_indices, block_size, query_positions, key_padding_mask)
-    block_sparse_attention_fwd_kernel[walk.grid](
-        *walk.tensors, out, lse, *walk.strides, *out.stride(), *lse.stride(), *walk.sizes, float(scale),
-        **walk.meta, num_warps=4, num_stages=2,
+    slots = walk.sizes[2]
+    if splits is None:
+        splits = split_count(walk.grid[0] * walk.grid[1], slots, query.device)
+    splits = max(1, min(splits, slots))
+    per_split = cdiv(slots, splits)
+    splits = cdiv(slots, per_split)
+    if splits == 1:
+        target, target_lse, split_strides = out, lse, (0, 0)
+    else:
+        target = torch.empty((batch, heads, queries, splits, out.shape[-1]), dtype=torch.float32, device=out.device)
+        target_lse = torch.empty((batch, heads, queries, splits), dtype=torch.float32, device=out.device)
+        split_strides = (target.stride(3), target_lse.stride(3))
+    o_strides = (*target.stride()[:3], target.stride(-1))
+    block_sparse_attention_fwd_kernel[(*walk.grid, splits)](
+        *walk.tensors, target, target_lse, *walk.strides, *o_strides, split_strides[0], *target_lse.stride()[:3],
+        split_strides[1], *walk.sizes, float(scale), per_split, **walk.meta, num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        combine_splits_kernel[(batch * heads * queries,)](
+            target, target_lse, out, lse, splits, out.shape[-1], BLOCK_S=max(2, next_power_of_2(splits)),
+            BLOCK_DV=walk.meta["BLOCK_DV"], num_warps=4)
     return out, lse

@@ -38,22 +38,23 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, 
 
 
 def document_offsets(position_ids: torch.Tensor) -> torch.Tensor:
-    """The document offsets ``[T + 1]`` (int32) of one packed row of position ids ``[1, T]`` or ``[T]``.
+    """The document offsets ``[B * T + 1]`` (int32) of packed rows of position ids ``[B, T]`` (or one row ``[T]``),
+    over the rows' tokens laid end to end (the flattened layout of FLA's ``cu_seqlens`` and of HF's
+    flash-attention keywords).
 
     A document starts where a position does not follow its predecessor by one (Hugging Face's rule,
     ``transformers.masking_utils.find_packed_sequence_indices``, so the linear-attention layers split
-    the row where the softmax-attention masks do). Offset ``i`` is the number of tokens in documents before
-    document ``i``; past the last document it is ``T``: a fixed shape, no host read."""
-    if position_ids.dim() == 2 and position_ids.shape[0] == 1:
-        position_ids = position_ids[0]
-    if position_ids.dim() != 1:
-        raise ValueError(f"position_ids must be [1, T] or [T] (one packed row), got shape "
-                         f"{tuple(position_ids.shape)}")
+    the rows where the softmax-attention masks do), and at the first token of every row. Offset ``i`` is the
+    number of tokens in documents before document ``i``; past the last document it is ``B * T``: a fixed shape,
+    no host read."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be [batch, T] or [T], got shape {tuple(position_ids.shape)}")
     starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[1:] = position_ids[1:] - position_ids[:-1] != 1
-    document = starts.cumsum(0) - 1  # non-decreasing document index of each token
-    T = position_ids.shape[0]
-    every = torch.arange(T + 1, device=position_ids.device, dtype=document.dtype)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    document = starts.flatten().cumsum(0) - 1  # non-decreasing document index of each token
+    every = torch.arange(document.shape[0] + 1, device=position_ids.device, dtype=document.dtype)
     return torch.searchsorted(document, every).to(torch.int32)
 
 
@@ -68,16 +69,19 @@ def document_starts(offsets: torch.Tensor, length: int) -> torch.Tensor:
 def causal_conv1d_per_document(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                offsets: torch.Tensor, activation: Callable | None = None) -> torch.Tensor:
     """Depthwise causal conv1d of ``x`` ``[B, C, T]`` with ``weight`` ``[C, W]`` (and ``bias`` ``[C]``), each
-    document of ``offsets`` (``[N + 1]``, as for the delta-rule ops) on its own: the tap ``j`` of token ``t``
-    reads ``x[..., t - (W - 1) + j]`` only when that token is in ``t``'s document, else zero. Computed in
-    ``weight``'s dtype as Hugging Face's ``causal_conv1d_fn`` does, returned in ``x``'s dtype."""
+    document of ``offsets`` (``[N + 1]`` over the ``B * T`` tokens of the rows laid end to end, as for the
+    delta-rule ops; no document spans two rows) on its own: the tap ``j`` of token ``t`` reads
+    ``x[..., t - (W - 1) + j]`` only when that token is in ``t``'s document, else zero. Computed in ``weight``'s
+    dtype as Hugging Face's ``causal_conv1d_fn`` does, returned in ``x``'s dtype."""
     C, W = weight.shape
-    T = x.shape[-1]
+    B, T = x.shape[0], x.shape[-1]
     windows = F.pad(x.to(weight.dtype), (W - 1, 0)).unfold(-1, W, 1)  # [B, C, T, W]
     reach = torch.arange(W - 1, -1, -1, device=x.device)  # how far back tap j reads
     tokens = torch.arange(T, device=x.device)
-    inside = (tokens[:, None] - reach[None, :]) >= document_starts(offsets, T)[:, None]  # [T, W]
-    out = torch.einsum("bctw,cw->bct", windows * inside.to(weight.dtype), weight)
+    row_start = torch.arange(B, device=x.device)[:, None] * T
+    starts = document_starts(offsets, B * T).view(B, T) - row_start  # each token's document start in its row
+    inside = (tokens[None, :, None] - reach) >= starts[:, :, None]  # [B, T, W]
+    out = torch.einsum("bctw,cw->bct", windows * inside[:, None].to(weight.dtype), weight)
     if bias is not None:
         out = out + bias[:, None]
     if activation is not None:

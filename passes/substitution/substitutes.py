@@ -97,6 +97,27 @@ def document_offsets_of(kwargs: dict) -> Any:
     return kwargs.get(OFFSETS_KEYWORD) if offsets is None else offsets
 
 
+PER_TOKEN = ("q", "k", "v", "g", "beta")  # the chunk ops' [B, T, ...] inputs
+
+
+def over_packed_rows(op: Callable, **call: Any) -> Any:
+    """``op(**call)`` for a chunk delta-rule op. Offsets (``cu_seqlens``) of packed documents count the tokens of
+    the batch's rows laid end to end (HF's flash-attention layout); the ops take them with one row, so a batch of
+    ``B > 1`` rows goes in as the row ``[1, B * T, ...]`` and its output comes back as ``[B, T, ...]``
+    (docs/packed-documents.md)."""
+    q = call["q"]
+    if call.get("cu_seqlens") is None or q.shape[0] == 1:
+        return op(**call)
+    b, t = q.shape[:2]
+    for name in PER_TOKEN:
+        if call.get(name) is not None:
+            call[name] = call[name].reshape(1, b * t, *call[name].shape[2:])
+    result = op(**call)
+    if isinstance(result, tuple):
+        return (result[0].reshape(b, t, *result[0].shape[2:]), *result[1:])
+    return result.reshape(b, t, *result.shape[2:])
+
+
 def _is_default(value: Any, default: Any) -> bool:
     if value is default:
         return True
@@ -146,7 +167,7 @@ def _serve_fla_call(entry: str, ours: Callable, original: Callable, positional: 
         # FLA's recurrent kernel reads any state dtype in fp32 and returns an fp32 final state (its chunk
         # entry asserts fp32); our op takes fp32 states only: the upcast is exact.
         call["initial_state"] = _as_state(call["initial_state"])
-    return ours(**{name: value for name, value in call.items() if name in _OURS_PARAMS[ours]})
+    return over_packed_rows(ours, **{name: value for name, value in call.items() if name in _OURS_PARAMS[ours]})
 
 
 def _fla_chunk_substitute(entry: str, original: Callable) -> Callable:
@@ -201,10 +222,11 @@ def _hf_chunk_substitute(entry: str, original: Callable) -> Callable:
         if not _substituting(entry):
             return twin(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, **kwargs)
-        return chunk_kda(query, key, value, g, beta, initial_state=_as_state(initial_state),
-                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                         chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64,
-                         cu_seqlens=document_offsets_of(kwargs))
+        return over_packed_rows(chunk_kda, q=query, k=key, v=value, g=g, beta=beta,
+                                initial_state=_as_state(initial_state), output_final_state=output_final_state,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64,
+                                cu_seqlens=document_offsets_of(kwargs))
 
     return hf_chunk_kimi_delta_attention
 
@@ -238,11 +260,11 @@ def _hf_gdn_chunk_substitute(entry: str, original: Callable) -> Callable:
         if not _substituting(entry):
             return twin(query, key, value, g, beta, chunk_size, initial_state, output_final_state,
                         use_qk_l2norm_in_kernel, **kwargs)
-        return chunk_gated_delta_rule(query, key, value, g, beta, initial_state=_as_state(initial_state),
-                                      output_final_state=output_final_state,
-                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                      chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64,
-                                      cu_seqlens=document_offsets_of(kwargs))
+        return over_packed_rows(chunk_gated_delta_rule, q=query, k=key, v=value, g=g, beta=beta,
+                                initial_state=_as_state(initial_state), output_final_state=output_final_state,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                chunk_size=chunk_size if chunk_size in CHUNK_SIZES else 64,
+                                cu_seqlens=document_offsets_of(kwargs))
 
     return hf_chunk_gated_delta_rule
 

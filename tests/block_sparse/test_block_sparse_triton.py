@@ -15,6 +15,7 @@ from kda_compile.ops.block_sparse.triton_forward import (  # noqa: E402
     block_size_problem,
     key_tile,
     selection_in_block_order,
+    split_count,
 )
 from kda_compile.testing import BlockSparseCase, assert_rel_close, make_block_sparse_args  # noqa: E402
 
@@ -22,11 +23,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
 
-def _run_and_compare(args, dtype):
+def _run_and_compare(args, dtype, splits=None):
     scale = args["scale"] if args["scale"] is not None else args["query"].shape[-1] ** -0.5
     extra = (args["query_positions"], args["key_padding_mask"])
     out, lse = block_sparse_attention_fwd_triton(args["query"], args["key"], args["value"], args["block_indices"],
-                                                 args["block_size"], scale, *extra)
+                                                 args["block_size"], scale, *extra, splits=splits)
     ref_out, ref_lse = block_sparse_attention_reference(
         *(args[n].double() for n in ("query", "key", "value")), args["block_indices"], args["block_size"], scale,
         *extra)
@@ -90,6 +91,50 @@ def test_unchecked_entries_out_of_range_are_empty_slots():
     bad[bad == -1] = 1000
     with_bad, _ = block_sparse_attention_fwd_triton(args["query"], args["key"], args["value"], bad, 16, 0.25)
     torch.testing.assert_close(with_bad, clean, rtol=0, atol=0)
+
+
+SPLIT_CASES = ["decode", "chunk-positions", "repeats-transposed", "prefill-block32-padded-keys"]
+
+
+@pytest.mark.parametrize("splits", [2, 3, 64], ids=["2-runs", "3-runs", "one-run-per-slot"])
+@pytest.mark.parametrize("name", SPLIT_CASES)
+def test_split_selections_match_the_reference(name, splits):
+    """Selections split into runs of slots (partials merged by their log-sum-exp) give the unsplit results; a
+    count above the slots is one run per slot. Runs without a key (every slot empty or in the future) merge to
+    zero rows and -inf."""
+    args = make_block_sparse_args(CASES[name], torch.float32, DEVICE, seed=len(name) + splits)
+    if name == "chunk-positions":
+        args["block_indices"][0, 0, 1] = -1
+        args["query_positions"][1, 2] = -1
+    out, lse = _run_and_compare(args, torch.float32, splits=splits)
+    whole, whole_lse = block_sparse_attention_fwd_triton(
+        args["query"], args["key"], args["value"], args["block_indices"], args["block_size"],
+        args["scale"] if args["scale"] is not None else args["query"].shape[-1] ** -0.5,
+        args["query_positions"], args["key_padding_mask"], splits=1)
+    assert_rel_close(out, whole, 1e-6, name="split out")
+    assert torch.equal(torch.isinf(lse), torch.isinf(whole_lse))
+
+
+def test_a_repeat_across_a_run_boundary_counts_once():
+    args = make_block_sparse_args(CASES["decode"], torch.float32, DEVICE, seed=5)
+    args["block_indices"][..., 1] = args["block_indices"][..., 0]  # sorted, slots 0 and 1 fall in different runs
+    _run_and_compare(args, torch.float32, splits=4)
+
+
+def test_split_count_fills_the_device_and_leaves_full_grids_alone():
+    cpu = torch.device("cpu")  # the interpreter's device: 4 SMs assumed, 8 programs wanted
+    assert split_count(programs=8, slots=16, device=cpu) == 1
+    assert split_count(programs=1, slots=16, device=cpu) == 8
+    assert split_count(programs=3, slots=16, device=cpu) == 3  # 3 runs of 6, 6 and 4 slots
+    assert split_count(programs=1, slots=5, device=cpu) == 5
+    assert split_count(programs=1, slots=1, device=cpu) == 1
+
+
+def test_a_small_grid_splits_by_default():
+    case = BlockSparseCase(b=1, heads=4, groups=1, sq=1, t=200, block_size=16, slots=6)
+    args = make_block_sparse_args(case, torch.float32, DEVICE, seed=9)
+    assert split_count(1, 6, DEVICE) > 1
+    _run_and_compare(args, torch.float32)
 
 
 def test_selection_in_block_order_and_accepted_block_sizes():

@@ -13,7 +13,8 @@ gradients together < 1e-4, and of each parameter's relative to that norm: some a
 rounding alone exceeds 1e-4 of their own norm); calls without packing (no ``position_ids``, or ``0..T-1``) keep
 eager's logits. HF's torch path runs whatever is installed (FLA / causal-conv1d bind CUDA-only kernels).
 Also: the per-document conv equals HF's conv run on each document on random inputs, the offsets derived from
-position ids, and the log of calls that cannot be kept apart (a batch of two rows; ``Config(kda_substitution=False)``).
+position ids, a batch of two packed rows (offsets over the rows laid end to end), and the log of calls that cannot
+be kept apart (``position_ids`` rows that do not match the batch; ``Config(kda_substitution=False)``).
 """
 from __future__ import annotations
 
@@ -101,6 +102,24 @@ def test_packed_documents_match_each_document_alone(family):
     assert rel_error(packed, expected) < LOGITS_TOL
     for piece, alone in zip(torch.split(packed, list(LENGTHS), 1), torch.split(expected, list(LENGTHS), 1)):
         assert rel_error(piece, alone) < LOGITS_TOL
+    assert kda_compile.report(compiled).graph_breaks == ()
+    convs, deltas = per_document_sites(compiled)
+    assert convs == deltas == linear_layers(model)
+
+
+@torch.no_grad()
+def test_a_batch_of_packed_rows_matches_each_document_alone(family):
+    """Two packed rows of different document layouts (16 tokens each, one row's last document of a single token):
+    every document's logits equal that document run alone; the rows go to the delta rule laid end to end."""
+    model = build_model(family)
+    layouts = ((5, 1, 2, 8), (3, 12, 1))
+    rows = [packed_row(model.config.vocab_size, lengths, seed=7 + i) for i, lengths in enumerate(layouts)]
+    ids = torch.cat([r[0] for r in rows])
+    positions = torch.cat([r[1] for r in rows])
+    compiled = optimize(model, QUICK)
+    packed = compiled(input_ids=ids, position_ids=positions, use_cache=False).logits
+    for b, lengths in enumerate(layouts):
+        assert rel_error(packed[b:b + 1], each_alone(model, ids[b:b + 1], lengths)) < LOGITS_TOL
     assert kda_compile.report(compiled).graph_breaks == ()
     convs, deltas = per_document_sites(compiled)
     assert convs == deltas == linear_layers(model)
@@ -206,15 +225,17 @@ def test_per_document_conv_equals_conv_of_each_document(seed, activation):
     x = torch.randn(2, C, T, generator=gen)
     weight, bias = torch.randn(C, W, generator=gen), torch.randn(C, generator=gen)
     expected = torch.cat([hf_conv(piece, weight, bias, activation) for piece in torch.split(x, lengths, -1)], -1)
-    # the offsets as the model derives them (T + 1, trailing repeats) and as FLA writes them, with empty ones
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    exact = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    # The offsets count both rows' tokens end to end: as the model derives them (2T + 1, trailing repeats) and
+    # as FLA writes them, with empty ones.
+    positions = torch.cat([torch.arange(n) for n in lengths]).expand(2, T)
+    one_row = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    exact = torch.cat([one_row, one_row[1:] + T])
     with_empty = torch.cat([exact[:1], exact[:2], exact[1:], exact[-1:]])
     act = torch.nn.functional.silu if activation else None
     for offsets in (document_offsets(positions), exact, with_empty):
         assert rel_error(causal_conv1d_per_document(x, weight, bias, offsets, act), expected) < 1e-6
-    assert rel_error(causal_conv1d_per_document(x, weight, None, exact[[0, -1]], act),
-                     hf_conv(x, weight, None, activation)) < 1e-6  # one document: HF's conv of the row
+    assert rel_error(causal_conv1d_per_document(x, weight, None, torch.tensor([0, T, 2 * T]), act),
+                     hf_conv(x, weight, None, activation)) < 1e-6  # one document a row: HF's conv of the rows
 
 
 def test_document_offsets_follow_hf_packed_sequences():
@@ -226,8 +247,11 @@ def test_document_offsets_follow_hf_packed_sequences():
     documents = find_packed_sequence_indices(positions)[0]
     assert torch.equal(torch.bincount(documents), torch.diff(offsets)[:int(documents.max()) + 1].long())
     assert document_offsets(torch.arange(5)).tolist() == [0, 5, 5, 5, 5, 5]
+    # Rows laid end to end: every row starts a document, even one continuing a position count.
+    rows = torch.tensor([[0, 1, 0, 1], [2, 3, 4, 0]])
+    assert document_offsets(rows).tolist() == [0, 2, 4, 7, 8, 8, 8, 8, 8]
     with pytest.raises(ValueError, match="position_ids"):
-        document_offsets(torch.zeros(2, 4, dtype=torch.long))
+        document_offsets(torch.zeros(2, 2, 4, dtype=torch.long))
 
 
 @torch.no_grad()
@@ -246,9 +270,13 @@ def test_calls_not_kept_apart_are_logged(caplog):
     model = build_model("qwen3_next")
     positions = torch.tensor([[0, 1, 0, 1]] * 2)
     call = dict(input_ids=torch.ones(2, 4, dtype=torch.long), position_ids=positions, use_cache=False)
+    assert with_document_offsets(model, call)["cu_seq_lens_q"].tolist() == [0, 2, 4, 6, 8, 8, 8, 8, 8]
+    shared = dict(call, position_ids=positions[0])  # [T] positions broadcast over the batch
+    assert with_document_offsets(model, shared)["cu_seq_lens_q"].tolist() == [0, 2, 4, 6, 8, 8, 8, 8, 8]
+    mismatched = dict(call, input_ids=torch.ones(3, 4, dtype=torch.long))
     with caplog.at_level(logging.WARNING, logger="kda_compile.packed_documents"):
-        assert with_document_offsets(model, call) is call
-    assert "a batch of 2 rows" in caplog.text
+        assert with_document_offsets(model, mismatched) is mismatched
+    assert "position_ids has 2 rows for a batch of 3" in caplog.text
     one_row = dict(call, input_ids=call["input_ids"][:1], position_ids=positions[:1])
     assert with_document_offsets(model, one_row)["cu_seq_lens_q"].tolist() == [0, 2, 4, 4, 4]
     assert with_document_offsets(model, dict(one_row, use_cache=True)) == dict(one_row, use_cache=True)

@@ -11,7 +11,8 @@ indexers with fewer selections than KV groups, or one per query head. A StaticCa
 (its one-query mask read as the keys it may see); its prefill, whose queries are not the last Sq of the cache's
 slots, keeps HF's attention with the reason reported. A mask
 the op cannot express (a 4-D mask passed in by the caller) keeps HF's dense-masked attention, with the reason in
-``kda_compile.report()``, and still eager's logits.
+``kda_compile.report()``, and still eager's logits. Once through ``torch.compile(model, backend="kda_compile")``
+with Inductor (slow).
 """
 from __future__ import annotations
 
@@ -153,6 +154,20 @@ def test_selection_counts_other_than_the_kv_groups(selections):
     keep = mask.bool()  # a padded query sees no key: HF's full-attention layer averages, ours gives 0
     assert rel_error(have[keep], want[keep]) < TOL
     assert_rewritten(kda_compile.report(fast).graphs)
+
+
+@pytest.mark.slow
+def test_kda_compile_backend_with_inductor():
+    model = build("eager")
+    fast = torch.compile(model, backend="kda_compile", fullgraph=True)
+    prompt = ids(2, 9, 11)
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        want, have = model(prompt, attention_mask=mask).logits, fast(prompt, attention_mask=mask).logits
+    keep = mask.bool()
+    assert rel_error(have[keep], want[keep]) < TOL
+    assert_rewritten(kda_compile.report().graphs)
 
 
 def test_a_static_cache_decode_step_is_rewritten_and_its_prefill_stays_dense():

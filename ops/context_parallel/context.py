@@ -186,7 +186,7 @@ def build_cp_context(
 
 def _host_offsets(cu_seqlens, cu_seqlens_cpu) -> list[int]:
     # imported here: the KDA package imports this module (its public function takes a CPContext)
-    from kda_compile.ops.kda.validation import INDEX_DTYPES, check_cu_seqlens_values
+    from kda_compile.ops.delta_rule.validation import INDEX_DTYPES, check_cu_seqlens_values
 
     check_tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=INDEX_DTYPES)
     if cu_seqlens.shape[0] < 2:

@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
-from kda_compile.ops._common import dispatcher_needed, gradients_needed
-from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
+from kda_compile.ops._common import dispatcher_needed
+from kda_compile.ops.context_parallel import CPContext
+from kda_compile.ops.delta_rule.api import deferred_argument_error, run_delta_rule
+from kda_compile.ops.delta_rule.validation import reject_unsupported_kwargs, state_layout_alias
 from kda_compile.ops.gdn.backends import registry as gdn_backends
 from kda_compile.ops.gdn import custom_ops
 from kda_compile.ops.gdn.validation import reject_gk_gv, validate_gdn_arguments
+from kda_compile.ops.kda.api import planned_call
 from kda_compile.ops.kda.prefill import fast_path
-from kda_compile.ops.kda.api import deferred_argument_error, planned_call
-from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
-                                            reject_unsupported_kwargs, state_layout_alias)
 
 
 def chunk_gated_delta_rule(
@@ -187,56 +187,29 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
          use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, *,
          recurrent: bool, cu_seqlens_cpu=None, check_inputs: bool = False, unsupported=None, cp=(None, None),
          plan_key=None):
-    compiling = torch.compiler.is_compiling()
-    cp_context, one_process = cp
-    try:
-        if unsupported is not None:
-            fn, extra, defaults = unsupported
-            state_v_first, extra = state_layout_alias(fn, extra, state_v_first, stacklevel=4)
-            reject_unsupported_kwargs(fn, extra, defaults)
-        if cp_context is not None:
-            cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
+    decode = (custom_ops.fused_recurrent_gdn_fwd, custom_ops.fused_recurrent_gdn_impl) if recurrent else None
+
+    def validate(cu_seqlens, cu_seqlens_cpu, state_v_first):
         validate_gdn_arguments(
             q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
             A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
             state_v_first=state_v_first, scale=scale, chunk_size=chunk_size)
-        check_inputs_flag(check_inputs, compiling)
-    except (ValueError, TypeError) as error:
-        if not compiling:
-            raise
-        return deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first)
-    if not compiling:  # value checks that need no device synchronisation; eager only
-        check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-        if check_inputs:
-            check_input_values(q, g, cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel,
-                               cu_seqlens_cpu=cu_seqlens_cpu)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if not use_gate_in_kernel:
-        A_log = dt_bias = None
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    needs_grad = gradients_needed(*tensors)
-    flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-             bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval))
-    if cp_context is not None:
-        o, final = context_parallel_chunk(one_process, cp_context, q, k, v, g, beta, initial_state,
-                                          output_final_state)
-    elif recurrent and not needs_grad:
-        op = custom_ops.fused_recurrent_gdn_fwd if dispatcher_needed(*tensors) else custom_ops.fused_recurrent_gdn_impl
-        o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
-    elif not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
-        o, final = custom_ops.chunk_gdn_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
-                                                  int(chunk_size), cu_seqlens_cpu)
-        if plan_key is not None:  # later calls of this signature may skip the work above
-            _learn_plan(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags, int(chunk_size),
-                        bool(state_v_first))
-    else:
+        return ()  # GDN's ops take the delta rule's flags only
+
+    def serve(flags, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first, tensors, needs_grad):
+        if not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
+            out = custom_ops.chunk_gdn_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
+                                                 int(chunk_size), cu_seqlens_cpu)
+            if plan_key is not None:  # later calls of this signature may skip the work above
+                _learn_plan(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags,
+                            int(chunk_size), bool(state_v_first))
+            return out
         o, final, *_ = custom_ops.chunk_gdn_fwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
                                                 int(chunk_size), needs_grad)
-    if not output_final_state:
-        return o, None
-    return o, (final.transpose(-1, -2) if state_v_first else final)
+        return o, final
 
+    return run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                          state_v_first, cu_seqlens, A_log, dt_bias, decode=decode, cu_seqlens_cpu=cu_seqlens_cpu,
+                          check_inputs=check_inputs, unsupported=unsupported, cp=cp)

@@ -24,8 +24,9 @@ from kda_compile.ops.gdn.decode import backend as decode_backend  # noqa: F401  
 from kda_compile.ops.gdn.backends import fla as fla_backend  # noqa: F401  (registers FLA's GDN kernels)
 from kda_compile.ops.gdn.backends import kda as kda_backend  # noqa: F401  (registers the route through the KDA kernels)
 from kda_compile.ops.gdn.backends.registry import REFERENCE, GDNOptions, backend_named, select_backend
-from kda_compile.ops.kda.custom_ops import (backward_source, fake_forward_outputs, final_state_shape, gradient_outputs,
-                                            pad_residuals, run_time_checks)
+from kda_compile.ops.delta_rule.custom_ops import (backward_fake, backward_source, chunk_backward,
+                                                  fake_forward_outputs, gradient_outputs, keep_for_backward,
+                                                  pad_residuals, recurrent_fake, run_time_checks, serving_backend)
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -36,9 +37,7 @@ def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoi
 
 
 def _backend(op: str, q: Tensor, v: Tensor, opts: GDNOptions):
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no tokens: the reference returns the states as they are
-        return REFERENCE
-    return select_backend(op, q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
+    return serving_backend(select_backend, REFERENCE, op, q, v, opts)
 
 
 @torch.library.custom_op("kda_compile::chunk_gdn_fwd", mutates_args=())
@@ -110,40 +109,19 @@ def chunk_gdn_bwd(
     return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
 
 
-@chunk_gdn_bwd.register_fake
-def _chunk_gdn_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
-    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(t.new_empty(t.shape) if t is not None else q.new_empty(0) for t in like)
+chunk_gdn_bwd.register_fake(backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
-     *flags, chunk_size, save_for_backward) = inputs
-    o, _, *residuals = output
-    ctx.mark_non_differentiable(*residuals)
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals)
-    ctx.o_meta = (o.shape, o.dtype)
-    ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
-    ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
-    # the backward runs where the forward ran, whatever is selected when it runs
-    ctx.backend = _backend("chunk_gdn", q, v, _options(scale, *flags, chunk_size, training=save_for_backward)).name
+    scale, output_final_state, *flags, chunk_size, save_for_backward = inputs[9:]
+    opts = _options(scale, *flags, chunk_size, training=save_for_backward)
+    keep_for_backward(ctx, inputs[:9], output, _backend("chunk_gdn", inputs[0], inputs[2], opts), opts, scale=scale,
+                      flags=tuple(flags), chunk_size=chunk_size, output_final_state=output_final_state,
+                      save_for_backward=save_for_backward)
 
 
 def _backward(ctx, do, dht, *residual_grads):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
-    if do is None:  # o unused: its gradient is zero (grads are not materialised)
-        shape, dtype = ctx.o_meta
-        do = v.new_zeros(shape, dtype=dtype)
-    if dht is not None and not ctx.output_final_state:
-        dht = None
-    grads = chunk_gdn_bwd(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(),
-                          dht, ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved, ctx.backend)
-    needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (grad if ref is not None else None
-                                                    for grad, ref in zip(grads, needed))
-    # one gradient per input of chunk_gdn_fwd (non-tensors and cu_seqlens get None)
-    return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None)
+    return chunk_backward(ctx, do, dht, chunk_gdn_bwd, (), inputs=17)
 
 
 torch.library.register_autograd("kda_compile::chunk_gdn_fwd", _backward, setup_context=_setup_context)
@@ -171,9 +149,4 @@ fused_recurrent_gdn_fwd = torch.library.custom_op("kda_compile::fused_recurrent_
     fused_recurrent_gdn_impl)
 
 
-@fused_recurrent_gdn_fwd.register_fake
-def _fused_recurrent_gdn_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
-                                  output_final_state, *flags):
-    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    return o, q.new_empty(final_shape, dtype=torch.float32)
+fused_recurrent_gdn_fwd.register_fake(recurrent_fake)

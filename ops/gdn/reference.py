@@ -18,20 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda_compile.ops.kda.reference import run_packed
-from kda_compile.ops.kda.validation import check_cu_seqlens_values
-
-L2NORM_EPS = 1e-6
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision inputs, fp64 stays fp64 (for gradcheck-grade tests)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """``x / sqrt(sum(x * x) + eps)`` over the last dim (FLA's form: eps inside the sqrt)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+from kda_compile.ops.delta_rule.reference import compute_dtype, l2norm, reference_over_sequences
 
 
 def gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
@@ -119,18 +106,8 @@ def gdn_reference(q, k, v, g, beta, *, scale: float, initial_state=None, cu_seql
         dt_bias=None if dt_bias is None else dt_bias.to(cdt), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    if cu_seqlens is None:
-        state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(B, HV, K, V)
-        o, final = chunk_gdn_core(qf, kf, vf, gf, bf, scale, state, chunk_size)
-        return o.to(q.dtype), final
-    offsets = cu_seqlens.tolist()  # the one host read of this path (the padding needs the longest length)
-    check_cu_seqlens_values(offsets, T)
-    N = len(offsets) - 1
-    state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(N, HV, K, V)
-    o, final = run_packed(chunk_gdn_core, (qf, kf, vf, gf, bf), cu_seqlens, offsets, state, scale, chunk_size)
-    return o.unsqueeze(0).to(q.dtype), final
+    return reference_over_sequences(chunk_gdn_core, (qf, kf, vf, gf, bf), q, v, initial_state, cu_seqlens, scale,
+                                    chunk_size)
 
 
 def gdn_recurrence(q, k, v, g, beta, *, scale: float | None = None, initial_state=None, cu_seqlens=None,

@@ -1,23 +1,23 @@
-"""Argument checks for the public GDN functions. Same rules and messages as KDA's
-(``kda_compile.ops.kda.validation``, docs/kda-input-checks.md) where the arguments are the same; what
+"""Argument checks for the public GDN functions. The delta-rule rules and messages KDA's functions have too
+(``kda_compile.ops.delta_rule.validation``, docs/kda-input-checks.md) where the arguments are the same; what
 differs is GDN's: ``g`` ``[B, T, HV]`` (one decay per value head), ``dt_bias`` ``[HV]``, no lower-bound
 gate, and the decode function's optional ``g`` / ``beta`` and unsupported ``gk`` / ``gv``.
 
 Never reads a tensor's values (free under torch.compile, where these checks become guards; no GPU
-synchronisation). Value checks reuse KDA's helpers (``check_free_values``, ``check_input_values``).
+synchronisation). The value checks are the delta-rule core's (``check_free_values``, ``check_input_values``).
 """
 from __future__ import annotations
 
 from kda_compile.ops._common import arg_error, describe
-from kda_compile.ops.kda.validation import validate_kda_arguments
+from kda_compile.ops.delta_rule.validation import validate_delta_rule_arguments
 
 
 def validate_gdn_arguments(q, k, v, g, beta, *, initial_state, cu_seqlens, cu_seqlens_cpu, A_log, dt_bias,
                            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first,
                            scale, chunk_size) -> None:
-    """Shapes, dtypes, devices and Python scalars of one GDN call: KDA's checks with the per-head gate layout
-    (GDN has no lower-bound gate, so ``A_log`` is required with the in-kernel gate)."""
-    validate_kda_arguments(
+    """Shapes, dtypes, devices and Python scalars of one GDN call: the delta-rule checks with the per-head gate
+    layout (GDN has no lower-bound gate, so ``A_log`` is required with the in-kernel gate)."""
+    validate_delta_rule_arguments(
         q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         allow_neg_eigval=allow_neg_eigval, safe_gate=False, lower_bound=None, state_v_first=state_v_first,

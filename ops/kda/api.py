@@ -7,14 +7,12 @@ from typing import Any
 
 import torch
 
-from kda_compile.ops._argument_errors import deferred_error, sizes
 from kda_compile.ops._common import dispatcher_needed, gradients_needed, record_fallback  # noqa: F401  (re-exported)
-from kda_compile.ops.context_parallel import CPContext, context_offsets, context_parallel_chunk
+from kda_compile.ops.context_parallel import CPContext
+from kda_compile.ops.delta_rule.api import run_delta_rule
+from kda_compile.ops.delta_rule.validation import check_free_values, validate_delta_rule_arguments
 from kda_compile.ops.kda import custom_ops
 from kda_compile.ops.kda.prefill import fast_path
-from kda_compile.ops.kda.validation import (check_free_values, check_input_values, check_inputs_flag,
-                                            reject_unsupported_kwargs, state_layout_alias,
-                                            validate_kda_arguments)
 
 # FLA options accepted only at their default value.
 _CHUNK_ONLY_DEFAULTS = {"return_intermediate_states": False, "use_graph": False, "max_num_seqs": None}
@@ -203,60 +201,29 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
          dt_bias, chunk_size, *, recurrent: bool, disable_recompute: bool = False, cu_seqlens_cpu=None,
          check_inputs: bool = False, unsupported=None, cp=(None, None), plan_key=None):
-    compiling = torch.compiler.is_compiling()
-    cp_context, one_process = cp
-    try:
-        if unsupported is not None:
-            fn, extra, defaults = unsupported
-            state_v_first, extra = state_layout_alias(fn, extra, state_v_first, stacklevel=4)
-            reject_unsupported_kwargs(fn, extra, defaults)
-        if cp_context is not None:
-            cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
-        validate_kda_arguments(
+    decode = (custom_ops.fused_recurrent_kda_fwd, custom_ops.fused_recurrent_kda_impl) if recurrent else None
+
+    def validate(cu_seqlens, cu_seqlens_cpu, state_v_first):
+        validate_delta_rule_arguments(
             q, k, v, g, beta, initial_state=initial_state, cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias,
             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
             allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
             state_v_first=state_v_first, scale=scale, chunk_size=chunk_size, cu_seqlens_cpu=cu_seqlens_cpu,
         )
-        check_inputs_flag(check_inputs, compiling)
-    except (ValueError, TypeError) as error:
-        if not compiling:
-            raise
-        return deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first)
-    if not compiling:  # value checks that need no device synchronisation (host tensors); eager only
-        check_free_values(q, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-        if check_inputs:
-            check_input_values(q, g, cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel,
-                               cu_seqlens_cpu=cu_seqlens_cpu)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    if not use_gate_in_kernel:  # A_log / dt_bias only feed the in-kernel gate
-        A_log = dt_bias = None
-    if lower_bound is not None:
-        lower_bound = float(lower_bound)
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
-    needs_grad = gradients_needed(*tensors)
-    flags = (float(scale), bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-             bool(use_beta_sigmoid_in_kernel), bool(allow_neg_eigval), lower_bound)
-    if cp_context is not None:
-        o, final = context_parallel_chunk(one_process, cp_context, q, k, v, g, beta, initial_state,
-                                          output_final_state)
-    elif recurrent and not needs_grad:
-        op = custom_ops.fused_recurrent_kda_fwd if dispatcher_needed(*tensors) else custom_ops.fused_recurrent_kda_impl
-        o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
-    elif not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
-        o, final = custom_ops.chunk_kda_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
-                                                  bool(safe_gate), int(chunk_size), cu_seqlens_cpu)
-        if plan_key is not None and use_gate_in_kernel:  # later calls of this signature may skip the work above
-            fast_path.learn(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=float(scale),
-                            output_final_state=bool(output_final_state),
-                            use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
-                            use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
-                            allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate),
-                            lower_bound=lower_bound, chunk_size=int(chunk_size), state_v_first=bool(state_v_first))
-    else:
+        return (None if lower_bound is None else float(lower_bound),)  # KDA's flag after the delta rule's
+
+    def serve(flags, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first, tensors, needs_grad):
+        if not needs_grad and not dispatcher_needed(*tensors):  # eager inference: straight to the backend
+            out = custom_ops.chunk_kda_inference(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags,
+                                                 bool(safe_gate), int(chunk_size), cu_seqlens_cpu)
+            if plan_key is not None and use_gate_in_kernel:  # later calls of this signature may skip the work above
+                fast_path.learn(plan_key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=flags[0],
+                                output_final_state=bool(output_final_state),
+                                use_qk_l2norm_in_kernel=bool(use_qk_l2norm_in_kernel),
+                                use_beta_sigmoid_in_kernel=bool(use_beta_sigmoid_in_kernel),
+                                allow_neg_eigval=bool(allow_neg_eigval), safe_gate=bool(safe_gate),
+                                lower_bound=flags[-1], chunk_size=int(chunk_size), state_v_first=bool(state_v_first))
+            return out
         keep = disable_recompute and needs_grad
         if keep and cu_seqlens is not None:
             record_fallback("chunk_kda_backward", "recomputing", "disable_recompute=True is not honoured with "
@@ -265,21 +232,9 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
         o, final, *_ = custom_ops.chunk_kda_fwd(
             q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags, bool(safe_gate), int(chunk_size),
             needs_grad, keep)
-    if not output_final_state:
-        return o, None
-    return o, (final.transpose(-1, -2) if state_v_first else final)
+        return o, final
 
-
-def deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first):
-    """A delta-rule call's (KDA's or GDN's) bad-argument ``error`` (``ops._argument_errors``): raised now in an
-    eager call; while Dynamo traces, ``(o, final_state)`` placeholders of the shapes the call's outputs would
-    have had where they are known, and the compiled function raises ``error`` when it runs."""
-    qs, vs, offsets = sizes(q, 4), sizes(v, 4), sizes(cu_seqlens, 1)
-    o_shape, state_shape = [0], [0]
-    if qs is not None and vs is not None:
-        o_shape = [qs[0], qs[1], vs[2], vs[3]]
-        N = offsets[0] - 1 if offsets is not None and offsets[0] > 0 else qs[0]
-        K, V = (vs[3], qs[3]) if state_v_first else (qs[3], vs[3])
-        state_shape = [N, vs[2], K, V]
-    o, final = deferred_error(error, q, o_shape, state_shape)
-    return o, (final if output_final_state else None)
+    return run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                          state_v_first, cu_seqlens, A_log, dt_bias, decode=decode, cu_seqlens_cpu=cu_seqlens_cpu,
+                          check_inputs=check_inputs, unsupported=unsupported, cp=cp)

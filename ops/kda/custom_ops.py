@@ -28,13 +28,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kda_compile.ops._common import is_dtensor, record_fallback
+from kda_compile.ops.delta_rule.custom_ops import (backward_fake, backward_source, chunk_backward,
+                                                  fake_forward_outputs, gradient_outputs, keep_for_backward,
+                                                  pad_residuals, recurrent_fake, run_time_checks, serving_backend)
 from kda_compile.ops.kda.backends import fla as fla_backend  # noqa: F401  (registers the FLA backend)
 from kda_compile.ops.kda.prefill import backend as prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda.decode import backend as decode_backend  # noqa: F401  (registers our Triton decode backend)
-from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS, REFERENCE, KDAOptions, backend_named, select_backend
-from kda_compile.ops import envs
-from kda_compile.ops.kda.validation import check_input_values
+from kda_compile.ops.kda.backends.registry import REFERENCE, KDAOptions, backend_named, select_backend
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
@@ -47,23 +47,7 @@ def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoi
 
 
 def _backend(op: str, q: Tensor, v: Tensor, opts: KDAOptions):
-    if q.shape[0] == 0 or q.shape[1] == 0:  # no tokens: nothing to compute, the reference returns the states as they are
-        return REFERENCE
-    return select_backend(op, q.device, q.dtype, q.shape[-1], v.shape[-1], opts)
-
-
-def _num_states(q: Tensor, cu_seqlens: Optional[Tensor]):
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-
-
-def final_state_shape(q, v, cu_seqlens):
-    return (_num_states(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3])
-
-
-def _stand_ins(backend, q: Tensor, k: Tensor, v: Tensor, opts: KDAOptions, save: bool) -> dict:
-    """Inputs the backend's backward reads only through residuals: name -> residual index."""
-    stand_ins = getattr(backend, "input_stand_ins", None)
-    return stand_ins(q, k, v, opts, save) if stand_ins is not None else {}
+    return serving_backend(select_backend, REFERENCE, op, q, v, opts)
 
 
 def _check_keep_intermediates(keep_intermediates: bool, cu_seqlens: Optional[Tensor]) -> None:
@@ -73,17 +57,6 @@ def _check_keep_intermediates(keep_intermediates: bool, cu_seqlens: Optional[Ten
         raise ValueError("keep_intermediates=True needs cu_seqlens=None (the number of kept chunk states would "
                          "depend on the sequence lengths); got cu_seqlens with "
                          f"{cu_seqlens.shape[0] - 1} sequences")
-
-
-def run_time_checks(q: Tensor, g: Tensor, cu_seqlens: Optional[Tensor], use_gate_in_kernel: bool) -> None:
-    """The full value checks when ``KDA_COMPILE_CHECK_INPUTS`` asks for them. Here, in the op's kernel, they
-    see real tensors in eager calls and in compiled graphs alike (a host synchronisation: off by default)."""
-    if envs.check_inputs():
-        check_input_values(q, g, cu_seqlens=cu_seqlens, use_gate_in_kernel=use_gate_in_kernel)
-
-
-def pad_residuals(q: Tensor, residuals: list) -> list:
-    return list(residuals) + [q.new_empty(0) for _ in range(MAX_RESIDUALS - len(residuals))]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,34 +122,6 @@ def _chunk_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seql
                                 save_for_backward)
 
 
-def fake_forward_outputs(backend, q, k, v, cu_seqlens, opts, output_final_state: bool, save: bool) -> tuple:
-    """What a chunked delta-rule forward op returns, as empty tensors (its fake): ``o``, the final state (empty
-    when not asked for) and ``backend``'s residuals padded to the schema's slots."""
-    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final = q.new_empty(final_state_shape(q, v, cu_seqlens) if output_final_state else (0,), dtype=torch.float32)
-    residuals = [q.new_empty(shape, dtype=dtype) for shape, dtype in backend.residual_meta(q, k, v, opts, save)]
-    return (o, final, *pad_residuals(q, residuals))
-
-
-def backward_source(op: str, backend, reference, q, k, v, opts, saved: list, residuals_saved: bool):
-    """``(backend, residuals)`` a chunked delta-rule backward runs with: ``backend`` with the residuals its forward
-    kept (the first of the schema's ``saved`` slots), or, when the forward saved none, ``reference`` recomputing
-    the gradients (logged as the fallback of ``op``)."""
-    if residuals_saved:
-        return backend, saved[:len(backend.residual_meta(q, k, v, opts, True))]
-    if backend is not reference:
-        record_fallback(f"{op}_backward", reference.name,
-                        "the forward ran with save_for_backward=False (no residuals): gradients recomputed")
-    return reference, []
-
-
-def gradient_outputs(grads, like, q: Tensor) -> tuple:
-    """A backward op's outputs: each gradient in its input's dtype, contiguous; an empty tensor for an absent
-    input (or a gradient the backend did not produce)."""
-    return tuple(grad.to(ref.dtype).contiguous() if (ref is not None and grad is not None) else q.new_empty(0)
-                 for grad, ref in zip(grads, like))
-
-
 # ------------------------------------------------------------------------------------------------
 # chunk_kda_bwd
 # ------------------------------------------------------------------------------------------------
@@ -203,54 +148,20 @@ def chunk_kda_bwd(
     return gradient_outputs(grads, (q, k, v, g, beta, A_log, dt_bias, initial_state), q)
 
 
-@chunk_kda_bwd.register_fake
-def _chunk_kda_bwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, res0, res1, res2, res3, res4,
-                        res5, res6, res7, res8, res9, res10, res11, res12, do, dht, *flags):
-    like = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    return tuple(t.new_empty(t.shape) if t is not None else q.new_empty(0) for t in like)
+chunk_kda_bwd.register_fake(backward_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale, output_final_state,
-     *flags, chunk_size, save_for_backward, keep_intermediates) = inputs
-    o, _, *residuals = output
-    ctx.mark_non_differentiable(*residuals)
-    ctx.set_materialize_grads(False)  # no zero-filled gradients for the residuals (nor an unused state)
+    scale, output_final_state, *flags, chunk_size, save_for_backward, keep_intermediates = inputs[9:]
     opts = _options(scale, *flags, chunk_size, keep_intermediates)
-    # DTensor inputs keep q and k: the global metadata of a residual standing in for them is DTensor's own
-    # (ops/_sharding.py output_shapes), which on some torch versions is another device's backend's
-    ran_on = _backend("chunk_kda", q, v, opts)
-    stand_ins = {} if is_dtensor(q) else _stand_ins(ran_on, q, k, v, opts, save_for_backward)
-    q_kept = None if "q" in stand_ins else q
-    k_kept = None if "k" in stand_ins else k
-    ctx.save_for_backward(q_kept, k_kept, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals)
-    ctx.stand_ins, ctx.o_meta = stand_ins, (o.shape, o.dtype)
-    ctx.scale, ctx.flags, ctx.chunk_size = scale, flags, chunk_size
-    ctx.output_final_state, ctx.residuals_saved = output_final_state, save_for_backward
+    keep_for_backward(ctx, inputs[:9], output, _backend("chunk_kda", inputs[0], inputs[2], opts), opts, scale=scale,
+                      flags=tuple(flags), chunk_size=chunk_size, output_final_state=output_final_state,
+                      save_for_backward=save_for_backward)
     ctx.keep_intermediates = keep_intermediates
-    ctx.backend = ran_on.name  # the backward runs here too, whatever is selected when it runs
 
 
 def _backward(ctx, do, dht, *residual_grads):
-    q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals = ctx.saved_tensors
-    if "q" in ctx.stand_ins:
-        q = residuals[ctx.stand_ins["q"]]
-    if "k" in ctx.stand_ins:
-        k = residuals[ctx.stand_ins["k"]]
-    if do is None:  # o unused: its gradient is zero (grads are not materialised)
-        shape, dtype = ctx.o_meta
-        do = v.new_zeros(shape, dtype=dtype)
-    if dht is not None and not ctx.output_final_state:
-        dht = None
-    grads = chunk_kda_bwd(
-        q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *residuals, do.contiguous(), dht,
-        ctx.scale, *ctx.flags, ctx.chunk_size, ctx.residuals_saved, ctx.keep_intermediates, ctx.backend)
-    needed = (q, k, v, g, beta, A_log, dt_bias, initial_state)
-    dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = (
-        grad if ref is not None else None for grad, ref in zip(grads, needed))
-    # one gradient per input of chunk_kda_fwd (non-tensors and cu_seqlens get None)
-    return (dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0, None, None, None, None, None, None, None, None, None,
-            None, None, None)
+    return chunk_backward(ctx, do, dht, chunk_kda_bwd, (ctx.keep_intermediates,), inputs=20)
 
 
 torch.library.register_autograd("kda_compile::chunk_kda_fwd", _backward, setup_context=_setup_context)
@@ -282,9 +193,4 @@ fused_recurrent_kda_fwd = torch.library.custom_op("kda_compile::fused_recurrent_
     fused_recurrent_kda_impl)
 
 
-@fused_recurrent_kda_fwd.register_fake
-def _fused_recurrent_kda_fwd_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale,
-                                  output_final_state, *flags):
-    o = q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
-    final_shape = final_state_shape(q, v, cu_seqlens) if output_final_state else (0,)
-    return o, q.new_empty(final_shape, dtype=torch.float32)
+fused_recurrent_kda_fwd.register_fake(recurrent_fake)

@@ -26,19 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kda_compile.ops.kda.validation import check_cu_seqlens_values
-
-L2NORM_EPS = 1e-6
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half-precision inputs, fp64 stays fp64 (for gradcheck-grade tests)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """``x / sqrt(sum(x * x) + eps)`` over the last dim (eps inside the sqrt; not F.normalize)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+from kda_compile.ops.delta_rule.reference import compute_dtype, l2norm, reference_over_sequences
 
 
 def kda_gate(
@@ -153,47 +141,6 @@ def _span_decays(g: torch.Tensor, strict: torch.Tensor, causal: torch.Tensor) ->
     return spans.masked_fill(~causal[:, :, None], float("-inf")).exp()
 
 
-def _pad_varlen(x: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, t_max: int) -> torch.Tensor:
-    """Packed ``[1, T, ...]`` -> padded ``[N, t_max, ...]`` (zeros past each sequence's end)."""
-    steps = torch.arange(t_max, device=x.device)
-    valid = steps[None, :] < lengths[:, None]
-    index = torch.where(valid, starts[:, None] + steps[None, :], 0)
-    padded = x[0][index]
-    mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
-    return torch.where(mask, padded, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def run_packed(core, inputs: tuple, cu_seqlens: torch.Tensor, offsets: list[int], state: torch.Tensor,
-               scale: float, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``core(q, k, v, g, beta, scale, state, chunk_size)`` (a chunked recurrence over equal-length rows) on the
-    non-empty sequences of ``cu_seqlens`` (``offsets``: its checked host copy), padded to ``[n, t_max]``.
-    Returns ``o`` ``[T, HV, V]`` scattered back by position and the final states of all N sequences (an
-    empty one's is its initial state). Empty sequences are not padded: T + 1 offsets of which most are
-    empty (how packed documents arrive, docs/packed-documents.md) cost what the documents alone cost."""
-    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    kept = [i for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])) if b > a]
-    v = inputs[2]
-    if not kept:
-        return v.new_zeros(v.shape[1:]), state
-    index = None
-    if len(kept) < len(offsets) - 1:
-        index = torch.tensor(kept, device=cu_seqlens.device)
-        starts, lengths, state_kept = starts[index], lengths[index], state[index]
-    else:
-        state_kept = state
-    t_max = max(offsets[i + 1] - offsets[i] for i in kept)
-    padded = [_pad_varlen(x, starts, lengths, t_max) for x in inputs]
-    o_pad, final = core(*padded, scale, state_kept, chunk_size)  # [n, t_max, HV, V]
-    if index is not None:
-        final = state.index_copy(0, index, final)
-    steps = torch.arange(t_max, device=v.device)
-    valid = steps[None, :] < lengths[:, None]
-    positions = (starts[:, None] + steps[None, :])[valid]
-    # Scatter back by position (the checked offsets cover every token exactly once).
-    o = o_pad.new_zeros(v.shape[1:]).index_put((positions,), o_pad[valid])
-    return o, final
-
-
 def kda_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -225,17 +172,5 @@ def kda_reference(
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, allow_neg_eigval=allow_neg_eigval,
         lower_bound=lower_bound,
     )
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-
-    if cu_seqlens is None:
-        state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(B, HV, K, V)
-        o, final = chunk_kda_core(qf, kf, vf, gf, bf, scale, state, chunk_size)
-        return o.to(q.dtype), final
-
-    offsets = cu_seqlens.tolist()  # the one host read of this path (the padding needs the longest length)
-    check_cu_seqlens_values(offsets, T)
-    N = len(offsets) - 1
-    state = initial_state.to(cdt, copy=True) if initial_state is not None else qf.new_zeros(N, HV, K, V)
-    o, final = run_packed(chunk_kda_core, (qf, kf, vf, gf, bf), cu_seqlens, offsets, state, scale, chunk_size)
-    return o.unsqueeze(0).to(q.dtype), final
+    return reference_over_sequences(chunk_kda_core, (qf, kf, vf, gf, bf), q, v, initial_state, cu_seqlens, scale,
+                                    chunk_size)

@@ -7,22 +7,10 @@ import torch
 
 from kda_compile.ops import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from kda_compile.testing import KDAShape, assert_rel_close, make_gdn_args
+from tests.kda.test_compile import CountingBackend, check_compiled_once_for_lengths
 
 GDN_OPS = {"kda_compile.chunk_gdn_fwd", "kda_compile.fused_recurrent_gdn_fwd"}
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")
-
-
-class CountingBackend:
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
-
-    def custom_ops(self):
-        return {node.target.name().split(".")[0].replace("::", ".") for gm in self.graphs for node in gm.graph.nodes
-                if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)}
 
 
 def prefill_then_decode(q, k, v, g, beta, A_log, dt_bias, h0):
@@ -49,16 +37,7 @@ def fresh_dynamo():
 
 
 def test_dynamic_lengths_compile_once_and_match_eager():
-    backend = CountingBackend()
-    compiled = torch.compile(prefill_then_decode, backend=backend, fullgraph=True, dynamic=True)
-    for T in (37, 64, 90):
-        inputs = _inputs(T, seed=T)
-        with torch.no_grad():
-            o, state = compiled(*inputs)
-            o_eager, state_eager = prefill_then_decode(*inputs)
-        assert_rel_close(o, o_eager, 1e-6, name=f"o (T={T})")
-        assert_rel_close(state, state_eager, 1e-6, name=f"final_state (T={T})")
-    assert len(backend.graphs) == 1, f"{len(backend.graphs)} compilations for 3 lengths"
+    backend = check_compiled_once_for_lengths(prefill_then_decode, lambda T: _inputs(T, seed=T), (37, 64, 90))
     assert GDN_OPS <= backend.custom_ops(), backend.custom_ops()
 
 

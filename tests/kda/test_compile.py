@@ -67,17 +67,24 @@ def test_fullgraph_matches_eager(device):
     assert_rel_close(state, state_eager, 1e-6, name="final_state")
 
 
-def test_dynamic_lengths_compile_once(device):
+def check_compiled_once_for_lengths(fn, inputs_of, lengths) -> CountingBackend:
+    """``fn`` compiled with ``dynamic=True`` over ``inputs_of(T)`` for each length: eager's ``(o, state)`` each
+    time from one compilation. Returns the backend that recorded it (GDN's tests use this too)."""
     backend = CountingBackend()
-    compiled = torch.compile(prefill_then_decode, backend=backend, fullgraph=True, dynamic=True)
-    for T in (37, 64, 101):
-        inputs = _inputs(T, device, seed=T)
+    compiled = torch.compile(fn, backend=backend, fullgraph=True, dynamic=True)
+    for T in lengths:
+        inputs = inputs_of(T)
         with torch.no_grad():
             o, state = compiled(*inputs)
-            o_eager, state_eager = prefill_then_decode(*inputs)
+            o_eager, state_eager = fn(*inputs)
         assert_rel_close(o, o_eager, 1e-6, name=f"o (T={T})")
         assert_rel_close(state, state_eager, 1e-6, name=f"final_state (T={T})")
-    assert len(backend.graphs) == 1, f"{len(backend.graphs)} compilations for 3 lengths"
+    assert len(backend.graphs) == 1, f"{len(backend.graphs)} compilations for {len(lengths)} lengths"
+    return backend
+
+
+def test_dynamic_lengths_compile_once(device):
+    check_compiled_once_for_lengths(prefill_then_decode, lambda T: _inputs(T, device, seed=T), (37, 64, 101))
 
 
 def test_dynamic_varlen_compiles_once(device):

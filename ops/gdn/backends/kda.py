@@ -21,6 +21,7 @@ Ops layer only: this module uses the KDA ops and KDA's backend registry read-onl
 from __future__ import annotations
 
 import torch
+from kda_compile.ops.delta_rule.custom_ops import pad_residuals
 from kda_compile.ops.gdn.backends.registry import (
     GDNOptions,
     explicitly_requested,
@@ -90,7 +91,7 @@ class KDAKernelsBackend:
 
     def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
         K = q.shape[-1]
-        padded = list(residuals) + [q.new_empty(0) for _ in range(13 - len(residuals))]
+        padded = pad_residuals(q, residuals)  # the KDA op's residual slots
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = torch.ops.kda_compile.chunk_kda_bwd(
             q, k, v, per_channel_gate(g, K), beta, A_log, per_channel_bias(dt_bias, K), h0, cu_seqlens, *padded,
             do, dht, opts.scale, *_flags(opts), False, opts.chunk_size, True, False)

@@ -40,39 +40,26 @@ from dataclasses import dataclass
 import torch
 
 from kda_compile.ops._backend_registry import BackendRegistry
+from kda_compile.ops.delta_rule.backends import DeltaRuleOptions
+from kda_compile.ops.delta_rule.backends import ReferenceBackend as DeltaRuleReference
 from kda_compile.ops.gdn.reference import gdn_reference
-# (the KDA route hands the KDA op's residual slots through)
-from kda_compile.ops.kda.backends.registry import MAX_RESIDUALS  # noqa: F401
-from kda_compile.ops.kda.backends.registry import ReferenceBackend as KDAReferenceBackend
 
 
 @dataclass(frozen=True)
-class GDNOptions:
-    """The non-tensor arguments of a GDN call, after validation and defaulting."""
+class GDNOptions(DeltaRuleOptions):
+    """The non-tensor arguments of a GDN call, after validation and defaulting: the delta rule's, and whether the
+    forward trains."""
 
-    scale: float
-    use_qk_l2norm_in_kernel: bool = False
-    use_gate_in_kernel: bool = False
-    use_beta_sigmoid_in_kernel: bool = False
-    allow_neg_eigval: bool = False
-    chunk_size: int = 64
     training: bool = False  # the forward keeps residuals for a backward: the backend must serve both
 
 
-class ReferenceBackend(KDAReferenceBackend):
-    """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward (KDA's
-    reference backend with GDN's math)."""
+class ReferenceBackend(DeltaRuleReference):
+    """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward (the delta
+    rule's reference backend with GDN's math)."""
 
-    name = "reference"
     serves = frozenset({"chunk_gdn", "fused_recurrent_gdn"})
 
-    @staticmethod
-    def _forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts):
-        return gdn_reference(
-            q, k, v, g, beta, scale=opts.scale, initial_state=h0, cu_seqlens=cu_seqlens, A_log=A_log,
-            dt_bias=dt_bias, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=opts.allow_neg_eigval, chunk_size=opts.chunk_size)
+    math = staticmethod(gdn_reference)
 
 
 REFERENCE = ReferenceBackend()

@@ -12,11 +12,9 @@ A call variant whose kernel fails to compile is served by the next backend, reco
 """
 from __future__ import annotations
 
-import importlib
-from functools import cache
 
 import torch
-from kda_compile.ops._common import module_unusable
+from kda_compile.ops.delta_rule.backends import own_kernel
 from kda_compile.ops.gdn.backends.registry import GDNOptions, explicitly_requested, register_backend
 from kda_compile.ops.gdn.backends.own_kernels import launch_or_fall_back
 
@@ -26,14 +24,7 @@ MAX_HEAD_DIM = 256  # the kernel keeps a [next_pow2(K), BV] fp32 state tile in r
 _failed_variants: dict[tuple, str] = {}  # call variants whose kernel did not compile -> the reason
 
 
-@cache
-def _kernel_unusable() -> str | None:
-    return module_unusable(KERNEL_MODULE)
-
-
-@cache
-def _launcher():
-    return importlib.import_module(KERNEL_MODULE).fused_recurrent_gdn_triton
+_kernel_unusable, _launcher = own_kernel(KERNEL_MODULE, "fused_recurrent_gdn_triton")
 
 
 class DecodeKernelBackend:

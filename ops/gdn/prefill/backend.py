@@ -17,11 +17,9 @@ A call variant whose kernels fail to compile is served by the next backend, reco
 """
 from __future__ import annotations
 
-import importlib
-from functools import cache
 
 import torch
-from kda_compile.ops._common import module_unusable
+from kda_compile.ops.delta_rule.backends import own_kernel
 from kda_compile.ops.gdn.backends.registry import GDNOptions, explicitly_requested, register_backend
 from kda_compile.ops.gdn.backends.own_kernels import launch_or_fall_back
 
@@ -33,14 +31,7 @@ MAX_HEAD_DIM = 256  # the Triton scan keeps a [next_pow2(K), BV] fp32 state tile
 _failed_variants: dict[tuple, str] = {}  # call variants whose Triton kernels did not compile -> the reason
 
 
-@cache
-def _kernel_unusable() -> str | None:
-    return module_unusable(KERNEL_MODULE)
-
-
-@cache
-def _launcher():
-    return importlib.import_module(KERNEL_MODULE).chunk_gdn_prefill
+_kernel_unusable, _launcher = own_kernel(KERNEL_MODULE, "chunk_gdn_prefill")
 
 
 class ChunkKernelsBackend:

@@ -31,63 +31,32 @@ from dataclasses import dataclass
 import torch
 
 from kda_compile.ops._backend_registry import BackendRegistry
-from kda_compile.ops._common import grads_by_autograd
+from kda_compile.ops.delta_rule.backends import MAX_RESIDUALS  # noqa: F401  (the schema's residual slots)
+from kda_compile.ops.delta_rule.backends import DeltaRuleOptions
+from kda_compile.ops.delta_rule.backends import ReferenceBackend as DeltaRuleReference
 from kda_compile.ops.kda.reference import kda_reference
-
-MAX_RESIDUALS = 13  # FLA's 7 (gate cumsum, Aqk, Akk, normalised q/k and rstd) + its 6 kept intermediates
 
 
 @dataclass(frozen=True)
-class KDAOptions:
-    """The non-tensor arguments of a KDA call, after validation and defaulting."""
+class KDAOptions(DeltaRuleOptions):
+    """The non-tensor arguments of a KDA call, after validation and defaulting: the delta rule's, and KDA's
+    lower-bound gate and kept intermediates."""
 
-    scale: float
-    use_qk_l2norm_in_kernel: bool = False
-    use_gate_in_kernel: bool = False
-    use_beta_sigmoid_in_kernel: bool = False
-    allow_neg_eigval: bool = False
     lower_bound: float | None = None
     safe_gate: bool = False
-    chunk_size: int = 64
     # FLA's ``disable_recompute``: a training forward keeps the intermediates its backward would otherwise
     # recompute (more activation memory, a faster backward). Backends that cannot keep them ignore it.
     keep_intermediates: bool = False
 
 
-class ReferenceBackend:
+class ReferenceBackend(DeltaRuleReference):
     """Plain-torch chunked math (``reference.py``). Any device; backward by autograd of the forward."""
 
-    name = "reference"
-
-    def unsupported_reason(self, device, dtype, K, V, opts) -> str | None:
-        return None
-
-    def residual_meta(self, q, k, v, opts, save):
-        return []  # the backward recomputes the forward: nothing to keep
-
-    def chunk_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state, save,
-                      cu_seqlens_cpu=None):
-        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
-        return o, (final.float() if output_final_state else None), []
-
-    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
-        o, final = self._forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts)
-        return o, (final.float() if output_final_state else None)
-
-    def chunk_backward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, residuals, do, dht, opts):
-        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "A_log": A_log, "dt_bias": dt_bias, "h0": h0}
-        return grads_by_autograd(lambda x: self._forward(x["q"], x["k"], x["v"], x["g"], x["beta"], x.get("A_log"),
-                                                         x.get("dt_bias"), x.get("h0"), cu_seqlens, opts),
-                                 inputs, do, dht)
+    math = staticmethod(kda_reference)
 
     @staticmethod
-    def _forward(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts):
-        return kda_reference(
-            q, k, v, g, beta, scale=opts.scale, initial_state=h0, cu_seqlens=cu_seqlens, A_log=A_log,
-            dt_bias=dt_bias, use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=opts.use_gate_in_kernel, use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
-            allow_neg_eigval=opts.allow_neg_eigval, lower_bound=opts.lower_bound, chunk_size=opts.chunk_size,
-        )
+    def gate_options(opts: KDAOptions) -> dict:
+        return {"lower_bound": opts.lower_bound}
 
 
 REFERENCE = ReferenceBackend()

@@ -9,13 +9,11 @@ Triton is imported lazily on the first CUDA call, so importing the op layer neve
 """
 from __future__ import annotations
 
-import importlib
 import logging
-from functools import cache
 
 import torch
 
-from kda_compile.ops._common import module_unusable
+from kda_compile.ops.delta_rule.backends import own_kernel
 from kda_compile.ops.kda.backends.registry import KDAOptions, register_backend
 
 logger = logging.getLogger("kda_compile.ops.kda")
@@ -25,14 +23,7 @@ DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # the kernel keeps a [next_pow2(K), BV] fp32 tile in registers
 
 
-@cache
-def _kernel_unusable() -> str | None:
-    return module_unusable(KERNEL_MODULE)
-
-
-@cache
-def _launcher():
-    return importlib.import_module(KERNEL_MODULE).fused_recurrent_kda_triton
+_kernel_unusable, _launcher = own_kernel(KERNEL_MODULE, "fused_recurrent_kda_triton")
 
 
 class TritonDecodeBackend:

@@ -32,18 +32,16 @@ float64, K or V > 256, triton missing) say why; ``select_backend`` then tries FL
 """
 from __future__ import annotations
 
-import importlib
 import logging
-from functools import cache
 
 import torch
 
 from kda_compile.ops._common import (
     compile_failure_reason,
-    module_unusable,
     record_fallback,
     triton_compile_errors,
 )
+from kda_compile.ops.delta_rule.backends import own_kernel
 from kda_compile.ops.kda.backends.registry import REFERENCE, KDAOptions, register_backend
 from kda_compile.ops.kda.prefill.chunks import CHUNK  # our prepare's chunk: that of the FLA residuals it can write
 from kda_compile.ops.kda.backends.fla import FLABackend, glue_kernels
@@ -62,14 +60,7 @@ _FLA = FLABackend()
 _failed_variants: dict[tuple, str] = {}  # call variants whose kernels did not compile -> the reason
 
 
-@cache
-def _kernel_unusable() -> str | None:
-    return module_unusable(KERNEL_MODULE)
-
-
-@cache
-def _launcher():
-    return importlib.import_module(KERNEL_MODULE).chunk_kda_prefill
+_kernel_unusable, _launcher = own_kernel(KERNEL_MODULE, "chunk_kda_prefill")
 
 
 def training_path(device: torch.device, dtype: torch.dtype, K: int, V: int, opts: KDAOptions) -> tuple[str, str]:

@@ -1,9 +1,11 @@
-"""Argument checks for the public KDA functions: every error names the argument, the value and
-what is accepted (docs/kda-input-checks.md has the rules in one place).
+"""Argument checks of the delta-rule functions, KDA's and GDN's (``kda_compile.ops.kda``, ``kda_compile.ops.gdn``):
+every error names the argument, the value and what is accepted (docs/kda-input-checks.md has the rules in one
+place). The two ops share these rules; the gate's form (KDA: per key channel, GDN: one per value head) is the
+parameter (``per_head_gate``), and the GDN-only rules are in ``kda_compile.ops.gdn.validation``.
 
 Two kinds of checks:
 
-- ``validate_kda_arguments``: shapes, dtypes, devices and Python scalars. It never reads a tensor's
+- ``validate_delta_rule_arguments``: shapes, dtypes, devices and Python scalars. It never reads a tensor's
   values, so it is free under torch.compile (it becomes guards) and never synchronises the GPU.
 - value checks (``check_cu_seqlens_values``, ``check_input_values``): read tensor values on the host.
   They run where that is free (a CPU ``cu_seqlens`` / ``cu_seqlens_cpu``, the reference path which reads
@@ -45,7 +47,7 @@ def _positive_dims(name: str, t: torch.Tensor, dims: tuple[str, ...], sizes) -> 
 _DIM_NAMES = {"H": "q/k heads", "K": "key head dim", "V": "value head dim", "HV": "value heads"}
 
 
-def validate_kda_arguments(
+def validate_delta_rule_arguments(
     q, k, v, g, beta, *, initial_state, cu_seqlens, A_log, dt_bias, use_gate_in_kernel,
     use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, scale, chunk_size,
     cu_seqlens_cpu=None, per_head_gate: bool = False,

@@ -139,3 +139,27 @@ def test_imports_inside_functions_count(tmp_path):
     path.write_text("import os\n\n\ndef f():\n    from kda_compile.passes import report\n    import transformers\n")
     known = {"kda_compile.late": path, "kda_compile.passes": path, "kda_compile.passes.report": path}
     assert imports("kda_compile.late", path, known) == {"kda_compile.passes.report"}
+
+
+def _op_modules_reached(path: pathlib.Path) -> set[str]:
+    """The ``kda_compile.ops...`` modules a file imports from (``from M import ...`` / ``import M``)."""
+    reached = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("kda_compile.ops"):
+            reached.add(node.module)
+        elif isinstance(node, ast.Import):
+            reached.update(a.name for a in node.names if a.name.startswith("kda_compile.ops"))
+    return reached
+
+
+def test_passes_use_ops_only_through_their_public_packages():
+    """The layering rule: a rewrite reaches an op through ``kda_compile.ops`` or an op's package
+    (``kda_compile.ops.attention``), never through a module inside it or a private module (``_common``)."""
+    known = modules()
+    op_packages = {name for name, path in known.items()
+                   if name.count(".") == 2 and name.startswith("kda_compile.ops.") and path.name == "__init__.py"}
+    public = {"kda_compile.ops"} | {name for name in op_packages if not name.rpartition(".")[2].startswith("_")}
+    offending = {f"{path.relative_to(ROOT)}: {module}" for name, path in known.items()
+                 if name.startswith("kda_compile.passes") for module in _op_modules_reached(path)
+                 if module not in public}
+    assert not offending, "passes importing inside an op:\n  " + "\n  ".join(sorted(offending))

@@ -13,7 +13,7 @@ A list of known function objects misses every new copy. Instead, every module-le
 (``query/q, key/k, value/v, g, beta`` first, then ``initial_state`` and ``output_final_state``;
 anything else optional) gets a trace-time substitute. The first time Dynamo meets a call of it, the
 function is PROBED (plain Python at trace time, once per function object and process): called on
-tiny random float64 CPU inputs and compared with ``kda_compile.ops.kda.reference.kda_reference``:
+tiny random float64 CPU inputs and compared with ``kda_compile.ops.kda.kda_reference``:
 
 - KDA: per-channel gate ``g [B, T, H, K]``, with and without ``use_qk_l2norm_in_kernel``, with an
   initial state and ``output_final_state=True``, and without both (the state must come back None);
@@ -153,7 +153,7 @@ def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def _probe_case(fn: Callable, spec: DeltaRuleSpec, gen: torch.Generator, *, per_head: bool, heads_v: int,
                 l2norm: bool, with_state: bool, scale: float | None, chunk_size: int | None) -> tuple[float, str]:
     """(relative error, "") for one case, or (inf, why it failed)."""
-    from kda_compile.ops.kda.reference import kda_reference
+    from kda_compile.ops.kda import kda_reference
 
     f64 = dict(dtype=torch.float64, generator=gen)
     q, k = torch.randn(_B, _T, _H, _K, **f64), torch.randn(_B, _T, _H, _K, **f64)

@@ -252,12 +252,10 @@ def selection_walk(query, key, value, block_indices, block_size: int, query_posi
 
 def split_count(programs: int, slots: int, device: torch.device) -> int:
     """How many runs of consecutive slots to split each selection into: 1 when the unsplit grid of ``programs``
-    already gives ``PROGRAMS_PER_SM`` programs per SM, else enough runs to reach that (at most one per slot)."""
+    already gives ``PROGRAMS_PER_SM`` programs per SM, else enough runs to reach that, at most one per slot (the
+    launcher evens the runs out)."""
     sms = INTERPRETER_SMS if triton_interpreted() or device.type != "cuda" else sm_count(cuda_index(device))
-    target = PROGRAMS_PER_SM * sms
-    if programs >= target or slots <= 1:
-        return 1
-    return cdiv(slots, cdiv(slots, min(slots, cdiv(target, programs))))  # no empty run at the end
+    return max(1, min(slots, cdiv(PROGRAMS_PER_SM * sms, programs)))
 
 
 def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_size: int, scale: float,
@@ -277,9 +275,8 @@ def block_sparse_attention_fwd_triton(query, key, value, block_indices, block_si
     slots = walk.sizes[2]
     if splits is None:
         splits = split_count(walk.grid[0] * walk.grid[1], slots, query.device)
-    splits = max(1, min(splits, slots))
-    per_split = cdiv(slots, splits)
-    splits = cdiv(slots, per_split)
+    per_split = cdiv(slots, max(1, min(splits, slots)))
+    splits = cdiv(slots, per_split)  # runs of per_split slots, none of them empty
     if splits == 1:
         target, target_lse, split_strides = out, lse, (0, 0)
     else:

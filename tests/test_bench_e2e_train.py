@@ -51,7 +51,7 @@ def test_train_smoke_run_gives_hf_loss_and_gradients(tmp_path, capsys):
 
     spec = _qwen3_next()
     opts = e2e_train.TrainOptions(shape=spec.tiny, tokens=(12,), configs=("hf_eager_torch", "kda_compile"), steps=1,
-                                  warmup=0, device="cpu", dtype=torch.float32, compiler="aot_eager",
+                                  device="cpu", dtype=torch.float32, compiler="aot_eager",
                                   fresh_process=False)
     rows, results, failures = e2e_train.measure(spec, opts)
     assert not failures, failures
@@ -82,7 +82,7 @@ def test_a_cold_first_step_runs_in_a_fresh_process_with_empty_caches():
     from kda_compile.bench import e2e_train
 
     spec = _qwen3_next()
-    opts = e2e_train.TrainOptions(shape=spec.tiny, steps=1, warmup=0, device="cpu", dtype=torch.float32,
+    opts = e2e_train.TrainOptions(shape=spec.tiny, steps=1, device="cpu", dtype=torch.float32,
                                   compiler="aot_eager")
     result = e2e_train.measure_in_fresh_process(spec, "hf_eager_torch", 8, opts, timeout=600)
     assert result["first_step_time"] > 0 and len(result["time_per_step"]) == 3

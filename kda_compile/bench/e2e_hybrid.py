@@ -252,7 +252,8 @@ def _timed(fn, device: str, reps: int = 3) -> tuple[float, float, float]:
     return samples[len(samples) // 5], samples[len(samples) // 2], samples[(4 * len(samples)) // 5]
 
 
-def _sync(device: str) -> None:
+def synchronize(device: str) -> None:
+    """Wait for the device's work (nothing to wait for off CUDA)."""
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -298,7 +299,7 @@ def decode_ms_per_token(model, ids, new_tokens: int, device: str, cache=None) ->
 
     def mark(i):
         if i in (0, new_tokens):
-            _sync(device)
+            synchronize(device)
             marks.append(time.perf_counter())
 
     with torch.inference_mode():

@@ -14,8 +14,8 @@ whose Triton, Inductor and NVRTC caches are empty folders, as on a fresh machine
 
 - ``first_step_time`` (s): the first step from an idle GPU to its end, compiling, autotuning and running (the
   model's construction is outside it);
-- ``time_per_step`` (ms): wall clock of a step after the warm-up steps, p20 / p50 / p80 over ``--train-steps``
-  steps (each ends with a synchronisation);
+- ``time_per_step`` (ms): a step as the loop waits for it (``common.wall_time_quantiles``: the device
+  synchronised before each), p20 / p50 / p80 over ``--train-steps`` steps after its untimed ones;
 - ``gpu_time_per_step`` (ms): the summed GPU time of one step's kernels (torch.profiler);
 - ``peak_memory`` (GiB): ``torch.cuda.max_memory_allocated`` over one step after the warm-up (weights included).
 
@@ -25,6 +25,7 @@ tokens) in the printed table. ``--smoke`` runs the tiny widths on the CPU in flo
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -38,8 +39,8 @@ from typing import Any
 
 import torch
 
-from kda_compile.bench.common import format_table, row
-from kda_compile.bench.e2e_hybrid import HybridModel, kernel_binding, parse_lengths
+from kda_compile.bench.common import format_table, kernel_times, row, wall_time_quantiles
+from kda_compile.bench.e2e_hybrid import HybridModel, kernel_binding, parse_lengths, synchronize
 
 logger = logging.getLogger("kda_compile.bench.e2e_train")
 
@@ -52,16 +53,14 @@ METRICS = (("first_step_time", "s"), ("time_per_step", "ms"), ("gpu_time_per_ste
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """One training benchmark run: the widths, layers, step lengths and configurations, the timed steps after
-    ``warmup`` untimed ones, the device and dtype, kda_compile's compiler, and whether each (configuration, T)
-    gets a fresh process."""
+    """One training benchmark run: the widths, layers, step lengths and configurations, the timed steps, the
+    device and dtype, kda_compile's compiler, and whether each (configuration, T) gets a fresh process."""
 
     shape: Any
     layers: int = 4
     tokens: tuple[int, ...] = DEFAULT_TOKENS
     configs: tuple[str, ...] = ()
     steps: int = 5
-    warmup: int = 2
     device: str = "cuda"
     dtype: torch.dtype = torch.bfloat16
     compiler: str = "inductor"
@@ -101,11 +100,6 @@ def gradient_norm(model) -> float:
     return float(torch.stack(norms).norm()) if norms else 0.0
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _build(spec: HybridModel, name: str, opts: TrainOptions):
     import kda_compile
 
@@ -113,17 +107,6 @@ def _build(spec: HybridModel, name: str, opts: TrainOptions):
     if name == OURS:
         return kda_compile.optimize(model, kda_compile.Config(compiler=opts.compiler))
     return model
-
-
-def _gpu_time_ms(model, ids) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        training_step(model, ids)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / 1e3
 
 
 def measure_one(spec: HybridModel, name: str, tokens: int, opts: TrainOptions) -> dict:
@@ -135,27 +118,18 @@ def measure_one(spec: HybridModel, name: str, tokens: int, opts: TrainOptions) -
     ids = torch.randint(3, opts.shape.vocab, (1, tokens), generator=gen).to(opts.device)
     with kernel_binding(spec, binding):
         model = _build(spec, name, opts)
-        _sync(opts.device)
+        synchronize(opts.device)
         start = time.perf_counter()
         loss = training_step(model, ids)
-        _sync(opts.device)
+        synchronize(opts.device)
         result = {"first_step_time": time.perf_counter() - start, "loss": float(loss),
                   "grad_norm": gradient_norm(model)}
-        for _ in range(opts.warmup):
-            training_step(model, ids)
-        samples = []
-        for _ in range(opts.steps):
-            _sync(opts.device)
-            start = time.perf_counter()
-            training_step(model, ids)
-            _sync(opts.device)
-            samples.append((time.perf_counter() - start) * 1e3)
-        samples.sort()
-        n = len(samples)
-        result["time_per_step"] = (samples[n // 5], samples[n // 2], samples[(4 * n) // 5])
+        step = functools.partial(training_step, model, ids)
+        result["time_per_step"] = wall_time_quantiles(step, min_reps=opts.steps, max_reps=opts.steps,
+                                                      flush_l2=False, device=opts.device)
         result["gpu_time_per_step"] = result["peak_memory"] = None
         if opts.device == "cuda":
-            result["gpu_time_per_step"] = _gpu_time_ms(model, ids)
+            result["gpu_time_per_step"] = sum(ms for _, _, ms in kernel_times(step, calls=1))
             torch.cuda.reset_peak_memory_stats()
             training_step(model, ids)
             torch.cuda.synchronize()
@@ -167,7 +141,7 @@ def measure_one(spec: HybridModel, name: str, tokens: int, opts: TrainOptions) -
 
 def _worker_argv(spec: HybridModel, name: str, tokens: int, opts: TrainOptions) -> list[str]:
     job = {"spec": spec.build.__module__, "tiny": opts.shape == spec.tiny, "name": name, "tokens": tokens,
-           "layers": opts.layers, "steps": opts.steps, "warmup": opts.warmup, "device": opts.device,
+           "layers": opts.layers, "steps": opts.steps, "device": opts.device,
            "dtype": str(opts.dtype).replace("torch.", ""), "compiler": opts.compiler}
     return [sys.executable, "-m", "kda_compile.bench.e2e_train", "--worker", json.dumps(job)]
 
@@ -253,7 +227,7 @@ def options_from_args(spec: HybridModel, args) -> TrainOptions:
     configs = parse_train_configs(args.configs, spec, smoke=args.smoke)
     if args.smoke:
         return TrainOptions(shape=spec.tiny, layers=4, tokens=parse_lengths(args.train_tokens, (16,), "--train-tokens", "16"),
-                            configs=configs, steps=2, warmup=1, device="cpu", dtype=torch.float32,
+                            configs=configs, steps=2, device="cpu", dtype=torch.float32,
                             compiler="aot_eager", fresh_process=False)
     tokens = parse_lengths(args.train_tokens, DEFAULT_TOKENS, "--train-tokens", "2048,8192")
     return TrainOptions(shape=spec.shape, layers=args.layers or 4, tokens=tokens, configs=configs,
@@ -276,7 +250,7 @@ def _worker(job_json: str) -> None:
     job = json.loads(job_json)
     spec = importlib.import_module(job["spec"]).MODEL
     opts = TrainOptions(shape=spec.tiny if job["tiny"] else spec.shape, layers=job["layers"], steps=job["steps"],
-                        warmup=job["warmup"], device=job["device"], dtype=getattr(torch, job["dtype"]),
+                        device=job["device"], dtype=getattr(torch, job["dtype"]),
                         compiler=job["compiler"], fresh_process=False)
     result = measure_one(spec, job["name"], job["tokens"], opts)
     print(RESULT_MARK + json.dumps(result), flush=True)

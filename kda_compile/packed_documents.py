@@ -65,15 +65,15 @@ def _uses_cache(module: Any, kwargs: dict) -> bool:
     return bool(use_cache)
 
 
-def _why_not_split(module: Any, position_ids: torch.Tensor, kwargs: dict) -> str | None:
-    """Why a call that HF's masks split into documents is not split by the linear-attention layers, or None."""
+def _why_not_split(module: Any, position_ids: torch.Tensor, batch: int) -> str | None:
+    """Why a call of ``batch`` rows that HF's masks split into documents is not split by the linear-attention
+    layers, or None."""
     implementation = str(getattr(getattr(module, "config", None), "_attn_implementation", None))
     if "flash" in implementation:
         return (f"attn_implementation={implementation!r} derives its own flash-attention keywords: pass "
                 f"cu_seq_lens_q / cu_seq_lens_k with the call to split the linear-attention layers too")
     if position_ids.dim() not in (1, 2):
         return f"position_ids has shape {tuple(position_ids.shape)}, not [batch, T]"
-    batch = _batch_size(position_ids, kwargs)
     if position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch):
         return f"position_ids has {position_ids.shape[0]} rows for a batch of {batch}"
     return None
@@ -98,10 +98,10 @@ def with_document_offsets(module: Any, kwargs: dict) -> dict:
         return kwargs
     if kwargs.get("attention_mask") is not None or _uses_cache(model, kwargs):
         return kwargs  # HF's masks do not split this call either: one sequence per row
-    reason = _why_not_split(model, position_ids, kwargs)
+    batch = _batch_size(position_ids, kwargs)
+    reason = _why_not_split(model, position_ids, batch)
     if reason is not None:
         _log_once(model, reason)
         return kwargs
-    rows = position_ids.view(1, -1) if position_ids.dim() == 1 else position_ids
-    offsets = document_offsets(rows.expand(_batch_size(position_ids, kwargs), -1))  # over the rows end to end
+    offsets = document_offsets(position_ids.expand(batch, position_ids.shape[-1]))  # over the rows end to end
     return {**kwargs, **{name: offsets for name in OFFSET_KEYWORDS}}

@@ -26,7 +26,9 @@ The model's mask must be proved the bottom-right causal mask, with or without ke
 mask of the keys it may see (the DSA rewrite's ``single_query_key_mask``). Anything else (a mask passed in by
 the caller, packed sequences, a prefill into a static cache, whose queries are not the last Sq slots) keeps HF's
 dense-masked attention, reported with the reason. Every node of ``build_block_mask`` is erased: no
-[B, H, Sq, T] tensor is left. Rows that see no key keep HF's value there (:func:`hf_rows_without_keys`).
+[B, H, Sq, T] tensor is left. Rows that see no key, which only key padding makes (without it every selection
+holds a block whose first slot the query sees), keep HF's value there (:func:`hf_rows_without_keys`, inserted
+only with a ``key_padding_mask``: it reads every value of the cache).
 """
 from __future__ import annotations
 
@@ -248,8 +250,9 @@ def _replace(graph: torch.fx.Graph, output: torch.fx.Node, op: Callable | None, 
     except NotDSA:
         erase_unused(graph, inserted)
         raise
-    out = insert_call(graph, at, hf_rows_without_keys, (out, value, indices, mask.block_size, mask.positions,
-                                                        padding), meta_from=at)
+    if padding is not None:  # only key padding can hide every selected key of a row (hf_rows_without_keys)
+        out = insert_call(graph, at, hf_rows_without_keys, (out, value, indices, mask.block_size, mask.positions,
+                                                            padding), meta_from=at)
     if tensor_of(out).dtype != tensor_of(at).dtype:
         out = insert_call(graph, at, "to", (out, tensor_of(at).dtype), meta_from=at)
     at.replace_all_uses_with(out)
@@ -268,8 +271,8 @@ def hf_rows_without_keys(out: torch.Tensor, value: torch.Tensor, block_indices: 
     there: the mean of every value of its group (HF's additive ``finfo.min`` mask leaves every score equal to
     ``finfo.min``, so its softmax is uniform over the T keys). The op gives 0 on such rows. HF's indexer makes
     them under left padding: a query whose content position lies in a block of padding slots selects only
-    that block. Cost O(B * T + B * G * Sq * K): which selected block holds a visible key is read from each
-    block's first unpadded slot, not from the keys."""
+    that block. Which selected block holds a visible key is read from each block's first unpadded slot, not
+    from the keys: O(B * T + B * G * Sq * K); HF's value, the mean, reads every value: O(B * G * T * Dv)."""
     batch, heads, queries, _ = out.shape
     groups, keys = value.shape[1], value.shape[2]
     blocks = -(-keys // block_size)

@@ -263,7 +263,7 @@ CATALOG: dict[str, Benchmark] = {
         "DeepSeek-V3.2-shaped `DeepseekV32ForCausalLM` (MLA with the DSA indexer, top 2048 keys; 3 dense layers and "
         "1 MoE layer of 256 experts, 8 active) and a Llama-3.1-8B-shaped `LlamaForCausalLM` (released widths, 4 "
         "layers, random weights, bf16). After a P-token prefill per sequence (not timed), 32 greedy "
-        "single-token forwards with the cache (shape `BxP+32`: batch x prompt + new tokens), median of 2-3 loops "
+        "single-token forwards with the cache (shape `BxP+32`: batch x prompt + new tokens), median of 2-5 loops "
         "(the command column says). "
         "`time_per_token`: wall-clock ms per decode step (a token of every sequence); `gpu_time_per_token`: the "
         "summed GPU time of the step's kernels (torch.profiler, a separate loop); `kernels_per_step`: the kernels and "
@@ -272,7 +272,7 @@ CATALOG: dict[str, Benchmark] = {
         "Llama, whose HF code binds no FLA kernels); `kda_compile (cuda graphs)`: `kda_compile.optimize(model.forward, "
         "mode=\"reduce-overhead\")` decoding into HF's `StaticCache`, each step one CUDA-graph replay "
         "([docs/cuda-graphs.md](../docs/cuda-graphs.md)); the routed experts of every MoE layer run as "
-        "`kda_compile.ops.moe_experts` there ([docs/moe.md](../docs/moe.md)). Each model's rows come from one process. "
+        "`kda_compile.ops.moe_experts` there ([docs/moe.md](../docs/moe.md)). The rows of one command come from one process. "
         "HF eager is host-bound, and its wall time varies from machine to machine more than its GPU time does "
         "(DeepSeek-V3.2 at batch 1: 9.2 and 18.9 ms per token in two runs on H200 machines, 3.07 and 3.04 ms of GPU "
         "time): compare GPU times for the kernels, wall times for what a user waits.",

@@ -36,7 +36,8 @@ Metrics (median of repeats, also p20 / p80 in the CSV):
   ``time_per_token`` (wall-clock ms per decode step, i.e. per generated token of each sequence);
   ``gpu_time_per_token`` (the summed GPU time of the step's kernels, torch.profiler, ms) and
   ``kernels_per_step`` (the kernels and memory operations the profiler records per step), from a separate,
-  profiled loop.
+  profiled loop; the log lists that loop's kernels by name (launches and GPU time per step), where a step's
+  launches go.
 
 Compiled configurations compile ``model.forward`` (as for ``generate()``), with automatic dynamic shapes; a
 warm-up pass over every prompt length and one decode loop compiles everything before timing. Each
@@ -307,9 +308,9 @@ def decode_ms_per_token(model, ids, new_tokens: int, device: str, cache=None) ->
     return (marks[1] - marks[0]) * 1e3 / new_tokens, [int(t) for t in tokens[0].tolist()]
 
 
-def decode_gpu_time(model, ids, new_tokens: int, cache=None) -> tuple[float, float]:
-    """(GPU ms per decode step, kernels per step): the kernels torch.profiler records over ``new_tokens``
-    decode steps after an unprofiled prefill."""
+def decode_gpu_time(model, ids, new_tokens: int, cache=None) -> tuple[float, float, list[tuple[str, float, float]]]:
+    """(GPU ms per decode step, kernels per step, the step's kernels by name): the kernels torch.profiler
+    records over ``new_tokens`` decode steps after an unprofiled prefill; the last item is ``kernel_breakdown``'s."""
     from torch.profiler import ProfilerActivity, profile
 
     state = {}
@@ -326,7 +327,28 @@ def decode_gpu_time(model, ids, new_tokens: int, cache=None) -> tuple[float, flo
     with torch.inference_mode():
         _decode_steps(model, ids, new_tokens, cache, mark)
     kernels = [e for e in state["prof"].events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / 1e3 / new_tokens, len(kernels) / new_tokens
+    breakdown = kernel_breakdown([(e.name, e.device_time) for e in kernels], new_tokens)
+    return sum(e.device_time for e in kernels) / 1e3 / new_tokens, len(kernels) / new_tokens, breakdown
+
+
+def kernel_breakdown(kernels: list[tuple[str, float]], steps: int) -> list[tuple[str, float, float]]:
+    """``(name, launches per step, GPU us per step)`` for each kernel name among ``kernels`` (name, device us),
+    most launches first: where a step's launches go (logged with the decode rows)."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    rows = [(name, len(times) / steps, sum(times) / steps) for name, times in by_name.items()]
+    return sorted(rows, key=lambda r: (-r[1], -r[2], r[0]))
+
+
+def format_breakdown(breakdown: list[tuple[str, float, float]], top: int = 40, width: int = 100) -> str:
+    """The first ``top`` rows of a ``kernel_breakdown`` as lines ``launches  us  name`` (names cut to ``width``)."""
+    lines = [f"{count:6.1f} {us:8.1f} us  {name[:width]}" for name, count, us in breakdown[:top]]
+    if len(breakdown) > top:
+        rest = breakdown[top:]
+        lines.append(f"{sum(r[1] for r in rest):6.1f} {sum(r[2] for r in rest):8.1f} us  "
+                     f"({len(rest)} more kernel names)")
+    return "\n".join(lines)
 
 
 def _quantiles(samples: list[float]) -> tuple[float, float, float]:
@@ -351,12 +373,14 @@ def _decode_rows(spec: HybridModel, name: str, opts: Options, model, decode_ids:
         rows.append(row(f"{spec.name}_decode", name, "inference", shape, "time_per_token", "ms", decode))
         line = f"{name} decode {shape}: {decode[1]:.3f} ms/token"
         if opts.device == "cuda":
-            gpu_ms, kernels = decode_gpu_time(model, ids, opts.new_tokens, cache)
+            gpu_ms, kernels, breakdown = decode_gpu_time(model, ids, opts.new_tokens, cache)
             rows.append(row(f"{spec.name}_decode", name, "inference", shape, "gpu_time_per_token", "ms",
                             (gpu_ms, gpu_ms, gpu_ms)))
             rows.append(row(f"{spec.name}_decode", name, "inference", shape, "kernels_per_step", "count",
                             (kernels, kernels, kernels)))
             line += f", GPU {gpu_ms:.3f} ms/token, {kernels:.0f} kernels/step"
+            logger.info("%s decode %s, kernels per step (launches, GPU time, name):\n%s", name, shape,
+                        format_breakdown(breakdown))
         logger.info("%s", line)
     return rows, tokens
 

@@ -11,6 +11,10 @@ its shape never depends on the routing (CUDA graphs capture it).
   stored as float32 at the pair's own index: ``per_pair [S, H]``. The K pairs of a token are then summed in float32
   (a fixed order, no atomics: deterministic) and rounded once.
 
+The grouping of pairs by expert and the final sum are one launch each (``triton_routing.py``) up to
+``ONE_LAUNCH_PAIRS`` pairs, so a decode step's MoE layer is four launches; above it the grouping is
+``routing.py``'s sort.
+
 A group larger than BLOCK_M loops over row blocks, reading its weight tiles again (from L2 when the group is
 small); large groups (prefill) are the grouped GEMM's job (``api.py`` chooses per call).
 Device-agnostic: runs under ``TRITON_INTERPRET=1`` on CPU tensors.
@@ -22,6 +26,7 @@ import triton
 import triton.language as tl
 
 from kda_compile.ops.moe.routing import pairs_by_expert
+from kda_compile.ops.moe.triton_routing import ONE_LAUNCH_PAIRS, combine_pairs, route_pairs
 
 BLOCK_M = 16  # rows per tile: the smallest tl.dot M
 
@@ -110,20 +115,25 @@ def moe_experts_triton(hidden_states: torch.Tensor, top_k_index: torch.Tensor, t
     top_k = top_k_index.shape[1]
     experts, inter = gate_up_proj.shape[0], down_proj.shape[2]
     pairs = tokens * top_k
-    order, offsets = pairs_by_expert(top_k_index, experts)
+    if not pairs:
+        return hidden_states.new_zeros(tokens, width)
+    top_k_index = top_k_index.contiguous()
+    if pairs <= ONE_LAUNCH_PAIRS:
+        order, offsets = route_pairs(top_k_index, experts)  # one launch (triton_routing.py)
+    else:
+        order, offsets = pairs_by_expert(top_k_index, experts)
     weights = top_k_weights.reshape(-1)
     ieee = hidden_states.dtype == torch.float32
     hidden = torch.empty(pairs, inter, device=hidden_states.device, dtype=hidden_states.dtype)
-    per_pair = torch.zeros(pairs, width, device=hidden_states.device, dtype=torch.float32)
-    if pairs:
-        block_n, block_k = _tiles(width)
-        _gate_up[(experts, triton.cdiv(inter, block_n))](
-            hidden_states, gate_up_proj, order, offsets, hidden, width, inter, top_k,
-            hidden_states.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), hidden.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3)
-        block_n, block_k = _tiles(inter)
-        _down[(experts, triton.cdiv(width, block_n))](
-            hidden, down_proj, order, offsets, weights, per_pair, width, inter,
-            hidden.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3)
-    return per_pair.view(tokens, top_k, width).sum(dim=1).to(hidden_states.dtype)
+    per_pair = torch.empty(pairs, width, device=hidden_states.device, dtype=torch.float32)  # sentinel rows unread
+    block_n, block_k = _tiles(width)
+    _gate_up[(experts, triton.cdiv(inter, block_n))](
+        hidden_states, gate_up_proj, order, offsets, hidden, width, inter, top_k,
+        hidden_states.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), hidden.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3)
+    block_n, block_k = _tiles(inter)
+    _down[(experts, triton.cdiv(width, block_n))](
+        hidden, down_proj, order, offsets, weights, per_pair, width, inter,
+        hidden.stride(0), down_proj.stride(0), down_proj.stride(1), per_pair.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, num_warps=4, num_stages=3)
+    return combine_pairs(per_pair, top_k_index, experts, hidden_states.dtype)

@@ -9,6 +9,7 @@ from kda_compile.ops._sharding import register_sharding_rules
 from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.ops.block_sparse import block_sparse_attention
 from kda_compile.ops.context_parallel import CPContext, build_cp_context
+from kda_compile.ops.conv1d import causal_conv1d_update
 from kda_compile.ops.dsa import dsa_indexer_topk, dsa_pooled_indexer_topk, dsa_sparse_attention
 from kda_compile.ops.gdn import chunk_gated_delta_rule, chunk_gdn, fused_recurrent_gated_delta_rule, fused_recurrent_gdn
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
@@ -19,6 +20,7 @@ tag_compile_caches()
 register_sharding_rules()  # DTensor inputs: each op runs on its local heads (docs/distributed.md)
 
 __all__ = ["CPContext", "attention", "attention_with_lse", "block_sparse_attention", "build_cp_context",
+           "causal_conv1d_update",
            "chunk_gated_delta_rule", "chunk_gdn", "chunk_kda", "dsa_indexer_topk", "dsa_pooled_indexer_topk",
            "dsa_sparse_attention", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn", "fused_recurrent_kda",
            "mla_attention", "moe_experts"]

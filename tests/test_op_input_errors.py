@@ -64,6 +64,10 @@ def _block_sparse():
                 block_indices=torch.tensor([[[[0, -1], [1, 0], [2, 1]]] * 2]), block_size=4)
 
 
+def _conv_update():
+    return dict(x=_randn(2, 6, 1), conv_state=_randn(2, 6, 4), weight=_randn(6, 4), bias=_randn(6), activation="silu")
+
+
 OPS = {  # public op name -> (function, good arguments)
     "attention": (ops.attention, _attention),
     "attention_with_lse": (ops.attention_with_lse, _attention),
@@ -76,6 +80,7 @@ OPS = {  # public op name -> (function, good arguments)
     "chunk_gated_delta_rule": (ops.chunk_gated_delta_rule, _delta_rule(True)),
     "fused_recurrent_gated_delta_rule": (ops.fused_recurrent_gated_delta_rule, _delta_rule(True)),
     "moe_experts": (ops.moe_experts, _experts),
+    "causal_conv1d_update": (ops.causal_conv1d_update, _conv_update),
     "block_sparse_attention": (ops.block_sparse_attention, _block_sparse),
 }
 NOT_OPS = {"CPContext", "build_cp_context"}  # context-parallel set-up, no tensor op
@@ -146,6 +151,15 @@ CASES = {
         ("gate_up-width", lambda a: dict(a, gate_up_proj=a["gate_up_proj"][..., :5]), ValueError, "gate_up_proj"),
         ("down-dtype", lambda a: dict(a, down_proj=a["down_proj"].double()), TypeError, "down_proj"),
         ("hidden-rank", lambda a: dict(a, hidden_states=a["hidden_states"][0]), ValueError, "hidden_states"),
+    ],
+    "causal_conv1d_update": [
+        ("kernel", lambda a: dict(a, kernel="cuda"), ValueError, "kernel"),
+        ("activation", lambda a: dict(a, activation="gelu"), ValueError, "activation"),
+        ("x-rank", lambda a: dict(a, x=a["x"][0]), ValueError, "x"),
+        ("state-short", lambda a: dict(a, conv_state=a["conv_state"][..., :2]), ValueError, "conv_state"),
+        ("weight-channels", lambda a: dict(a, weight=a["weight"][:5]), ValueError, "weight"),
+        ("bias-dtype", lambda a: dict(a, bias=a["bias"].double()), ValueError, "bias"),
+        ("state-int", lambda a: dict(a, conv_state=a["conv_state"].int()), TypeError, "conv_state"),
     ],
     "block_sparse_attention": [
         ("block_size-zero", lambda a: dict(a, block_size=0), ValueError, "block_size"),

@@ -40,6 +40,8 @@ Entry points substituted (each object once; an alias is the same object):
   docs/gdn.md.)
 - HF's wrappers (the module-level names) -> what the wrapper bound, mapped as above, after HF's
   filtering of the keywords; a GDN wrapper bound to FLA becomes the GDN ops too.
+- HF's ``causal_conv1d_update`` of the same families (the decode step's short convolution) ->
+  ``causal_conv1d_update``, one launch with the state rolled in place (substitution/conv_update.py).
 
 Returns are the entry points': ``(o in q's dtype, float32 final state, or None unless
 output_final_state)``. FLA arguments given by position are bound by FLA's own parameter order, so
@@ -86,6 +88,7 @@ from typing import Any, Callable, Iterator
 from kda_compile.ops import envs
 from kda_compile.passes.delta_rule import probe as delta_rule_probe  # look-alike functions, probed
 from kda_compile.passes.dsa import qsa_indexer  # QSA indexers, registered with the entry points below
+from kda_compile.passes.substitution import conv_update  # HF's causal_conv1d_update: the decode conv
 from kda_compile.passes.substitution import moe_experts  # HF's grouped-GEMM experts, likewise
 from kda_compile.passes.substitution.documents import register_conv_substitutes  # per-document causal conv1d
 from kda_compile.passes.substitution.registry import lock, register
@@ -229,8 +232,8 @@ def _register_hf() -> None:
 def register_loaded_entry_points() -> None:
     """Register the substitutes of every known entry point whose module is imported, then the probing
     substitutes of look-alike functions of transformers modeling modules (delta_rule/probe.py), the
-    QSA indexers' (dsa/qsa_indexer.py), HF's grouped-GEMM experts (moe_experts.py) and HF's causal conv1d of the
-    delta-rule families for packed documents (documents.py)."""
+    QSA indexers' (dsa/qsa_indexer.py), HF's grouped-GEMM experts (moe_experts.py), HF's causal conv1d of the
+    delta-rule families for packed documents (documents.py) and their decode conv (conv_update.py)."""
     with lock:
         _register_fla()
         _register_hf()
@@ -238,6 +241,7 @@ def register_loaded_entry_points() -> None:
         qsa_indexer.register_loaded_indexers()
         moe_experts.register(register)
         register_conv_substitutes(register)
+        conv_update.register(register)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from kda_compile.ops import chunk_gated_delta_rule, chunk_kda, fused_recurrent_g
 from kda_compile.passes.delta_rule import probe
 from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.rewrite import RewriteLog
-from kda_compile.passes.substitution import documents, install
+from kda_compile.passes.substitution import conv_update, documents, install
 from kda_compile.passes.substitution import moe_experts as moe_substitute
 from kda_compile.passes.substitution import substitutes as kda_substitutes
 from kda_compile.passes.toolkit.graph_tools import example_value, is_our_file, module_path, source_line, tensor_of
@@ -189,6 +189,7 @@ NAME = "kda_substitution"  # the Config field of trace-time substitution, and th
 MOE_OP = "kda_compile::moe_experts"
 MOE_NAME = "moe_experts"  # the name its entries carry (switched with the other substitutes by kda_substitution)
 _MOE_SUBSTITUTE_FILE = os.path.abspath(moe_substitute.__file__)
+_CONV_UPDATE_FILE = os.path.abspath(conv_update.__file__)
 
 
 def moe_site(node: torch.fx.Node) -> Rewritten | None:
@@ -207,15 +208,35 @@ def moe_site(node: torch.fx.Node) -> Rewritten | None:
     return Rewritten(MOE_NAME, module_path(node), _entry_and_source(node)[1], "kda_compile.moe_experts", details)
 
 
+CONV_UPDATE_OP = "kda_compile::causal_conv1d_update"
+
+
+def conv_update_site(node: torch.fx.Node) -> Rewritten | None:
+    """The report entry of a ``causal_conv1d_update`` call, or None for any other node."""
+    if node.op != "call_function":
+        return None
+    schema = getattr(node.target, "_schema", None)
+    if (schema.name if schema is not None else getattr(node.target, "_qualified_op_name", None)) != CONV_UPDATE_OP:
+        return None
+    x, state, weight = (tensor_of(a) for a in node.args[:3])
+    by_substitute = any(os.path.abspath(path) == _CONV_UPDATE_FILE for path, _, _ in _frames(node))
+    details: dict[str, Any] = {"entry": conv_update.ENTRY_POINT if by_substitute else "kda_compile.ops"}
+    if x is not None and state is not None and weight is not None:
+        details.update(channels=x.shape[1], kernel_size=weight.shape[-1], state_len=state.shape[-1],
+                       dtype=str(x.dtype))
+    return Rewritten(NAME, module_path(node), _entry_and_source(node)[1], "kda_compile.causal_conv1d_update",
+                     details)
+
+
 def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None:
     """Log the KDA sites of ``gm`` and the torch references traced as written (see the module docstring);
     the graph is not changed."""
     for node in gm.graph.nodes:
         call = kda_call(node)
         if call is None:
-            moe = moe_site(node)
-            if moe is not None:
-                log.rewritten.append(moe)
+            site = moe_site(node) or conv_update_site(node)
+            if site is not None:
+                log.rewritten.append(site)
             continue
         kind, arguments = call
         entry, source = _entry_and_source(node)

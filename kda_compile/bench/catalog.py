@@ -272,13 +272,16 @@ CATALOG: dict[str, Benchmark] = {
         "Llama, whose HF code binds no FLA kernels); `kda_compile (cuda graphs)`: `kda_compile.optimize(model.forward, "
         "mode=\"reduce-overhead\")` decoding into HF's `StaticCache`, each step one CUDA-graph replay "
         "([docs/cuda-graphs.md](../docs/cuda-graphs.md)); the routed experts of every MoE layer run as "
-        "`kda_compile.ops.moe_experts` there ([docs/moe.md](../docs/moe.md)). The rows of one command come from one process. "
+        "`kda_compile.ops.moe_experts` there ([docs/moe.md](../docs/moe.md)), four launches per layer at decode, and "
+        "the short convolution of each linear-attention layer as `kda_compile.ops.causal_conv1d_update`, one launch "
+        "(docs/cuda-graphs.md, section 8). The `1x8192+32` rows were measured before those two became single "
+        "launches (199 and 215 kernels per step against 142 and 143 at `1x512+32` now). The rows of one command "
+        "come from one process. "
         "HF eager is host-bound, and its wall time varies from machine to machine more than its GPU time does "
         "(DeepSeek-V3.2 at batch 1: 9.2 and 18.9 ms per token in two runs on H200 machines, 3.07 and 3.04 ms of GPU "
         "time): compare GPU times for the kernels, wall times for what a user waits.",
         command="python -m kda_compile.bench e2e --model kimi_linear --configs 'hf_eager_fla,kda_compile (cuda graphs)' "
-        "--prompts 1024 --decode-shapes 1x512,64x512 --decode-repeats 3 (--model qwen3_next likewise with "
-        "--decode-repeats 2; --model llama with --configs 'hf_eager,kda_compile,kda_compile (cuda graphs)', "
+        "--prompts 128 --decode-shapes 1x512,64x512 --decode-repeats 3 (--model qwen3_next likewise; --model llama with --configs 'hf_eager,kda_compile,kda_compile (cuda graphs)', "
         "--model deepseek_v32 with --configs 'hf_eager,kda_compile (cuda graphs)' and --decode-repeats 2, both "
         "without --prompts)",
         views=(View("time_per_token", ours=("kda_compile", "kda_compile (cuda graphs)"),

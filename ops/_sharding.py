@@ -23,7 +23,7 @@ import torch
 
 logger = logging.getLogger("kda_compile.ops.sharding")
 
-RULE_FOLDERS = ("kda", "gdn", "attention", "mla", "dsa", "moe", "block_sparse")
+RULE_FOLDERS = ("kda", "gdn", "attention", "mla", "dsa", "moe", "block_sparse", "conv1d")
 
 _registered: dict[str, str] = {}  # op name -> operator folder whose rule serves it
 _unavailable: list[str] = []  # why no rule was registered (empty once registered)

@@ -209,6 +209,7 @@ def moe_site(node: torch.fx.Node) -> Rewritten | None:
 
 
 CONV_UPDATE_OP = "kda_compile::causal_conv1d_update"
+CONV_UPDATE_NAME = "causal_conv1d_update"  # the name its entries carry (switched by kda_substitution)
 
 
 def conv_update_site(node: torch.fx.Node) -> Rewritten | None:
@@ -224,8 +225,8 @@ def conv_update_site(node: torch.fx.Node) -> Rewritten | None:
     if x is not None and state is not None and weight is not None:
         details.update(channels=x.shape[1], kernel_size=weight.shape[-1], state_len=state.shape[-1],
                        dtype=str(x.dtype))
-    return Rewritten(NAME, module_path(node), _entry_and_source(node)[1], "kda_compile.causal_conv1d_update",
-                     details)
+    return Rewritten(CONV_UPDATE_NAME, module_path(node), _entry_and_source(node)[1],
+                     "kda_compile.causal_conv1d_update", details)
 
 
 def report_substitution_sites(gm: torch.fx.GraphModule, log: RewriteLog) -> None:

@@ -21,16 +21,14 @@ Anything else traces HF's function, with the reason logged once at INFO. ``Confi
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
-import types
 from typing import Callable
 
 import torch
 
 from kda_compile.ops import causal_conv1d_update
-from kda_compile.passes.substitution.substitutes import _copy_of, _substituting
+from kda_compile.passes.substitution.substitutes import (_copy_of, _declined_once, _substituting,
+                                                         register_hf_module_functions)
 
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
@@ -56,18 +54,6 @@ def why_not_substituted(hidden_states, conv_state, weight, bias, activation) -> 
     return None
 
 
-_declined_reasons: set[str] = set()
-
-
-@torch._dynamo.assume_constant_result
-def _declined_once(reason: str) -> bool:
-    """Log (once per reason) why a site traces HF's function; run while Dynamo traces, as a constant."""
-    if reason not in _declined_reasons:
-        _declined_reasons.add(reason)
-        logger.info("%s traced as written: %s", ENTRY_POINT, reason)
-    return True
-
-
 def make_substitute(original: Callable) -> Callable:
     twin = _copy_of(original)
 
@@ -76,7 +62,7 @@ def make_substitute(original: Callable) -> Callable:
         if reason is None and _substituting(ENTRY_POINT):
             return causal_conv1d_update(hidden_states, conv_state, weight, bias, activation)
         if reason is not None:
-            _declined_once(reason)
+            _declined_once(ENTRY_POINT, reason)
         return twin(hidden_states, conv_state, weight, bias, activation)
 
     return hf_causal_conv1d_update
@@ -85,18 +71,5 @@ def make_substitute(original: Callable) -> Callable:
 def register(register_fn: Callable) -> None:
     """Register the substitute of each loaded family module's ``causal_conv1d_update`` (HF's hub wrapper and the
     torch function it wraps) through ``register_fn(entry, found_at, original, make)``."""
-    for name in MODULES:
-        module = sys.modules.get(name)
-        wrapper = getattr(module, "causal_conv1d_update", None) if module is not None else None
-        if not callable(wrapper):
-            continue
-        torch_function = inspect.unwrap(wrapper)
-        where = f"{name}.causal_conv1d_update"
-        if not isinstance(torch_function, types.FunctionType):
-            continue
-        if tuple(inspect.signature(torch_function).parameters) != PARAMETERS:
-            logger.warning("%s has parameters %s, expected %s: not substituted (its decode conv runs as written)",
-                           where, tuple(inspect.signature(torch_function).parameters), PARAMETERS)
-            continue
-        for original, found_at in ((torch_function, f"{where}.__wrapped__"), (wrapper, where)):
-            register_fn(ENTRY_POINT, found_at, original, lambda original=original: make_substitute(original))
+    register_hf_module_functions(register_fn, MODULES, "causal_conv1d_update", PARAMETERS, ENTRY_POINT,
+                                 make_substitute, "not substituted (its decode conv runs as written)")

@@ -14,16 +14,14 @@ zero, as if each document started from a zero conv state); a call without it tra
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import sys
-import types
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from kda_compile.passes.substitution.substitutes import OFFSETS_KEYWORD, _copy_of, _not_kept_apart, _substituting
+from kda_compile.passes.substitution.substitutes import (OFFSETS_KEYWORD, _copy_of, _not_kept_apart, _substituting,
+                                                         register_hf_module_functions)
 
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
@@ -111,19 +109,6 @@ def register_conv_substitutes(register_fn: Callable) -> None:
     """Register the substitute of each loaded family module's ``causal_conv1d_fn`` (HF's wrapper and the torch
     function it wraps, which model code may call directly), through ``register_fn(entry, found_at, original,
     make)`` (the substitution registry)."""
-    for name in CONV_MODULES:
-        module = sys.modules.get(name)
-        wrapper = getattr(module, "causal_conv1d_fn", None) if module is not None else None
-        if not callable(wrapper):
-            continue
-        torch_function = inspect.unwrap(wrapper)
-        where = f"{name}.causal_conv1d_fn"
-        if not isinstance(torch_function, types.FunctionType):
-            continue
-        if tuple(inspect.signature(torch_function).parameters) != CONV_PARAMETERS:
-            logger.warning("%s has parameters %s, expected %s: packed documents are not kept apart in its conv",
-                           where, tuple(inspect.signature(torch_function).parameters), CONV_PARAMETERS)
-            continue
-        for original, found_at in ((torch_function, f"{where}.__wrapped__"), (wrapper, where)):
-            register_fn(CONV_ENTRY, found_at, original,
-                        lambda original=original: _conv_substitute(CONV_ENTRY, original))
+    register_hf_module_functions(register_fn, CONV_MODULES, "causal_conv1d_fn", CONV_PARAMETERS, CONV_ENTRY,
+                                 lambda original: _conv_substitute(CONV_ENTRY, original),
+                                 "packed documents are not kept apart in its conv")

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from kda_compile.ops import moe_experts
-from kda_compile.passes.substitution.substitutes import _copy_of, _substituting
+from kda_compile.passes.substitution.substitutes import _copy_of, _declined_once, _substituting
 
 logger = logging.getLogger("kda_compile.passes.kda_substitution")
 
@@ -60,18 +60,6 @@ def why_not_substituted(module, default_gate: Callable | None) -> str | None:
     return None
 
 
-_declined_reasons: set[str] = set()
-
-
-@torch._dynamo.assume_constant_result
-def _declined_once(reason: str) -> bool:
-    """Log (once per reason) why a site traces HF's function; run while Dynamo traces, as a constant."""
-    if reason not in _declined_reasons:
-        _declined_reasons.add(reason)
-        logger.info("%s traced as written: %s", ENTRY_POINT, reason)
-    return True
-
-
 def make_substitute(original: Callable, default_gate: Callable | None) -> Callable:
     twin = _copy_of(original)
 
@@ -80,7 +68,7 @@ def make_substitute(original: Callable, default_gate: Callable | None) -> Callab
         if reason is None and _substituting(ENTRY_POINT):
             return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj)
         if reason is not None:
-            _declined_once(reason)
+            _declined_once(ENTRY_POINT, reason)
         return twin(self, hidden_states, top_k_index, top_k_weights)
 
     return grouped_mm_experts_substitute

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -79,6 +80,19 @@ def _declined(entry_point: str, reason: str) -> bool:
     return True
 
 
+_declined_reasons: set[tuple[str, str]] = set()
+
+
+@torch._dynamo.assume_constant_result
+def _declined_once(entry_point: str, reason: str) -> bool:
+    """Log at INFO, once per entry point and reason, why a site traces HF's function (the substitutes of
+    moe_experts.py and conv_update.py); run while Dynamo traces, as a constant."""
+    if (entry_point, reason) not in _declined_reasons:
+        _declined_reasons.add((entry_point, reason))
+        logger.info("%s traced as written: %s", entry_point, reason)
+    return True
+
+
 @torch._dynamo.assume_constant_result
 def _not_kept_apart(entry_point: str, reason: str) -> bool:
     logger.warning("%s: packed documents are not kept apart, each token sees the documents before it: %s",
@@ -137,6 +151,30 @@ def _copy_of(fn: Callable) -> Callable:
     twin.__dict__.update(fn.__dict__)
     twin.__qualname__ = fn.__qualname__
     return twin
+
+
+def register_hf_module_functions(register_fn: Callable, modules: tuple[str, ...], attribute: str,
+                                 parameters: tuple[str, ...], entry: str, make: Callable[[Callable], Callable],
+                                 mismatch: str) -> None:
+    """Register ``make(original)`` as the substitute of ``attribute`` of each loaded module of ``modules``: HF's
+    hub wrapper and the torch function it wraps (model code may call either), through
+    ``register_fn(entry, found_at, original, make)``. A torch function whose parameters are not ``parameters`` is
+    left alone, with a warning ending in ``mismatch`` (what then runs as written)."""
+    for name in modules:
+        module = sys.modules.get(name)
+        wrapper = getattr(module, attribute, None) if module is not None else None
+        if not callable(wrapper):
+            continue
+        torch_function = inspect.unwrap(wrapper)
+        where = f"{name}.{attribute}"
+        if not isinstance(torch_function, types.FunctionType):
+            continue
+        found = tuple(inspect.signature(torch_function).parameters)
+        if found != parameters:
+            logger.warning("%s has parameters %s, expected %s: %s", where, found, parameters, mismatch)
+            continue
+        for original, found_at in ((torch_function, f"{where}.__wrapped__"), (wrapper, where)):
+            register_fn(entry, found_at, original, lambda original=original: make(original))
 
 
 def _fla_signature(fn: Callable) -> tuple[tuple[str, ...], dict[str, Any]]:

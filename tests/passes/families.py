@@ -158,3 +158,19 @@ def build_dsa_model(name: str, attn: str = "eager", **config_updates) -> torch.n
     with torch.no_grad():
         model.get_input_embeddings().weight.normal_()
     return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Qwen3-Next (GDN + softmax attention, MoE): the substitution tests of HF's experts and decode conv
+# (tests/passes/test_moe_substitution.py, test_conv_update_substitution.py). One linear-attention layer
+# (2 key heads, 4 value heads of 16) and one full-attention layer, 8 experts with 2 active.
+# ----------------------------------------------------------------------------------------------
+def build_qwen3_next() -> torch.nn.Module:
+    config = transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(config).eval()

@@ -10,17 +10,7 @@ import kda_compile  # noqa: E402
 from kda_compile.ops.conv1d import custom_ops  # noqa: E402
 from kda_compile.passes.substitution import conv_update  # noqa: E402
 
-
-def _qwen3_next():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    config = Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
-                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
-                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                             layer_types=["linear_attention", "full_attention"])
-    torch.manual_seed(0)
-    return Qwen3NextForCausalLM(config).eval()
+from .families import build_qwen3_next  # noqa: E402
 
 
 @pytest.fixture
@@ -47,7 +37,7 @@ def _conv_states(cache):
 
 
 def test_decode_steps_run_the_op_with_eager_tokens_and_states(conv_calls):
-    model = _qwen3_next()
+    model = build_qwen3_next()
     ids = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
         want, want_cache = _decode(model, model, ids, 3)
@@ -61,7 +51,7 @@ def test_decode_steps_run_the_op_with_eager_tokens_and_states(conv_calls):
 
 
 def test_the_report_names_the_conv_update(conv_calls):
-    model = _qwen3_next()
+    model = build_qwen3_next()
     compiled = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))
     with torch.no_grad():
         _decode(compiled, model, torch.randint(0, 128, (1, 5)), 1)
@@ -73,7 +63,7 @@ def test_the_report_names_the_conv_update(conv_calls):
 
 
 def test_substitution_off_keeps_hf_code(conv_calls):
-    model = _qwen3_next()
+    model = build_qwen3_next()
     off = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager", kda_substitution=False))
     with torch.no_grad():
         _decode(off, model, torch.randint(0, 128, (1, 5)), 1)

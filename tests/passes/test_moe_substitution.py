@@ -10,18 +10,9 @@ pytest.importorskip("transformers")
 import kda_compile  # noqa: E402
 from kda_compile.ops.moe import custom_ops  # noqa: E402
 from kda_compile.passes.substitution import moe_experts as moe_pass  # noqa: E402
+from kda_compile.passes.substitution import substitutes  # noqa: E402
 
-
-def _qwen3_next():
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    config = Qwen3NextConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
-                             linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
-                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                             layer_types=["linear_attention", "full_attention"])
-    torch.manual_seed(0)
-    return Qwen3NextForCausalLM(config).eval()
+from .families import build_qwen3_next  # noqa: E402
 
 
 @pytest.fixture
@@ -33,7 +24,7 @@ def expert_calls(monkeypatch):
 
 
 def test_qwen3_next_experts_run_as_the_op_with_eager_logits(expert_calls):
-    model = _qwen3_next()
+    model = build_qwen3_next()
     ids = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
         want = model(ids).logits
@@ -43,7 +34,7 @@ def test_qwen3_next_experts_run_as_the_op_with_eager_logits(expert_calls):
 
 
 def test_the_report_lists_each_substituted_experts_module():
-    model = _qwen3_next()
+    model = build_qwen3_next()
     compiled = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))
     with torch.no_grad():
         compiled(torch.randint(0, 128, (1, 5)))
@@ -56,7 +47,7 @@ def test_the_report_lists_each_substituted_experts_module():
 
 
 def test_training_keeps_hf_grouped_gemm(expert_calls):
-    model = _qwen3_next().train()
+    model = build_qwen3_next().train()
     ids = torch.randint(0, 128, (1, 5))
     compiled = kda_compile.optimize(model.forward, kda_compile.Config(compiler="aot_eager"))
     compiled(ids).logits.sum().backward()
@@ -94,6 +85,6 @@ def test_only_the_plain_gated_silu_form_is_substituted(flags, reason):
 def test_a_declined_site_is_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger="kda_compile.passes.kda_substitution"):
         for _ in range(2):
-            moe_pass._declined_once("a reason only this test gives")
+            substitutes._declined_once(moe_pass.ENTRY_POINT, "a reason only this test gives")
     assert [r.getMessage() for r in caplog.records].count(
         "transformers grouped_mm_experts_forward traced as written: a reason only this test gives") == 1

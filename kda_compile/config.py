@@ -40,6 +40,9 @@ class Config:
             unrolled by Dynamo) into one KDA op call.
         kda_prologue: fold the gate (softplus / lower-bound form), the beta sigmoid and the q/k
             L2 norm computed right before a KDA op into the op's in-kernel options.
+        delta_rule_state_in_place: a KDA / GDN decode step whose final state is copied back into the
+            cache tensor it read its initial state from writes that state in place instead
+            (``inplace_final_state=True``): no fresh state, no copy (passes/delta_rule/state_in_place.py).
         dsa_attention: rewrite Hugging Face's DeepSeek Sparse Attention (the indexer's scores and
             top-k, and the attention over its top-k mask) into ``kda_compile.ops.dsa_indexer_topk``
             and ``kda_compile.ops.dsa_sparse_attention`` (docs/dsa-rewrite.md).
@@ -71,6 +74,7 @@ class Config:
     kda_substitution: bool = True
     kda_recurrence: bool = True
     kda_prologue: bool = True
+    delta_rule_state_in_place: bool = True
     dsa_attention: bool = True
     mla_absorb: bool = True
     capture_data_dependent_ops: bool = True

@@ -21,6 +21,7 @@ from kda_compile.passes.attention.sdpa import SdpaAttentionRewrite
 from kda_compile.passes.attention.softmax import SoftmaxAttentionRewrite
 from kda_compile.passes.delta_rule.prologue import KDAPrologueRewrite
 from kda_compile.passes.delta_rule.recurrence import KDARecurrenceRewrite
+from kda_compile.passes.delta_rule.state_in_place import DecodeStateInPlaceRewrite
 from kda_compile.passes.dsa.attention import DSAAttentionRewrite
 from kda_compile.passes.mla.absorb import MLAAbsorbRewrite
 from kda_compile.passes.report import GraphReport
@@ -50,6 +51,7 @@ PIPELINE: tuple[Step, ...] = (
     KDAPrologueRewrite,  # after kda_recurrence: folds the prologue of every KDA call, collapsed ones too
     # after kda_prologue, so each KDA site is reported with its folded flags (Config.kda_substitution)
     SiteReport("kda_substitution", report_substitution_sites),
+    DecodeStateInPlaceRewrite,  # after the site report, which reports each decode call as it was traced
     DSAAttentionRewrite,  # before the attention rewrites, which would take its attention as a dense one
     SoftmaxAttentionRewrite,
     SdpaAttentionRewrite,  # after softmax_attention

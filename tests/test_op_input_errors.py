@@ -103,6 +103,11 @@ _DELTA_RULE_CASES = [
     ("k-dtype", lambda a: dict(a, k=a["k"].double()), TypeError, "k"),
     ("v-heads-zero", lambda a: dict(a, v=a["v"][:, :, :0]), ValueError, "v"),
 ]
+_DECODE_CASES = _DELTA_RULE_CASES + [  # inplace_final_state: decode writes its final state over initial_state
+    ("inplace-without-state", lambda a: dict(a, inplace_final_state=True), ValueError, "initial_state"),
+    ("inplace-with-gradients", lambda a: dict(a, q=a["q"].requires_grad_(), initial_state=torch.zeros(1, 2, 8, 8),
+                                              inplace_final_state=True), ValueError, "inplace_final_state"),
+]
 CASES = {
     "attention": _ATTENTION_CASES,
     "attention_with_lse": _ATTENTION_CASES,
@@ -141,9 +146,9 @@ CASES = {
         ("scale-inf", lambda a: dict(a, scale=math.inf), ValueError, "scale"),
     ],
     "chunk_kda": _DELTA_RULE_CASES,
-    "fused_recurrent_kda": _DELTA_RULE_CASES,
+    "fused_recurrent_kda": _DECODE_CASES,
     "chunk_gated_delta_rule": _DELTA_RULE_CASES,
-    "fused_recurrent_gated_delta_rule": _DELTA_RULE_CASES,
+    "fused_recurrent_gated_delta_rule": _DECODE_CASES,
     "moe_experts": [
         ("kernel", lambda a: dict(a, kernel="cutlass"), ValueError, "kernel"),
         ("index-float", lambda a: dict(a, top_k_index=a["top_k_index"].float()), TypeError, "top_k_index"),

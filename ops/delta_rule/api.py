@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kda_compile.ops._argument_errors import deferred_error, sizes
-from kda_compile.ops._common import dispatcher_needed, gradients_needed
+from kda_compile.ops._common import arg_error, dispatcher_needed, gradients_needed
 from kda_compile.ops.context_parallel import context_offsets, context_parallel_chunk
 from kda_compile.ops.delta_rule.validation import (check_free_values, check_input_values, check_inputs_flag,
                                                    reject_unsupported_kwargs, state_layout_alias)
@@ -20,14 +20,16 @@ from kda_compile.ops.delta_rule.validation import (check_free_values, check_inpu
 def run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, output_final_state,
                    use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                    state_v_first, cu_seqlens, A_log, dt_bias, *, decode=None, cu_seqlens_cpu=None,
-                   check_inputs: bool = False, unsupported=None, cp=(None, None)):
+                   check_inputs: bool = False, unsupported=None, cp=(None, None), inplace_final_state=False):
     """One public delta-rule call from its arguments to ``(o, final_state or None)``.
 
     ``validate(cu_seqlens, cu_seqlens_cpu, state_v_first)``: the op's argument checks (given the arguments this
     path may have changed: the context's offsets, FLA's alias of ``state_v_first``; the op binds the others),
     returning the op's own flags, which follow the delta rule's six in its ops' schemas (KDA: its lower bound).
-    ``decode``: the op's decode ``(custom op, its kernel function)`` for a decode call, which runs there when it
-    needs no gradients (eager calls skip the dispatcher: ``ops._common.dispatcher_needed``).
+    ``decode``: the op's decode ``(custom op, its kernel function, in-place custom op, its kernel function)`` for a
+    decode call, which runs there when it needs no gradients (eager calls skip the dispatcher:
+    ``ops._common.dispatcher_needed``); ``inplace_final_state`` takes the in-place pair, which writes the final
+    state over ``initial_state`` (returned as the final state) instead of into a fresh tensor.
     ``serve(flags, A_log, dt_bias, initial_state, cu_seqlens, cu_seqlens_cpu, state_v_first, tensors, needs_grad)``:
     the op's ``(o, final)`` of every other call, from the defaulted arguments (``flags``: scale,
     output_final_state, the four options and the op's own; ``initial_state`` in the ``[N, HV, K, V]`` layout,
@@ -47,6 +49,8 @@ def run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, outp
             cu_seqlens, cu_seqlens_cpu = context_offsets(cp_context, q, cu_seqlens, cu_seqlens_cpu)
         own_flags = validate(cu_seqlens, cu_seqlens_cpu, state_v_first)
         check_inputs_flag(check_inputs, compiling)
+        if inplace_final_state:
+            check_in_place(initial_state, cp_context, q, k, v, g, beta, A_log, dt_bias)
     except (ValueError, TypeError) as error:
         if not compiling:
             raise
@@ -60,6 +64,7 @@ def run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, outp
         scale = q.shape[-1] ** -0.5
     if not use_gate_in_kernel:  # A_log / dt_bias only feed the in-kernel gate
         A_log = dt_bias = None
+    given_state = initial_state  # the caller's tensor (an in-place call writes it through the view below)
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
     tensors = (q, k, v, g, beta, initial_state, A_log, dt_bias)
@@ -69,6 +74,10 @@ def run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, outp
     if cp_context is not None:
         o, final = context_parallel_chunk(one_process, cp_context, q, k, v, g, beta, initial_state,
                                           output_final_state)
+    elif decode is not None and inplace_final_state:
+        op = decode[2] if dispatcher_needed(*tensors) else decode[3]
+        o = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, flags[0], *flags[2:])
+        return o, (given_state if output_final_state else None)
     elif decode is not None and not needs_grad:
         op = decode[0] if dispatcher_needed(*tensors) else decode[1]
         o, final = op(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, *flags)
@@ -78,6 +87,20 @@ def run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, outp
     if not output_final_state:
         return o, None
     return o, (final.transpose(-1, -2) if state_v_first else final)
+
+
+def check_in_place(initial_state, cp_context, *tensors) -> None:
+    """The arguments ``inplace_final_state=True`` needs: a state to write over, no context parallelism, and no
+    gradients (an inference step: the state it overwrites is what a backward would need)."""
+    if initial_state is None:
+        raise arg_error("initial_state", None, "a float32 tensor [N, HV, K, V] when inplace_final_state=True (the "
+                        "final state is written over it)")
+    if cp_context is not None:
+        raise arg_error("cp_context", type(cp_context).__name__, "None when inplace_final_state=True (a decode step "
+                        "on one process)")
+    if gradients_needed(initial_state, *tensors):
+        raise arg_error("inplace_final_state", True, "False when gradients are needed (grad mode on and an input "
+                        "requires grad: the step would overwrite the state its backward reads)")
 
 
 def deferred_argument_error(error, q, v, cu_seqlens, output_final_state, state_v_first):

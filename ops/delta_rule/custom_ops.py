@@ -59,6 +59,25 @@ def recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, 
     return o, q.new_empty(final_shape, dtype=torch.float32)
 
 
+def recurrent_into_state(backend, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts) -> Tensor:
+    """A decode op that updates its state in place (``fused_recurrent_*_inplace``): ``o``, with the final state
+    written over ``state``. A backend with ``recurrent_forward_into`` (our decode kernels) writes it in the launch
+    that reads it; any other computes a fresh final state and copies it over: the same result, one more pass over
+    the state (the backend choice itself is logged where it is a fallback)."""
+    write_into = getattr(backend, "recurrent_forward_into", None)
+    if write_into is not None:
+        o = write_into(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts)
+    else:
+        o, final = backend.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True)
+        state.copy_(final)
+    return o.to(q.dtype).contiguous()
+
+
+def recurrent_into_state_fake(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, scale, *flags):
+    """The fake of an in-place decode op: ``o`` (the state is written, not returned)."""
+    return q.new_empty((*q.shape[:2], v.shape[2], v.shape[3]))
+
+
 def backward_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, *rest):
     """The fake of a chunked backward op (``chunk_*_bwd``): one gradient per differentiable input, empty for an
     absent one."""

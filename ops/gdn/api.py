@@ -131,6 +131,7 @@ def fused_recurrent_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     *,
     check_inputs: bool = False,
+    inplace_final_state: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Gated delta rule token by token, for decode (small T). Same math, arguments and checks as
@@ -138,8 +139,10 @@ def fused_recurrent_gated_delta_rule(
     ``beta = 1``, as in FLA. FLA's per-key / per-value gates ``gk`` / ``gv`` are not supported (an error
     unless None; a per-key gate is KDA: ``kda_compile.ops.fused_recurrent_kda``).
 
-    Inference runs FLA's fused recurrent kernel on CUDA (without FLA our fused decode kernel with the scalar gate;
-    the reference on CPU). When gradients are needed the call takes the differentiable chunked op: same result.
+    Inference runs our fused decode kernel with the scalar gate on CUDA (FLA's kernel, then the reference, for what
+    it cannot serve; the reference on CPU). When gradients are needed the call takes the differentiable chunked op:
+    same result. ``inplace_final_state=True`` writes the final state over ``initial_state``, as
+    :func:`kda_compile.ops.fused_recurrent_kda`'s (``torch.ops.kda_compile.fused_recurrent_gdn_inplace``).
     """
     compiling = torch.compiler.is_compiling()
     try:
@@ -159,7 +162,7 @@ def fused_recurrent_gated_delta_rule(
             beta = q.new_ones(v.shape[:3])
     return _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log,
-                dt_bias, 64, recurrent=True, check_inputs=check_inputs)
+                dt_bias, 64, recurrent=True, check_inputs=check_inputs, inplace_final_state=inplace_final_state)
 
 
 chunk_gdn = chunk_gated_delta_rule
@@ -186,8 +189,10 @@ def _learn_plan(key, q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens
 def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first, cu_seqlens, A_log, dt_bias, chunk_size, *,
          recurrent: bool, cu_seqlens_cpu=None, check_inputs: bool = False, unsupported=None, cp=(None, None),
-         plan_key=None):
-    decode = (custom_ops.fused_recurrent_gdn_fwd, custom_ops.fused_recurrent_gdn_impl) if recurrent else None
+         plan_key=None, inplace_final_state=False):
+    decode = None if not recurrent else (custom_ops.fused_recurrent_gdn_fwd, custom_ops.fused_recurrent_gdn_impl,
+                                         custom_ops.fused_recurrent_gdn_inplace,
+                                         custom_ops.fused_recurrent_gdn_inplace_impl)
 
     def validate(cu_seqlens, cu_seqlens_cpu, state_v_first):
         validate_gdn_arguments(
@@ -212,4 +217,5 @@ def _gdn(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     return run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, output_final_state,
                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                           state_v_first, cu_seqlens, A_log, dt_bias, decode=decode, cu_seqlens_cpu=cu_seqlens_cpu,
-                          check_inputs=check_inputs, unsupported=unsupported, cp=cp)
+                          check_inputs=check_inputs, unsupported=unsupported, cp=cp,
+                          inplace_final_state=inplace_final_state)

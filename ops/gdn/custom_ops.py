@@ -8,6 +8,8 @@ with the real outputs' strides, autograd through ``register_autograd``.
   absent input. When the forward did not save residuals, the reference recomputes (logged).
 - ``fused_recurrent_gdn_fwd(...) -> (o, final_state)``: decode; no autograd (the public function takes
   the chunk op when gradients are needed).
+- ``fused_recurrent_gdn_inplace(..., state, ...) -> o``: decode writing its final state over ``state`` (its
+  initial state; ``mutates_args``): the public ``inplace_final_state=True``; inference only.
 
 Every output is a fresh contiguous tensor and every fake returns ``new_empty(shape)``: fake and real
 strides agree for non-contiguous inputs too.
@@ -26,7 +28,8 @@ from kda_compile.ops.gdn.backends import kda as kda_backend  # noqa: F401  (regi
 from kda_compile.ops.gdn.backends.registry import REFERENCE, GDNOptions, backend_named, select_backend
 from kda_compile.ops.delta_rule.custom_ops import (backward_fake, backward_source, chunk_backward,
                                                   fake_forward_outputs, gradient_outputs, keep_for_backward,
-                                                  pad_residuals, recurrent_fake, run_time_checks, serving_backend)
+                                                  pad_residuals, recurrent_fake, recurrent_into_state,
+                                                  recurrent_into_state_fake, run_time_checks, serving_backend)
 
 
 def _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
@@ -150,3 +153,25 @@ fused_recurrent_gdn_fwd = torch.library.custom_op("kda_compile::fused_recurrent_
 
 
 fused_recurrent_gdn_fwd.register_fake(recurrent_fake)
+
+
+def fused_recurrent_gdn_inplace_impl(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], state: Tensor, cu_seqlens: Optional[Tensor],
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool,
+) -> Tensor:
+    """The kernel of ``fused_recurrent_gdn_inplace``: the decode step with its final state written over ``state``
+    (the initial state; ``mutates_args``), so a cache's state needs no copy after the step (docs/cuda-graphs.md)."""
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval)
+    run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    backend = _backend("fused_recurrent_gdn", q, v, opts)
+    return recurrent_into_state(backend, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts)
+
+
+fused_recurrent_gdn_inplace = torch.library.custom_op("kda_compile::fused_recurrent_gdn_inplace",
+                                                      mutates_args=("state",))(fused_recurrent_gdn_inplace_impl)
+
+
+fused_recurrent_gdn_inplace.register_fake(recurrent_into_state_fake)

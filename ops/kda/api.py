@@ -182,6 +182,7 @@ def fused_recurrent_kda(
     cu_seqlens: torch.Tensor | None = None,
     *,
     check_inputs: bool = False,
+    inplace_final_state: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Kimi Delta Attention token by token, for decode (small T). Same math, arguments and input checks as
@@ -190,18 +191,25 @@ def fused_recurrent_kda(
     Inference runs our fused Triton decode step on CUDA (FLA's kernel, then the reference, for what it
     cannot serve; the reference on CPU). When gradients are needed (grad mode on and an input requires
     grad), the call takes the differentiable chunked op instead: same result, with a backward.
+
+    ``inplace_final_state=True`` writes the final state over ``initial_state`` (returned as the final state
+    when ``output_final_state``): a cache's state is updated by the step itself, with no fresh state and no copy
+    after it (``torch.ops.kda_compile.fused_recurrent_kda_inplace``, which declares the write to torch.library,
+    so CUDA graphs capture it). Inference only: an error when gradients are needed or ``initial_state`` is None.
     """
     return _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, False, lower_bound,
                 state_v_first, cu_seqlens, A_log, dt_bias, 64, recurrent=True, check_inputs=check_inputs,
-                unsupported=("fused_recurrent_kda", kwargs, {}))
+                unsupported=("fused_recurrent_kda", kwargs, {}), inplace_final_state=inplace_final_state)
 
 
 def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
          use_beta_sigmoid_in_kernel, allow_neg_eigval, safe_gate, lower_bound, state_v_first, cu_seqlens, A_log,
          dt_bias, chunk_size, *, recurrent: bool, disable_recompute: bool = False, cu_seqlens_cpu=None,
-         check_inputs: bool = False, unsupported=None, cp=(None, None), plan_key=None):
-    decode = (custom_ops.fused_recurrent_kda_fwd, custom_ops.fused_recurrent_kda_impl) if recurrent else None
+         check_inputs: bool = False, unsupported=None, cp=(None, None), plan_key=None, inplace_final_state=False):
+    decode = None if not recurrent else (custom_ops.fused_recurrent_kda_fwd, custom_ops.fused_recurrent_kda_impl,
+                                         custom_ops.fused_recurrent_kda_inplace,
+                                         custom_ops.fused_recurrent_kda_inplace_impl)
 
     def validate(cu_seqlens, cu_seqlens_cpu, state_v_first):
         validate_delta_rule_arguments(
@@ -237,4 +245,5 @@ def _kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2no
     return run_delta_rule(validate, serve, q, k, v, g, beta, scale, initial_state, output_final_state,
                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
                           state_v_first, cu_seqlens, A_log, dt_bias, decode=decode, cu_seqlens_cpu=cu_seqlens_cpu,
-                          check_inputs=check_inputs, unsupported=unsupported, cp=cp)
+                          check_inputs=check_inputs, unsupported=unsupported, cp=cp,
+                          inplace_final_state=inplace_final_state)

@@ -17,6 +17,8 @@ Ops (schemas are inferred from the signatures below):
   dtype, e.g. the L2-normalised q/k): autograd then does not keep the raw ones alive.
 - ``fused_recurrent_kda_fwd(...) -> (o, final_state)``: decode; no autograd (the public function
   takes the chunk op when gradients are needed).
+- ``fused_recurrent_kda_inplace(..., state, ...) -> o``: decode writing its final state over ``state`` (its
+  initial state; ``mutates_args``): the public ``inplace_final_state=True``; inference only.
 
 Every output is a freshly allocated contiguous tensor, and every fake returns ``new_empty(shape)``,
 so fake and real strides agree even for non-contiguous inputs.
@@ -30,7 +32,8 @@ from torch import Tensor
 
 from kda_compile.ops.delta_rule.custom_ops import (backward_fake, backward_source, chunk_backward,
                                                   fake_forward_outputs, gradient_outputs, keep_for_backward,
-                                                  pad_residuals, recurrent_fake, run_time_checks, serving_backend)
+                                                  pad_residuals, recurrent_fake, recurrent_into_state,
+                                                  recurrent_into_state_fake, run_time_checks, serving_backend)
 from kda_compile.ops.kda.backends import fla as fla_backend  # noqa: F401  (registers the FLA backend)
 from kda_compile.ops.kda.prefill import backend as prefill_backend  # noqa: F401  (registers our Triton prefill backend)
 from kda_compile.ops.kda.decode import backend as decode_backend  # noqa: F401  (registers our Triton decode backend)
@@ -194,3 +197,25 @@ fused_recurrent_kda_fwd = torch.library.custom_op("kda_compile::fused_recurrent_
 
 
 fused_recurrent_kda_fwd.register_fake(recurrent_fake)
+
+
+def fused_recurrent_kda_inplace_impl(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    A_log: Optional[Tensor], dt_bias: Optional[Tensor], state: Tensor, cu_seqlens: Optional[Tensor],
+    scale: float, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool,
+    allow_neg_eigval: bool, lower_bound: Optional[float],
+) -> Tensor:
+    """The kernel of ``fused_recurrent_kda_inplace``: the decode step with its final state written over ``state``
+    (the initial state; ``mutates_args``), so a cache's state needs no copy after the step (docs/cuda-graphs.md)."""
+    opts = _options(scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval, lower_bound, False, 64)
+    run_time_checks(q, g, cu_seqlens, use_gate_in_kernel)
+    backend = _backend("fused_recurrent_kda", q, v, opts)
+    return recurrent_into_state(backend, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts)
+
+
+fused_recurrent_kda_inplace = torch.library.custom_op("kda_compile::fused_recurrent_kda_inplace",
+                                                      mutates_args=("state",))(fused_recurrent_kda_inplace_impl)
+
+
+fused_recurrent_kda_inplace.register_fake(recurrent_into_state_fake)

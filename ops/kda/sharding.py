@@ -18,7 +18,7 @@ from kda_compile.ops._sharding import (OpCall, Strategy, heads_split_evenly, out
                                        shard_unless_placeholder)
 
 HEAD_DIMS = {"q": 2, "k": 2, "v": 2, "g": 2, "beta": 2, "do": 2, "A_log": 0, "dt_bias": 0, "initial_state": 1,
-             "dht": 1}
+             "state": 1, "dht": 1}
 RESIDUAL_HEAD_DIM = 2
 RESIDUALS = tuple(f"res{i}" for i in range(13))
 GRAD_HEAD_DIMS = (2, 2, 2, 2, 2, 0, 0, 1)  # dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
@@ -51,6 +51,15 @@ def forward(call: OpCall) -> list[Strategy]:
     return [replicated(call), Strategy(outputs, _head_inputs(call))]
 
 
+def in_place(call: OpCall) -> list[Strategy]:
+    """``o`` of the decode op that writes its state in place (``*_inplace``): o on its heads, the state (written
+    where it lies) on dim 1. Pass the state in the placement of the other inputs' heads: a state DTensor has to
+    redistribute is a copy, and the copy would be the tensor that gets written."""
+    if not _heads_split(call):
+        return [replicated(call)]
+    return [replicated(call), Strategy((Shard(2),), _head_inputs(call))]
+
+
 def backward(call: OpCall) -> list[Strategy]:
     """``(dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0)`` each placed as its input (placeholders for absent
     inputs replicated)."""
@@ -69,8 +78,9 @@ def argument_error(call: OpCall) -> list[Strategy]:
 
 
 def delta_rule_rules(chunk: str, recurrent: str) -> dict:
-    """The rules of a chunked delta-rule op pair (``<chunk>_fwd`` / ``<chunk>_bwd``) and its decode op."""
-    return {f"{chunk}_fwd": forward, f"{chunk}_bwd": backward, f"{recurrent}_fwd": forward}
+    """The rules of a chunked delta-rule op pair (``<chunk>_fwd`` / ``<chunk>_bwd``) and its decode ops."""
+    return {f"{chunk}_fwd": forward, f"{chunk}_bwd": backward, f"{recurrent}_fwd": forward,
+            f"{recurrent}_inplace": in_place}
 
 
 RULES = {**delta_rule_rules("chunk_kda", "fused_recurrent_kda"), "argument_error": argument_error}

@@ -447,19 +447,27 @@ class KDAPrologueRewrite(GraphRewrite):
 
     @staticmethod
     def _replace(graph: torch.fx.Graph, call: KDACall, fold: Fold) -> None:
-        args = dict(call.args, **fold.args)
-        # (GDN's decode function takes gk / gv before beta: only q, k, v, g go by position)
-        names = ("q", "k", "v", "g") if call.is_gdn else ("q", "k", "v", "g", "beta")
-        positional = tuple(args.pop(name) for name in names)
-        new = insert_call(graph, call.node, call.fn, positional, args, meta_from=call.node)
-        gone = [call.node]
-        if call.is_op:
-            for index, readers in call.outputs.items():
-                for reader in readers:
-                    if index in (0, 1) and reader.users:
-                        reader.update_arg(0, new)
-                    else:
-                        gone.append(reader)
-        else:
-            call.node.replace_all_uses_with(new)
-        erase_unused(graph, gone + fold.replaced)
+        replace_call(graph, call, dict(call.args, **fold.args), also_unused=fold.replaced)
+
+
+def replace_call(graph: torch.fx.Graph, call: KDACall, args: dict, also_unused=()) -> torch.fx.Node:
+    """Call ``call.fn`` (the public function) with ``args`` in place of ``call``'s node: an op node's ``o`` / final
+    state readers read the new call's, then the old node (and ``also_unused``, where nothing reads them) is erased.
+    The new call runs on fake inputs first (``insert_call``): when the op's checks raise, the graph is untouched."""
+    args = dict(args)
+    # (GDN's decode function takes gk / gv before beta: only q, k, v, g go by position)
+    names = ("q", "k", "v", "g") if call.is_gdn else ("q", "k", "v", "g", "beta")
+    positional = tuple(args.pop(name) for name in names)
+    new = insert_call(graph, call.node, call.fn, positional, args, meta_from=call.node)
+    gone = [call.node]
+    if call.is_op:
+        for index, readers in call.outputs.items():
+            for reader in readers:
+                if index in (0, 1) and reader.users:
+                    reader.update_arg(0, new)
+                else:
+                    gone.append(reader)
+    else:
+        call.node.replace_all_uses_with(new)
+    erase_unused(graph, [*gone, *also_unused])
+    return new

@@ -105,6 +105,19 @@ def _delta_rule_cases(dtype: torch.dtype):
         return fused_recurrent_kda(t["q"][:, :1], t["k"][:, :1], t["v"][:, :1], t["g"][:, :1], t["beta"][:, :1],
                                    t["A_log"], t["dt_bias"], initial_state=t["h0"], output_final_state=True, **gate)
 
+    def kda_decode_in_place(t):
+        o, state = fused_recurrent_kda(t["q"][:, :1], t["k"][:, :1], t["v"][:, :1], t["g"][:, :1], t["beta"][:, :1],
+                                       t["A_log"], t["dt_bias"], initial_state=t["h0"], output_final_state=True,
+                                       inplace_final_state=True, **gate)
+        assert state is t["h0"]
+        return o, state
+
+    def gdn_decode_in_place(t):
+        o, state = fused_recurrent_gated_delta_rule(
+            t["q"][:, :1], t["k"][:, :1], t["v"][:, :1], t["g"][:, :1], beta=t["beta"][:, :1], initial_state=t["h0"],
+            output_final_state=True, A_log=t["A_log"], dt_bias=t["dt_bias"], inplace_final_state=True, **gate)
+        return o, state
+
     def gdn_chunk(t):
         return chunk_gated_delta_rule(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0"],
                                       output_final_state=True, A_log=t["A_log"], dt_bias=t["dt_bias"], **gate)
@@ -122,6 +135,10 @@ def _delta_rule_cases(dtype: torch.dtype):
              ops=("chunk_gdn_fwd",), tol=tol),
         Case("fused_recurrent_gated_delta_rule", gdn_decode, gdn, placements, grad=False, output_placements=state_out,
              ops=("fused_recurrent_gdn_fwd",), tol=tol),
+        Case("fused_recurrent_kda in place", kda_decode_in_place, kda, placements, grad=False,
+             output_placements=state_out, ops=("fused_recurrent_kda_inplace",), tol=tol),
+        Case("fused_recurrent_gated_delta_rule in place", gdn_decode_in_place, gdn, placements, grad=False,
+             output_placements=state_out, ops=("fused_recurrent_gdn_inplace",), tol=tol),
     ]
 
 

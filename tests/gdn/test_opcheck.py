@@ -9,6 +9,7 @@ import kda_compile.ops  # noqa: F401  (registers torch.ops.kda_compile.*)
 from kda_compile.ops.gdn.backends.registry import only_backends
 from kda_compile.testing import KDAShape, make_gdn_args
 from tests.gdn.helpers import op_flags, op_tensors
+from in_place_decode import check_in_place_decode
 from triton_device import INTERPRETED
 
 OPTION_SETS = {
@@ -85,3 +86,14 @@ def test_chunk_gdn_fwd_inference_on_our_chunk_kernels(options):
     with only_backends("chunk_kernels"):
         torch.library.opcheck(torch.ops.kda_compile.chunk_gdn_fwd.default,
                               (*op_tensors(args), *op_flags(args), 64, False))
+
+
+@pytest.mark.parametrize("options, noncontiguous, with_state, backends", [c for c in CASES if c[2]],
+                         ids=[i for c, i in zip(CASES, IDS) if c[2]])
+def test_fused_recurrent_gdn_inplace(options, noncontiguous, with_state, backends):
+    """The decode op that writes its final state over its initial state: declared mutation, fake, and the
+    state it leaves equal to the out-of-place op's final state (on every backend: the KDA route copies it)."""
+    args = _args(options, noncontiguous, with_state)
+    scale, _, *flags = op_flags(args)
+    with only_backends(*BACKENDS[backends]):
+        check_in_place_decode("fused_recurrent_gdn", op_tensors(args), scale, flags)

@@ -11,6 +11,7 @@ import torch
 
 import kda_compile.ops  # noqa: F401  (registers torch.ops.kda_compile.*)
 from kda_compile.testing import KDAShape, make_kda_args
+from in_place_decode import check_in_place_decode
 
 OPTION_SETS = {
     "plain": dict(shape=KDAShape(2, 70, 2, 2, 32, 16)),
@@ -172,3 +173,13 @@ def test_differentiating_a_forward_that_saved_nothing_recomputes(monkeypatch):
     for with_residuals, recomputed in zip(grads[True], grads[False]):
         torch.testing.assert_close(recomputed, with_residuals, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.kda_compile.chunk_kda_fwd.default, chunk_fwd_args(args, save_for_backward=False))
+
+
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "transposed"])
+@pytest.mark.parametrize("options", OPTION_SETS)
+def test_fused_recurrent_kda_inplace(options, noncontiguous, device):
+    """The decode op that writes its final state over its initial state: declared mutation, fake, and the
+    state it leaves equal to the out-of-place op's final state (on the same inputs)."""
+    args = _public_args(options, noncontiguous, True, device)
+    scale, _, *flags = _flags(args)
+    check_in_place_decode("fused_recurrent_kda", _tensors(args), scale, flags)

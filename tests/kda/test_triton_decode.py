@@ -179,6 +179,41 @@ def test_initial_state_is_not_modified():
     assert torch.equal(args["initial_state"], before)
 
 
+IN_PLACE_CASES = [c for c in CASES if c[3].get("initial_state") and c[3].get("output_final_state", True)]
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES, ids=[c[0] for c in IN_PLACE_CASES])
+def test_final_state_written_over_the_initial_state(case):
+    """``final_state=initial_state``: the same launch reads each state tile and writes it back, with the result of
+    a fresh final state to the bit (packed sequences, a transposed ``state_v_first`` view, V split over programs)."""
+    args = _case_args(case, torch.float32)
+    o_fresh, final_fresh = triton_decode(**args)
+    state = args["initial_state"].clone()
+    view = state.transpose(-1, -2) if args["state_v_first"] else state
+    o, final = fused_recurrent_kda_triton(
+        args["q"], args["k"], args["v"], args["g"], args["beta"], args["A_log"], args["dt_bias"], view,
+        args["cu_seqlens"], scale=args["q"].shape[-1] ** -0.5 if args["scale"] is None else args["scale"],
+        output_final_state=True, use_qk_l2norm_in_kernel=args["use_qk_l2norm_in_kernel"],
+        use_gate_in_kernel=args["use_gate_in_kernel"], use_beta_sigmoid_in_kernel=args["use_beta_sigmoid_in_kernel"],
+        allow_neg_eigval=args["allow_neg_eigval"], lower_bound=args["lower_bound"], final_state=view)
+    assert final is view
+    assert torch.equal(o, o_fresh)
+    assert torch.equal(state, final_fresh)  # both in the caller's layout (triton_decode transposes back)
+
+
+def test_final_state_needs_output_final_state_and_its_shape():
+    args = make_kda_args(KDAShape(1, 1, 1, 1, 16, 16), seed=8, initial_state=True, device=DEVICE)
+    h0 = args["initial_state"]
+    plain = dict(scale=0.25, output_final_state=False)
+    with pytest.raises(ValueError, match="final_state is where the final state is written: it needs output_final_state"):
+        fused_recurrent_kda_triton(args["q"], args["k"], args["v"], args["g"], args["beta"], None, None, h0, None,
+                                   final_state=h0, **plain)
+    with pytest.raises(ValueError, match=r"final_state must be a float32 tensor of shape \[N, HV, K, V\] = \[1, 1, 16, "
+                                         r"16\], got torch.float16 \[1, 1, 16, 16\]"):
+        fused_recurrent_kda_triton(args["q"], args["k"], args["v"], args["g"], args["beta"], None, None, h0, None,
+                                   final_state=h0.half(), **dict(plain, output_final_state=True))
+
+
 @settings(deadline=None)
 @given(kda_inputs(max_batch=2, max_T=4, heads=(1, 2), gva_ratios=(1, 2), key_dims=(16, 60, 100),
                   value_dims=(16, 60, 100), dtypes=(torch.float32, torch.float16), max_seqs=3,

@@ -474,6 +474,9 @@ def test_cuda_graph_decode_at_the_released_widths_gives_eager_tokens(family):
     report = kda_compile.report(model.forward)
     assert report.cuda_graph_fallbacks == (), str(report)
     assert any(g.cuda_graphs.startswith("cuda graphs: captured") for g in report.graphs), str(report)
+    # each of the 3 delta-rule layers writes its recurrent state in place (no copy after the step)
+    in_place = {r.site for g in report.graphs for r in g.rewritten if r.rewrite == "delta_rule_state_in_place"}
+    assert len(in_place) == 3, str(report)
     for step, (have, want) in enumerate(zip(got.logits, expected.logits)):
         position = ids.shape[1] + step
         if not torch.equal(got.sequences[:, :position], expected.sequences[:, :position]):

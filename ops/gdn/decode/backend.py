@@ -40,8 +40,10 @@ class DecodeKernelBackend:
             return f"the decode kernel keeps K <= {MAX_HEAD_DIM} in registers, got K={K}"
         return _kernel_unusable()
 
-    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
-        """``(o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None)``; inputs as the op got them."""
+    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state,
+                          final_state=None):
+        """``(o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None)``; inputs as the op got them.
+        ``final_state``: where the final state goes (``h0`` itself: the state updated in place), or a fresh tensor."""
         args = (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens)
         return launch_or_fall_back(
             _failed_variants, "our Triton decode kernel (scalar gate)", "fused_recurrent_gdn",
@@ -50,8 +52,21 @@ class DecodeKernelBackend:
                                 use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel,
                                 use_gate_in_kernel=opts.use_gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
-                                allow_neg_eigval=opts.allow_neg_eigval),
-            lambda fallback: fallback.recurrent_forward(*args, opts, output_final_state))
+                                allow_neg_eigval=opts.allow_neg_eigval, final_state=final_state),
+            lambda fallback: _into(fallback.recurrent_forward(*args, opts, output_final_state), final_state))
+
+    def recurrent_forward_into(self, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts):
+        """``o``, with the final state written over ``state`` (the initial state) by the same launch."""
+        return self.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True, state)[0]
+
+
+def _into(result, final_state):
+    """A fallback backend's ``(o, final)``, with ``final`` copied into ``final_state`` when one was given."""
+    o, final = result
+    if final_state is None:
+        return o, final
+    final_state.copy_(final)
+    return o, final_state
 
 
 register_backend(DecodeKernelBackend(), priority=15)

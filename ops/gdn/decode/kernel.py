@@ -23,6 +23,7 @@ def fused_recurrent_gdn_triton(
     cu_seqlens: torch.Tensor | None, *, scale: float, output_final_state: bool,
     use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
     use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
+    final_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GDN's recurrence (FLA's ``fused_recurrent_gated_delta_rule`` semantics) in one fused launch.
 
@@ -33,6 +34,7 @@ def fused_recurrent_gdn_triton(
         A_log, dt_bias: ``[HV]`` for the in-kernel gate (either may be None).
         initial_state: ``[N, HV, K, V]`` fp32, any strides (a transposed view serves ``state_v_first``);
             ``cu_seqlens`` ``[N + 1]`` packs sequences along T (B = 1, empty sequences allowed).
+        final_state: where the final state is written (``initial_state`` itself updates it in place), or None.
     Returns:
         ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in q's dtype (tokens outside every sequence are 0);
         ``final_state`` ``[N, HV, K, V]`` fp32, or None when ``output_final_state`` is False.
@@ -41,4 +43,4 @@ def fused_recurrent_gdn_triton(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, scale=scale,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, scalar_gate=True)
+        allow_neg_eigval=allow_neg_eigval, scalar_gate=True, final_state=final_state)

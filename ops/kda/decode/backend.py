@@ -41,11 +41,13 @@ class TritonDecodeBackend:
             return f"the decode kernel keeps K <= {MAX_HEAD_DIM} in registers, got K={K}"
         return _kernel_unusable()
 
-    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state):
-        """``(o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None)``; inputs as the op got them."""
+    def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state,
+                          final_state=None):
+        """``(o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None)``; inputs as the op got them.
+        ``final_state``: where the final state goes (``h0`` itself: the state updated in place), or a fresh tensor."""
         launch = _launcher()
         kwargs = dict(
-            scale=opts.scale, output_final_state=output_final_state,
+            scale=opts.scale, output_final_state=output_final_state, final_state=final_state,
             use_qk_l2norm_in_kernel=opts.use_qk_l2norm_in_kernel, use_gate_in_kernel=opts.use_gate_in_kernel,
             use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel, allow_neg_eigval=opts.allow_neg_eigval,
             lower_bound=opts.lower_bound,
@@ -54,6 +56,11 @@ class TritonDecodeBackend:
             with torch.cuda.device(q.device):  # Triton launches on the current device
                 return launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
         return launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
+
+
+    def recurrent_forward_into(self, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts):
+        """``o``, with the final state written over ``state`` (the initial state) by the same launch."""
+        return self.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True, state)[0]
 
 
 register_backend(TritonDecodeBackend(), priority=20)

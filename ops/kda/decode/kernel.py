@@ -34,8 +34,10 @@ broadcast in memory. Everything else (norms, beta, state layouts, packing, group
 variant compiles to what it was before the parameter existed.
 
 Conventions: inputs take any strides; ``o`` ``[B, T, HV, V]`` (q's dtype) and the final state
-``[N, HV, K, V]`` (fp32) are fresh contiguous tensors. Batch, head and token offsets are int64
-(states beyond 2**31 elements).
+``[N, HV, K, V]`` (fp32) are fresh contiguous tensors, or the final state goes to a given tensor of any strides
+(``final_state``), which may be the initial state itself: a program reads its ``[K, BV]`` tile of the state before
+it writes that tile and no other program touches it, so decode updates a cache's state in place, with no copy.
+Batch, head and token offsets are int64 (states beyond 2**31 elements).
 """
 from __future__ import annotations
 
@@ -169,6 +171,7 @@ def fused_recurrent_kda_decode_kernel(
     s_gb, s_gt, s_gh, s_gd,
     s_bb, s_bt, s_bh,
     s_hn, s_hh, s_hk, s_hv,
+    s_tn, s_th, s_tk, s_tv,
     T, HV, K, V, GROUP, scale, lower_bound, NH_CLASS,
     BK: tl.constexpr, BV: tl.constexpr, USE_QK_L2NORM: tl.constexpr, GATE: tl.constexpr,
     HAS_A_LOG: tl.constexpr, HAS_DT_BIAS: tl.constexpr, USE_BETA_SIGMOID: tl.constexpr,
@@ -250,7 +253,7 @@ def fused_recurrent_kda_decode_kernel(
         p_o += HV * V
 
     if STORE_HT:
-        p_ht = ht + i_nh * K * V + o_k[:, None] * V + o_v[None, :]
+        p_ht = ht + i_n * s_tn + i_hv * s_th + o_k[:, None] * s_tk + o_v[None, :] * s_tv
         tl.store(p_ht, b_h, mask=m_h, eviction_policy="evict_first")
 
 
@@ -285,6 +288,7 @@ def fused_recurrent_kda_triton(
     allow_neg_eigval: bool = False,
     lower_bound: float | None = None,
     scalar_gate: bool = False,
+    final_state: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One fused launch of the KDA recurrence over every token of every sequence; with ``scalar_gate``, of
     GDN's (FLA's ``fused_recurrent_gated_delta_rule``).
@@ -299,9 +303,11 @@ def fused_recurrent_kda_triton(
         scale, options: as ``fused_recurrent_kda`` (the caller has validated them).
         scalar_gate: the gate's form (the kernel's compile-time ``SCALAR_GATE``): g ``[B, T, HV]`` and dt_bias
             ``[HV]``, one gate per token and value head (GDN). No ``lower_bound`` (GDN's gate is the softplus form).
+        final_state: ``[N, HV, K, V]`` fp32, any strides: where the final state is written (``initial_state``
+            itself for an update in place); requires ``output_final_state``. None: a fresh tensor.
     Returns:
         ``o`` ``[B, T, HV, V]`` in q's dtype (tokens outside every sequence are 0) and the final state
-        ``[N, HV, K, V]`` fp32, or None when ``output_final_state`` is False.
+        ``[N, HV, K, V]`` fp32 (``final_state`` when given), or None when ``output_final_state`` is False.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -310,14 +316,22 @@ def fused_recurrent_kda_triton(
     if scalar_gate and lower_bound is not None:
         raise ValueError(f"the scalar gate takes no lower_bound (GDN's gate is the softplus form), got {lower_bound}")
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if final_state is not None:
+        if not output_final_state:
+            raise ValueError("final_state is where the final state is written: it needs output_final_state=True")
+        if tuple(final_state.shape) != (N, HV, K, V) or final_state.dtype != torch.float32:
+            raise ValueError(f"final_state must be a float32 tensor of shape [N, HV, K, V] = {[N, HV, K, V]}, got "
+                             f"{final_state.dtype} {list(final_state.shape)}")
     # Packed sequences need not cover all T tokens: the uncovered ones must read 0, as in the reference.
     o = q.new_zeros((B, T, HV, V)) if cu_seqlens is not None else q.new_empty((B, T, HV, V))
-    ht = q.new_empty((N, HV, K, V), dtype=torch.float32) if output_final_state else None
+    ht = final_state
+    if ht is None and output_final_state:
+        ht = q.new_empty((N, HV, K, V), dtype=torch.float32)
     if N * HV == 0 or T == 0:
-        if ht is not None and initial_state is not None:
-            ht.copy_(initial_state)
-        elif ht is not None:
+        if ht is not None and initial_state is None:
             ht.zero_()
+        elif ht is not None and ht is not initial_state:
+            ht.copy_(initial_state)
         return o, ht
 
     gate = _GATE_PRECOMPUTED
@@ -335,6 +349,7 @@ def fused_recurrent_kda_triton(
         *tensors,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *((0,) if scalar_gate else ()), *beta.stride(),
         *(initial_state.stride() if initial_state is not None else (0, 0, 0, 0)),
+        *(ht.stride() if ht is not None else (0, 0, 0, 0)),
         T, HV, K, V, HV // H, float(scale), 0.0 if lower_bound is None else float(lower_bound), nh_class,
     )
     flags = dict(

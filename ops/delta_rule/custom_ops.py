@@ -61,14 +61,13 @@ def recurrent_fake(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, 
 
 def recurrent_into_state(backend, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts) -> Tensor:
     """A decode op that updates its state in place (``fused_recurrent_*_inplace``): ``o``, with the final state
-    written over ``state``. A backend with ``recurrent_forward_into`` (our decode kernels) writes it in the launch
-    that reads it; any other computes a fresh final state and copies it over: the same result, one more pass over
-    the state (the backend choice itself is logged where it is a fallback)."""
-    write_into = getattr(backend, "recurrent_forward_into", None)
-    if write_into is not None:
-        o = write_into(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts)
-    else:
-        o, final = backend.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True)
+    written over ``state``. A backend that ``writes_final_state_into`` a given tensor (our decode kernels) is handed
+    ``state`` and writes it in the launch that reads it; a final state that comes back elsewhere (any other backend,
+    or one of ours falling back) is copied over: the same result, one more pass over the state (the backend choice
+    itself is logged where it is a fallback)."""
+    into = (state,) if getattr(backend, "writes_final_state_into", False) else ()
+    o, final = backend.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True, *into)
+    if final is not state:
         state.copy_(final)
     return o.to(q.dtype).contiguous()
 

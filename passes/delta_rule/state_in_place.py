@@ -15,9 +15,10 @@ to torch.library (``mutates_args``), so Inductor keeps it in place and CUDA grap
 (docs/cuda-graphs.md).
 
 A call is rewritten when the copy's destination is the call's own ``initial_state`` node and its source the
-call's final state (through pure float32 casts), and nothing else reads or writes ``state`` between the call
-and the copy (a reader there would see the new state). Left alone, and reported: a state read in between, and
-a step whose gradients are needed (a backward needs the state the step overwrites). A call with no such copy
+call's final state (through pure float32 casts), and nothing else uses ``state`` before the copy (a reader
+after the call would see the new state; one before it is refused too, since a view it took would). Left alone,
+and reported: such a use, and a step whose gradients are needed (a backward needs the state the step
+overwrites). A call with no such copy
 (a cache that assigns the new state, a final state used otherwise) is not a candidate.
 """
 from __future__ import annotations
@@ -66,10 +67,10 @@ def _copy_back(call: KDACall, state: torch.fx.Node) -> tuple[torch.fx.Node, list
 
 
 def _why_not(call: KDACall, state: torch.fx.Node, copy: torch.fx.Node, finals: list[torch.fx.Node]) -> str | None:
-    order = {n: i for i, n in enumerate(call.node.graph.nodes)}
-    between = [u for u in state.users if u is not call.node and u is not copy and order[u] < order[copy]]
-    if between:
-        return (f"the state {describe_node(state)} is also used by {', '.join(map(describe_node, between))} before "
+    # (nodes compare by their place in the graph)
+    before_copy = [u for u in state.users if u is not call.node and u is not copy and u < copy]
+    if before_copy:
+        return (f"the state {describe_node(state)} is also used by {', '.join(map(describe_node, before_copy))} before "
                 "the copy back: written in place by the step, it would be the new state there")
     final = tensor_of(finals[0])
     if final is None or tensor_of(state) is None:

@@ -30,6 +30,7 @@ _kernel_unusable, _launcher = own_kernel(KERNEL_MODULE, "fused_recurrent_gdn_tri
 class DecodeKernelBackend:
     name = "decode_kernel"
     serves = frozenset({"fused_recurrent_gdn"})
+    writes_final_state_into = True  # recurrent_forward's final_state (ops/delta_rule/custom_ops.recurrent_into_state)
 
     def unsupported_reason(self, device, dtype, K, V, opts: GDNOptions) -> str | None:
         if device.type != "cuda" and not explicitly_requested(self.name):
@@ -43,7 +44,8 @@ class DecodeKernelBackend:
     def recurrent_forward(self, q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, opts, output_final_state,
                           final_state=None):
         """``(o [B, T, HV, V] in q's dtype, final state [N, HV, K, V] fp32 or None)``; inputs as the op got them.
-        ``final_state``: where the final state goes (``h0`` itself: the state updated in place), or a fresh tensor."""
+        ``final_state``: where the final state goes (``h0`` itself: the state updated in place), or a fresh tensor;
+        a fallback backend (a variant that did not compile) returns a fresh one, which the caller copies over."""
         args = (q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens)
         return launch_or_fall_back(
             _failed_variants, "our Triton decode kernel (scalar gate)", "fused_recurrent_gdn",
@@ -53,20 +55,7 @@ class DecodeKernelBackend:
                                 use_gate_in_kernel=opts.use_gate_in_kernel,
                                 use_beta_sigmoid_in_kernel=opts.use_beta_sigmoid_in_kernel,
                                 allow_neg_eigval=opts.allow_neg_eigval, final_state=final_state),
-            lambda fallback: _into(fallback.recurrent_forward(*args, opts, output_final_state), final_state))
-
-    def recurrent_forward_into(self, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts):
-        """``o``, with the final state written over ``state`` (the initial state) by the same launch."""
-        return self.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True, state)[0]
-
-
-def _into(result, final_state):
-    """A fallback backend's ``(o, final)``, with ``final`` copied into ``final_state`` when one was given."""
-    o, final = result
-    if final_state is None:
-        return o, final
-    final_state.copy_(final)
-    return o, final_state
+            lambda fallback: fallback.recurrent_forward(*args, opts, output_final_state))
 
 
 register_backend(DecodeKernelBackend(), priority=15)

@@ -31,6 +31,7 @@ class TritonDecodeBackend:
 
     name = "triton_decode"
     serves = frozenset({"fused_recurrent_kda"})
+    writes_final_state_into = True  # recurrent_forward's final_state (ops/delta_rule/custom_ops.recurrent_into_state)
 
     def unsupported_reason(self, device, dtype, K, V, opts: KDAOptions) -> str | None:
         if device.type != "cuda":
@@ -57,10 +58,6 @@ class TritonDecodeBackend:
                 return launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
         return launch(q, k, v, g, beta, A_log, dt_bias, h0, cu_seqlens, **kwargs)
 
-
-    def recurrent_forward_into(self, q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts):
-        """``o``, with the final state written over ``state`` (the initial state) by the same launch."""
-        return self.recurrent_forward(q, k, v, g, beta, A_log, dt_bias, state, cu_seqlens, opts, True, state)[0]
 
 
 register_backend(TritonDecodeBackend(), priority=20)

@@ -16,6 +16,7 @@ from kda_compile.ops.gdn.decode import backend as decode_backend
 from kda_compile.ops.gdn.backends import fla as fla_backend
 from kda_compile.ops.gdn.backends.registry import only_backends, registered_backends, select_backend
 from kda_compile.ops.gdn.custom_ops import _options
+from in_place_decode import check_in_place_decode
 from triton_device import INTERPRETED, triton_device
 
 from kda_compile.testing import KDAShape, assert_rel_close, make_gdn_args, rel_error
@@ -168,6 +169,16 @@ def test_opcheck_on_this_backend(options):
     with only_backends("decode_kernel"):
         torch.library.opcheck(torch.ops.kda_compile.fused_recurrent_gdn_fwd.default,
                               (*op_tensors(args), *op_flags(args)))
+
+
+@pytest.mark.parametrize("options", ["in-kernel-grouped-v-first", "packed"])
+def test_in_place_op_on_this_backend(options):
+    """The in-place decode op on this backend (the kernel handed the state as its final state; interpreted on
+    CPU): the state it leaves and its o equal the out-of-place op's to the bit, and opcheck passes."""
+    args = _opcheck_args(options, device=DEVICE)
+    scale, _, *flags = op_flags(args)
+    with only_backends("decode_kernel"):
+        check_in_place_decode("fused_recurrent_gdn", op_tensors(args), scale, flags)
 
 
 def _opcheck_args(options, device, dtype=torch.float32, K=32, V=16):

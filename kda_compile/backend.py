@@ -17,11 +17,11 @@ import functools
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from kda_compile import cuda_graphs, process_hooks, strict
+from kda_compile import compile_scope, cuda_graphs, process_hooks, strict
 from kda_compile.config import Config
 from kda_compile.passes import GraphReport, PassManager
 from kda_compile.report_frames import traced_frame
@@ -34,20 +34,8 @@ BACKEND_NAME = "kda_compile"
 CAPTURE_DATA_DEPENDENT = ("capture_scalar_outputs", "capture_dynamic_output_shape_ops")
 
 
-@contextlib.contextmanager
-def capturing_data_dependent_ops() -> Iterator[None]:
-    """Dynamo's ``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` on for the block (set only
-    where off, restored after): MoE routing (``nonzero``, ``.item()``, ``.tolist()``) is traced into the graph
-    with unbacked sizes instead of breaking it."""
-    dynamo = torch._dynamo.config
-    switched = [name for name in CAPTURE_DATA_DEPENDENT if not getattr(dynamo, name)]
-    for name in switched:
-        setattr(dynamo, name, True)
-    try:
-        yield
-    finally:
-        for name in switched:
-            setattr(dynamo, name, False)
+CAPTURE_SCOPE = compile_scope.Scope(tuple((name, True) for name in CAPTURE_DATA_DEPENDENT))
+_NO_SCOPE = contextlib.nullcontext()
 
 
 def forward_backend_contexts_through_torch_compile() -> bool:
@@ -161,12 +149,17 @@ class KdaCompileBackend:
 
     def backend_ctx_ctor(self) -> contextlib.AbstractContextManager:
         """What Dynamo enters around each call of a callable compiled with this backend: with
-        ``Config.capture_data_dependent_ops`` the data-dependent ops are captured while the frames are traced, so
+        ``Config.capture_data_dependent_ops`` the data-dependent ops (MoE routing: ``nonzero``, ``.item()``,
+        ``.tolist()``) are captured with unbacked sizes while the frames are traced, so
         ``torch.compile(model, backend="kda_compile")`` traces the graphs :func:`kda_compile.optimize` does
-        (:func:`forward_backend_contexts_through_torch_compile`). Entered before Dynamo traces a frame, it is
-        where the backend's first use installs the process hooks (kda_compile.process_hooks)."""
+        (:func:`forward_backend_contexts_through_torch_compile`). A kda_compile.compile_scope scope, applied only
+        when Dynamo compiles; inside an ``optimize()`` result's call, whose own scope says the same, nothing.
+        Entered before Dynamo traces a frame, it is where the backend's first use installs the process hooks
+        (kda_compile.process_hooks)."""
         process_hooks.install()
-        return capturing_data_dependent_ops() if self.config.capture_data_dependent_ops else contextlib.nullcontext()
+        if not self.config.capture_data_dependent_ops or compile_scope.current() is not None:
+            return _NO_SCOPE
+        return compile_scope.entered(CAPTURE_SCOPE)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, *, mode: str | None = None,
                  options: dict | None = None) -> Callable:

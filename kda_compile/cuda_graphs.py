@@ -37,10 +37,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+
+from kda_compile import compile_scope
 
 logger = logging.getLogger("kda_compile.cuda_graphs")
 
@@ -52,7 +55,6 @@ PREFILL, DECODE = "prefill", "decode"
 PREFILL_REASON = ("a prefill graph (more than one token per sequence): prompt lengths vary, so it runs without CUDA "
                   "graphs and decode steps are captured")  # not captured by design: no fallback (report.py)
 
-_phase = threading.local()  # .value: PREFILL / DECODE while an optimize() result's call runs, else None
 
 
 @dataclass(frozen=True)
@@ -113,19 +115,11 @@ def phase_of_call(args: tuple, kwargs: dict) -> str | None:
     return DECODE if tokens == 1 else PREFILL
 
 
-@contextlib.contextmanager
-def call_phase(phase: str | None) -> Iterator[None]:
-    """Graphs compiled inside this block belong to a call of ``phase``."""
-    prior = getattr(_phase, "value", None)
-    _phase.value = phase
-    try:
-        yield
-    finally:
-        _phase.value = prior
-
-
 def current_phase() -> str | None:
-    return getattr(_phase, "value", None)
+    """The phase of the call whose frame Dynamo is compiling: the :class:`kda_compile.compile_scope.Scope` an
+    ``optimize()`` result's call entered; None outside such a call."""
+    scope = compile_scope.current()
+    return None if scope is None else scope.phase
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,25 +135,64 @@ def cache_of_call(kwargs: dict, result: Any) -> Any:
     return getattr(result, "past_key_values", None)
 
 
+# Per cache: (its number of layers, the answer) of the two predicates below, asked at every call of an optimize()
+# result; a cache keeps its kind for its life (HF's layers are made with the cache), a new layer asks again
+_compileable: "weakref.WeakKeyDictionary[Any, tuple[int, bool]]" = weakref.WeakKeyDictionary()
+_static: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _layer_count(cache: Any) -> int:
+    layers = getattr(cache, "layers", None)
+    return len(layers) if isinstance(layers, (list, tuple)) else -1
+
+
+def _remembered(table: Any, cache: Any) -> Any:
+    try:
+        return table.get(cache)
+    except TypeError:  # a cache that cannot be weakly referenced or hashed: asked again at every call
+        return None
+
+
+def _remember(table: Any, cache: Any, value: Any) -> None:
+    try:
+        table[cache] = value
+    except TypeError:
+        pass
+
+
 def is_compileable_cache(cache: Any) -> bool:
     """HF's criterion for compiling decode: a compileable cache that is not a ``DynamicCache`` (whose
     attention layers grow each step)."""
-    if cache is None or not getattr(cache, "is_compileable", False):
+    if cache is None:
         return False
-    from transformers import DynamicCache
+    count = _layer_count(cache)
+    known = _remembered(_compileable, cache)
+    if known is not None and known[0] == count:
+        return known[1]
+    answer = bool(getattr(cache, "is_compileable", False))
+    if answer:
+        from transformers import DynamicCache
 
-    return type(cache) is not DynamicCache
+        answer = type(cache) is not DynamicCache
+    _remember(_compileable, cache, (count, answer))
+    return answer
 
 
 def is_static_cache(cache: Any) -> bool:
     """Whether every layer of ``cache`` keeps fixed shapes in a compiled decode step."""
     if not is_compileable_cache(cache):
         return False
+    count = _layer_count(cache)
+    if _remembered(_static, cache) == count:
+        return True
     # HF's sliding-window static layers keep their length as a Python int read in the graph: with static
     # shapes each value would be a new graph, so those caches keep automatic dynamic shapes (see plan()) unless
-    # their layers were made capturable (kda_compile.sliding_window_cache)
-    return not any(hasattr(layer, "cumulative_length_int") and not getattr(layer, "kda_compile_capturable", False)
-                   for layer in getattr(cache, "layers", ()))
+    # their layers were made capturable (kda_compile.sliding_window_cache); a capturable layer stays so
+    static = not any(hasattr(layer, "cumulative_length_int") and not getattr(layer, "kda_compile_capturable", False)
+                     for layer in getattr(cache, "layers", ()))
+    if static:
+        _remember(_static, cache, count)
+    return static
 
 
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
@@ -321,8 +354,8 @@ _listening = threading.local()  # .depth > 0 while one of our graphs compiles or
 
 class _SkipHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
-        if not getattr(_listening, "depth", 0):
-            return
+        if not getattr(_listening, "depth", 0) and compile_scope.current() is None:
+            return  # neither one of our compiles nor a call of ours
         try:
             text = record.getMessage().strip()
         except Exception:  # noqa: BLE001  (a malformed record is not ours to report)
@@ -338,12 +371,19 @@ class _SkipHandler(logging.Handler):
 _handler = _SkipHandler(logging.DEBUG)
 
 
-@contextlib.contextmanager
-def listening_for_skips() -> Iterator[None]:
-    """Record Inductor's "skipping cudagraphs" messages emitted inside this block (a compile of ours)."""
+def attach_skip_handler() -> None:
+    """Listen to Inductor's cudagraph skip logger (again, should something have removed the handler). Its
+    records count while one of our graphs compiles (:func:`listening_for_skips`) or a call of an ``optimize()``
+    result runs (a :mod:`kda_compile.compile_scope` scope is entered)."""
     skip_logger = logging.getLogger(INDUCTOR_CUDAGRAPHS_LOGGER)
     if _handler not in skip_logger.handlers:
         skip_logger.addHandler(_handler)
+
+
+@contextlib.contextmanager
+def listening_for_skips() -> Iterator[None]:
+    """Record Inductor's "skipping cudagraphs" messages emitted inside this block (a compile of ours)."""
+    attach_skip_handler()
     _listening.depth = getattr(_listening, "depth", 0) + 1
     try:
         yield

@@ -26,10 +26,11 @@ value too).
 Data-dependent MoE code. Hugging Face's MoE blocks route tokens with ``nonzero`` /
 ``torch.where(mask)`` (a data-dependent output shape) and read ``.item()`` / ``.tolist()`` of
 expert ids or counts (a data-dependent scalar): by default Dynamo breaks the graph at each. With
-``Config.capture_data_dependent_ops`` (default on) each call also runs with Dynamo's
-``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` switched on (and back off
-after, when they were off), scoped like the recompile limit: the routing is captured with unbacked
-sizes, which Inductor compiles (what that did to tiny MoE models: docs/usage.md, section "The
+``Config.capture_data_dependent_ops`` (default on) the frames a call traces see Dynamo's
+``capture_scalar_outputs`` and ``capture_dynamic_output_shape_ops`` switched on: a
+kda_compile.compile_scope scope, applied when Dynamo starts compiling a frame of the call and undone
+when that compile ends, so a call Dynamo serves from its cache sets nothing. The routing is captured
+with unbacked sizes, which Inductor compiles (what that did to tiny MoE models: docs/usage.md, section "The
 recompile budget"). Breaks that
 remain (a Python branch on such a value, a loop over a tensor of data-dependent length) are
 listed by ``report()`` with Dynamo's reason and the model line (``report.GraphBreak``). Known
@@ -37,7 +38,7 @@ limit: where an op's output shape needs the data to be traced further (e.g. ``to
 ``.tolist()`` of a ``bincount``), Dynamo raises ``GuardOnDataDependentSymNode`` instead of breaking
 the graph; the error then carries a note naming ``Config(capture_data_dependent_ops=False)``.
 ``torch.compile(model, backend="kda_compile")`` captures them too: the backend's ``backend_ctx_ctor`` (the
-context Dynamo enters around each call of a compiled callable) switches the same options on, and
+context Dynamo enters around each call of a compiled callable) enters the same scope, and
 kda_compile.backend forwards it through ``torch._TorchCompileWrapper``, which would drop it.
 """
 from __future__ import annotations
@@ -50,7 +51,8 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from kda_compile import cache_checks, cuda_graphs, packed_documents, process_hooks, sliding_window_cache, strict
+from kda_compile import (cache_checks, compile_scope, cuda_graphs, packed_documents, process_hooks,
+                         sliding_window_cache, strict)
 from kda_compile.ops._common import strict_fallbacks
 from kda_compile.backend import CAPTURE_DATA_DEPENDENT, KdaCompileBackend
 from kda_compile.config import Config
@@ -72,20 +74,37 @@ def recompile_limit() -> int:
     return max(torch._dynamo.config.recompile_limit, ENTRIES_PER_OPTIMIZE * _made[0])
 
 
+def _scopes(config: Config) -> dict[str | None, compile_scope.Scope]:
+    """What the frames a call traces see (kda_compile.compile_scope), by the call's phase; ``"static decode"``
+    for a decode step into a static cache under CUDA graphs (traced with static shapes: a new batch size is a
+    new captured graph, not a dynamic one that CUDA graphs would record per size)."""
+    capture = tuple((name, True) for name in CAPTURE_DATA_DEPENDENT) if config.capture_data_dependent_ops else ()
+    scopes = {phase: compile_scope.Scope(capture, phase) for phase in (None, cuda_graphs.PREFILL, cuda_graphs.DECODE)}
+    scopes[STATIC_DECODE] = compile_scope.Scope(capture + (("automatic_dynamic_shapes", False),), cuda_graphs.DECODE)
+    return scopes
+
+
+STATIC_DECODE = "static decode"
+
+
 def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
                   cudagraphs_requested: bool = False, module: Any = None,
                   strict_target: Any = None) -> Callable[..., Any]:
     """``compiled`` run with the recompile budget raised for the call and Dynamo's eager-fallback
     warnings attributed to ``backend``'s report; a static cache passed to the call is checked against it
-    first (kda_compile.cache_checks; ``module``'s input embeddings give the dtype). On every call's path:
-    reading or setting a Dynamo config value costs microseconds, so this reads one and sets it only to
-    raise it. With ``Config.strict`` the call runs under kda_compile.strict's checks (``strict_target``:
-    what ``report()`` answers for). A call that packs documents into one row gets their offsets for the
-    linear-attention layers (kda_compile.packed_documents; docs/packed-documents.md)."""
+    first (kda_compile.cache_checks; ``module``'s input embeddings give the dtype). What the call's compiles
+    need (captured data-dependent ops, the phase, static shapes for a CUDA-graph decode step) is a
+    kda_compile.compile_scope scope, applied only if Dynamo compiles. On every call's path: reading or setting a
+    Dynamo config value costs microseconds, so this reads one and sets it only to raise it. With
+    ``Config.strict`` the call runs under kda_compile.strict's checks (``strict_target``: what ``report()``
+    answers for). A call that packs documents into one row gets their offsets for the linear-attention layers
+    (kda_compile.packed_documents; docs/packed-documents.md)."""
 
-    capture = CAPTURE_DATA_DEPENDENT if backend.config.capture_data_dependent_ops else ()
+    capture = backend.config.capture_data_dependent_ops
+    scopes = _scopes(backend.config)
     if backend.config.strict:
         compiled = _strictly(compiled, strict_target)
+    cuda_graphs.attach_skip_handler()
 
     @functools.wraps(compiled)  # keeps _torchdynamo_orig_callable and the signature (generate reads it)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -95,11 +114,11 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
             kwargs = packed_documents.with_document_offsets(module, kwargs)
         cache = cuda_graphs.cache_of_call(kwargs, None)
         phase = cuda_graphs.phase_of_call(args, kwargs) if cache is not None or cudagraphs_requested else None
-        if cache is not None and phase is not None and cuda_graphs.is_compileable_cache(cache):
+        compileable = cache is not None and phase is not None and cuda_graphs.is_compileable_cache(cache)
+        if compileable:
             cache_checks.check_static_cache(cache, args, kwargs, lambda: _embedding_dtype(module),
                                             prefill=phase == cuda_graphs.PREFILL)
         dynamo = torch._dynamo.config
-        switched_on = [name for name in capture if not getattr(dynamo, name)]
         prior = dynamo.recompile_limit
         limit = ENTRIES_PER_OPTIMIZE * _made[0]
         raise_it = limit > prior
@@ -112,12 +131,11 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
         enter_calls_of(backend)
         if raise_it:
             dynamo.recompile_limit = limit
-        for name in switched_on:
-            setattr(dynamo, name, True)
         try:
             if cudagraphs_requested:
-                return _run_for_cuda_graphs(compiled, args, kwargs, phase, cache)
-            return compiled(*args, **kwargs)
+                return _run_for_cuda_graphs(compiled, args, kwargs, phase, cache if compileable else None, scopes)
+            with compile_scope.entered(scopes[phase]):
+                return compiled(*args, **kwargs)
         except GuardOnDataDependentSymNode as exc:
             if capture:  # Dynamo raises, instead of breaking the graph, where an op's result shape needs the data
                 exc.add_note("kda_compile.optimize traced this call with torch._dynamo.config.capture_scalar_outputs "
@@ -125,8 +143,6 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
                              "leaves them off (Dynamo then breaks the graph there instead)")
             raise
         finally:
-            for name in switched_on:
-                setattr(dynamo, name, False)
             if raise_it:
                 dynamo.recompile_limit = prior
             exit_calls_of()
@@ -168,27 +184,20 @@ def _precomputed_masks(kwargs: dict) -> bool:
 
 
 def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict, phase: str | None,
-                         cache: Any) -> Any:
+                         cache: Any, scopes: dict) -> Any:
     """One call of an ``optimize()`` result compiled with CUDA graphs (kda_compile.cuda_graphs): its phase
-    told to the backend, a decode step into a static cache traced with static shapes (a new batch size is a
-    new captured graph, not a dynamic one that CUDA graphs would record per size), and after a prefill the
-    cache it allocated marked static for the decode graphs. HF's sliding-window layers of the cache are made
-    capturable (kda_compile.sliding_window_cache); a decode step that gets its masks from outside then
-    replays one graph too, and their host lengths are advanced after it. ``phase`` and ``cache``: the call's
-    (:func:`cuda_graphs.phase_of_call`, :func:`cuda_graphs.cache_of_call`), found once by the caller."""
-    dynamo = torch._dynamo.config
+    told to the backend, a decode step into a static cache traced with static shapes (``scopes``:
+    :func:`_scopes`), and after a prefill the cache it allocated marked static for the decode graphs. HF's
+    sliding-window layers of the cache are made capturable (kda_compile.sliding_window_cache); a decode step that
+    gets its masks from outside then replays one graph too, and their host lengths are advanced after it.
+    ``phase``: the call's (:func:`cuda_graphs.phase_of_call`); ``cache``: its compileable cache
+    (:func:`cuda_graphs.cache_of_call`, None when it has none), both found once by the caller."""
     sliding = sliding_window_cache.make_capturable(cache)
-    static_decode = (phase == cuda_graphs.DECODE and dynamo.automatic_dynamic_shapes
-                     and cuda_graphs.is_static_cache(cache) and (not sliding or _precomputed_masks(kwargs)))
+    static_decode = (phase == cuda_graphs.DECODE and cuda_graphs.is_static_cache(cache)
+                     and (not sliding or _precomputed_masks(kwargs)))
     lengths = sliding_window_cache.host_lengths(sliding) if sliding and phase == cuda_graphs.DECODE else None
-    if static_decode:
-        dynamo.automatic_dynamic_shapes = False
-    try:
-        with cuda_graphs.call_phase(phase), cuda_graphs.listening_for_skips():
-            result = compiled(*args, **kwargs)
-    finally:
-        if static_decode:
-            dynamo.automatic_dynamic_shapes = True
+    with compile_scope.entered(scopes[STATIC_DECODE if static_decode else phase]):
+        result = compiled(*args, **kwargs)
     if lengths is not None:
         sliding_window_cache.advance_host_lengths(sliding, lengths, 1)
     if phase == cuda_graphs.PREFILL:

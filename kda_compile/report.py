@@ -58,6 +58,7 @@ from kda_compile.cuda_graphs import PREFILL_REASON, clear_inductor_skips, induct
 from kda_compile.ops._common import FallbackEvent, fallback_events
 from kda_compile.passes.report import WIDTH, GraphReport, LeftAlone, Rewritten, clip
 from kda_compile import backend as backends
+from kda_compile import compile_scope
 from kda_compile.report_frames import reuse_note, torch_compiled, traced_for
 from kda_compile.report_history import HISTORY  # noqa: F401  (report()'s docstring names it)
 from kda_compile.report_history import history as _history, last_key as _last_key, lock as _history_lock
@@ -372,11 +373,23 @@ def install_fallback_handler() -> None:
 def enter_calls_of(owner: Any) -> None:
     """Attribute Dynamo's eager-fallback warnings and graph breaks to ``owner`` (a backend) until
     :func:`exit_calls_of`; a pair around each call of an optimize() result (no context manager:
-    this is on every call's path)."""
+    this is on every call's path). Dynamo logs graph breaks only while it traces, so the graph-break
+    logger is switched on by the compiles of the call (:func:`_start_listening`, a
+    kda_compile.compile_scope hook), not by the call itself."""
     owners = getattr(_calls, "owners", None)
     if owners is None:
         owners = _calls.owners = []
     owners.append(owner)
+
+
+def exit_calls_of() -> None:
+    """Ends the innermost :func:`enter_calls_of`."""
+    _calls.owners.pop()
+
+
+def _start_listening() -> None:
+    """The graph-break logger on (and silent: its records come here only) while a compile inside a call of
+    ours runs; nested and concurrent starts are counted, the first switches it on."""
     with _listen_lock:
         _listening[0] += 1
         if _listening[0] == 1 and not _break_logger.isEnabledFor(logging.DEBUG):
@@ -385,15 +398,17 @@ def enter_calls_of(owner: Any) -> None:
             _set_break_level(logging.DEBUG)
 
 
-def exit_calls_of() -> None:
-    """Ends the innermost :func:`enter_calls_of`."""
-    _calls.owners.pop()
+def _stop_listening(_started: Any = None) -> None:
+    """Ends a :func:`_start_listening`; the last one restores the logger as it was."""
     with _listen_lock:
         _listening[0] -= 1
         if _listening[0] == 0 and _restore_break_logger:
             level, propagate = _restore_break_logger.pop()
             _set_break_level(level)
             _break_logger.propagate = propagate
+
+
+compile_scope.add_compile_hook(_start_listening, _stop_listening)
 
 
 _known_loggers = [0, []]  # (size of logging's registry when last looked, the break logger's descendants)

@@ -164,7 +164,14 @@ def test_decode_table_without_prefill_compares_with_the_models_baseline(capsys):
     assert "prefill" not in out and "DeepSeek-V3.2-shaped, 4 layers ['dsa+dense', 'dsa+dense', 'dsa+dense', " \
         "'dsa+moe'], hidden 64, bfloat16. Decode: 2 greedy" in out
     assert "| x vs hf_eager | tokens equal to hf_eager |" in out
-    assert "| 1x8+2 | kda_compile (cuda graphs) | 2.000 | - | - | - | 2.000 | 1/2 |" in out
+    assert "| 1x8+2 | kda_compile (cuda graphs) | 2.000 | - | - | - | - | 2.000 | 1/2 |" in out
+    rows += [row("deepseek_v32_decode", "kda_compile (cuda graphs)", "inference", "1x8+2", metric, unit, (v, v, v))
+             for metric, unit, v in (("gpu_time_per_token", "ms", 1.6), ("host_time_per_token", "ms", 0.5),
+                                     ("kernels_per_step", "count", 100.0))]
+    e2e_hybrid.print_tables(spec, opts, rows, {}, summary)
+    out = capsys.readouterr().out
+    assert "| wall / GPU | host ms per step | kernels per step |" in out
+    assert "| 1x8+2 | kda_compile (cuda graphs) | 2.000 | 1.600 | 1.250 | 0.500 | 100 | 2.000 | 1/2 |" in out
 
 
 @pytest.mark.parametrize("model", ["deepseek_v32", "llama"])

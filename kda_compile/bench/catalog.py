@@ -267,7 +267,12 @@ CATALOG: dict[str, Benchmark] = {
         "(the command column says). "
         "`time_per_token`: wall-clock ms per decode step (a token of every sequence); `gpu_time_per_token`: the "
         "summed GPU time of the step's kernels (torch.profiler, a separate loop); `kernels_per_step`: the kernels and "
-        "memory operations it records per step. `hf_eager_fla`: HF eager with flash-linear-attention's kernels and "
+        "memory operations it records per step; `host_time_per_token`: the median host time of one step started with "
+        "the GPU idle (a third loop, synchronized before each step; rows from the runs that measured it): a step is "
+        "host-bound when it nears the GPU time (an eager step synchronizes inside itself, so there it includes those "
+        "waits). The host's speed varies between runs on these machines: two runs of the Kimi-Linear command measured "
+        "its `1x512+32` CUDA-graph row at 0.990 / 0.750 ms per token (host 1.044 ms per step; HF eager 12.99 ms) "
+        "and 0.840 / 0.758 ms (host 0.519 ms; HF eager 9.56 ms); the CSV holds the second. `hf_eager_fla`: HF eager with flash-linear-attention's kernels and "
         "HF's DynamicCache (Kimi-Linear, Qwen3-Next); `hf_eager`: HF eager and its DynamicCache (DeepSeek-V3.2, "
         "Llama, whose HF code binds no FLA kernels); `kda_compile (cuda graphs)`: `kda_compile.optimize(model.forward, "
         "mode=\"reduce-overhead\")` decoding into HF's `StaticCache`, each step one CUDA-graph replay "
@@ -288,7 +293,8 @@ CATALOG: dict[str, Benchmark] = {
                     baselines=("hf_eager_fla", "hf_eager")),
                View("gpu_time_per_token", ours=("kda_compile", "kda_compile (cuda graphs)"),
                     baselines=("hf_eager_fla", "hf_eager")),
-               View("kernels_per_step")),
+               View("kernels_per_step"),
+               View("host_time_per_token", ours=("kda_compile (cuda graphs)",))),
     ),
     "cp": Benchmark(
         title="Context-parallel KDA prefill: one long sequence over several GPUs",

@@ -37,7 +37,8 @@ Metrics (median of repeats, also p20 / p80 in the CSV):
   ``gpu_time_per_token`` (the summed GPU time of the step's kernels, torch.profiler, ms) and
   ``kernels_per_step`` (the kernels and memory operations the profiler records per step), from a separate,
   profiled loop; the log lists that loop's kernels by name (launches and GPU time per step), where a step's
-  launches go.
+  launches go; ``host_time_per_token`` (ms: the median host time of a step started with the GPU idle, from a
+  third loop that synchronizes before each step): a step is host-bound when it nears the GPU time.
 
 Compiled configurations compile ``model.forward`` (as for ``generate()``), with automatic dynamic shapes; a
 warm-up pass over every prompt length and one decode loop compiles everything before timing. Each
@@ -308,6 +309,24 @@ def decode_ms_per_token(model, ids, new_tokens: int, device: str, cache=None) ->
     return (marks[1] - marks[0]) * 1e3 / new_tokens, [int(t) for t in tokens[0].tolist()]
 
 
+def decode_host_ms(model, ids, new_tokens: int, device: str, cache=None) -> float:
+    """Median host time of one decode step started with the device idle (synchronized before it, the timer
+    stopped before the next synchronisation): the step's Python, Dynamo's guards and the launches, none of the
+    GPU's time. A step whose host time nears its GPU time is host-bound."""
+    samples, started = [], []
+
+    def mark(i):
+        if started:
+            samples.append((time.perf_counter() - started.pop()) * 1e3)
+        if i < new_tokens:
+            synchronize(device)
+            started.append(time.perf_counter())
+
+    with torch.inference_mode():
+        _decode_steps(model, ids, new_tokens, cache, mark)
+    return _quantiles(samples)[1]
+
+
 def decode_gpu_time(model, ids, new_tokens: int, cache=None) -> tuple[float, float, list[tuple[str, float, float]]]:
     """(GPU ms per decode step, kernels per step, the step's kernels by name): the kernels torch.profiler
     records over ``new_tokens`` decode steps after an unprofiled prefill; the last item is ``kernel_breakdown``'s."""
@@ -378,7 +397,10 @@ def _decode_rows(spec: HybridModel, name: str, opts: Options, model, decode_ids:
                             (gpu_ms, gpu_ms, gpu_ms)))
             rows.append(row(f"{spec.name}_decode", name, "inference", shape, "kernels_per_step", "count",
                             (kernels, kernels, kernels)))
-            line += f", GPU {gpu_ms:.3f} ms/token, {kernels:.0f} kernels/step"
+            host_ms = decode_host_ms(model, ids, opts.new_tokens, opts.device, cache)
+            rows.append(row(f"{spec.name}_decode", name, "inference", shape, "host_time_per_token", "ms",
+                            (host_ms, host_ms, host_ms)))
+            line += f", GPU {gpu_ms:.3f} ms/token, host {host_ms:.3f} ms/step, {kernels:.0f} kernels/step"
             logger.info("%s decode %s, kernels per step (launches, GPU time, name):\n%s", name, shape,
                         format_breakdown(breakdown))
         logger.info("%s", line)
@@ -495,10 +517,11 @@ def _decode_lines(spec: HybridModel, opts: Options, rows: list[dict], ran: list[
                 continue
             gpu = _median(rows, op, name, shape, "gpu_time_per_token")
             kernels = _median(rows, op, name, shape, "kernels_per_step")
+            host = _median(rows, op, name, shape, "host_time_per_token")
             got = summary["tokens"][name].get(shape)
             same = "-" if ref is None or got is None else f"{sum(a == b for a, b in zip(got, ref))}/{len(ref)}"
             lines.append([shape, name, ms, "-" if gpu is None else gpu, "-" if gpu is None else ms / gpu,
-                          "-" if kernels is None else f"{kernels:.0f}", "-" if base is None else base / ms, same])
+                          "-" if host is None else host, "-" if kernels is None else f"{kernels:.0f}", "-" if base is None else base / ms, same])
     return lines
 
 
@@ -518,7 +541,8 @@ def print_tables(spec: HybridModel, opts: Options, rows: list[dict], failures: d
         print(f"\n{decode}")
     else:
         print(f"\n{heading}. {decode}")
-    print(format_table(["shape", "configuration", "ms per token", "GPU ms per token", "wall / GPU", "kernels per step",
+    print(format_table(["shape", "configuration", "ms per token", "GPU ms per token", "wall / GPU",
+                        "host ms per step", "kernels per step",
                         f"x vs {spec.baseline}", f"tokens equal to {reference}"],
                        _decode_lines(spec, opts, rows, ran, summary)))
     for name, why in failures.items():

@@ -56,7 +56,6 @@ PREFILL_REASON = ("a prefill graph (more than one token per sequence): prompt le
                   "graphs and decode steps are captured")  # not captured by design: no fallback (report.py)
 
 
-
 @dataclass(frozen=True)
 class CudaGraphPlan:
     """What the backend does with one graph under ``mode="reduce-overhead"``.

@@ -54,7 +54,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from kda_compile import (cache_checks, compile_scope, cuda_graphs, packed_documents, process_hooks,
                          sliding_window_cache, strict)
 from kda_compile.ops._common import strict_fallbacks
-from kda_compile.backend import CAPTURE_DATA_DEPENDENT, KdaCompileBackend
+from kda_compile.backend import CAPTURE_SCOPE, KdaCompileBackend
 from kda_compile.config import Config
 from kda_compile.report import attach, enter_calls_of, exit_calls_of, install_fallback_handler, report
 
@@ -78,7 +78,7 @@ def _scopes(config: Config) -> dict[str | None, compile_scope.Scope]:
     """What the frames a call traces see (kda_compile.compile_scope), by the call's phase; ``"static decode"``
     for a decode step into a static cache under CUDA graphs (traced with static shapes: a new batch size is a
     new captured graph, not a dynamic one that CUDA graphs would record per size)."""
-    capture = tuple((name, True) for name in CAPTURE_DATA_DEPENDENT) if config.capture_data_dependent_ops else ()
+    capture = CAPTURE_SCOPE.dynamo if config.capture_data_dependent_ops else ()
     scopes = {phase: compile_scope.Scope(capture, phase) for phase in (None, cuda_graphs.PREFILL, cuda_graphs.DECODE)}
     scopes[STATIC_DECODE] = compile_scope.Scope(capture + (("automatic_dynamic_shapes", False),), cuda_graphs.DECODE)
     return scopes

@@ -60,7 +60,8 @@ def test_a_compile_sees_the_call_scope_and_a_cached_call_writes_no_config(seen_w
     x = torch.randn(3, 4)
     compiled(x)
     assert len(seen_while_compiling) == 1
-    assert seen_while_compiling[0]["capture_scalar_outputs"] and seen_while_compiling[0]["capture_dynamic_output_shape_ops"]
+    assert seen_while_compiling[0]["capture_scalar_outputs"]
+    assert seen_while_compiling[0]["capture_dynamic_output_shape_ops"]
     assert _user_config() == before, "the compile's settings were not undone"
     dynamo_writes.clear()
     for _ in range(3):

@@ -521,7 +521,8 @@ def _decode_lines(spec: HybridModel, opts: Options, rows: list[dict], ran: list[
             got = summary["tokens"][name].get(shape)
             same = "-" if ref is None or got is None else f"{sum(a == b for a, b in zip(got, ref))}/{len(ref)}"
             lines.append([shape, name, ms, "-" if gpu is None else gpu, "-" if gpu is None else ms / gpu,
-                          "-" if host is None else host, "-" if kernels is None else f"{kernels:.0f}", "-" if base is None else base / ms, same])
+                          "-" if host is None else host, "-" if kernels is None else f"{kernels:.0f}",
+                          "-" if base is None else base / ms, same])
     return lines
 
 

@@ -157,6 +157,10 @@ class KdaCompileBackend:
         Entered before Dynamo traces a frame, it is where the backend's first use installs the process hooks
         (kda_compile.process_hooks)."""
         process_hooks.install()
+        if self.config.skip_decode_guards and compile_scope.current() is None:
+            raise ValueError("Config.skip_decode_guards=True is honoured by kda_compile.optimize() results only "
+                             "(their calls know the decode phase and the cache); with torch.compile(model, "
+                             "backend=KdaCompileBackend(config)) leave it False")
         if not self.config.capture_data_dependent_ops or compile_scope.current() is not None:
             return _NO_SCOPE
         return compile_scope.entered(CAPTURE_SCOPE)

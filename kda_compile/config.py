@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kda_compile.ops import envs
 
 COMPILERS = ("inductor", "aot_eager", "eager")
-NOT_REWRITES = ("capture_data_dependent_ops", "strict")  # boolean fields that switch something other than a rewrite
+NOT_REWRITES = ("capture_data_dependent_ops", "strict", "skip_decode_guards")  # boolean fields that switch something other than a rewrite
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ class Config:
             kda_compile's own code (raised by a call of an :func:`kda_compile.optimize` result). Default: on when
             the environment variable ``KDA_COMPILE_STRICT=1`` is set when the Config is made (the backend
             ``"kda_compile"``'s Config is made at import), else off.
+        skip_decode_guards: for :func:`kda_compile.optimize` results with CUDA graphs (``mode="reduce-overhead"``)
+            only: a decode step into a static cache that has run once (same cache, batch size, grad / inference
+            mode and training flag) runs its later calls with only Dynamo's differentiating guards (every tensor
+            shape, dtype and device, and what told the compiled entries apart), a large part of such a step's
+            host time (kda_compile/decode_guards.py; docs/cuda-graphs.md, section 9). Unsafe where a module, parameter or config attribute of
+            the model is replaced between decode steps: Dynamo would no longer see it. Default off.
         compiler: what runs the rewritten graph: ``"inductor"`` (default; takes ``mode`` and
             ``options`` from torch.compile), ``"aot_eager"`` (AOTAutograd without code
             generation: quick, for debugging and tests) or ``"eager"`` (the rewritten graph as is).
@@ -79,6 +85,7 @@ class Config:
     mla_absorb: bool = True
     capture_data_dependent_ops: bool = True
     strict: bool = dataclasses.field(default_factory=envs.strict)
+    skip_decode_guards: bool = False
     compiler: str = "inductor"
 
     def __post_init__(self) -> None:

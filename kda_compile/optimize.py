@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from kda_compile import (cache_checks, compile_scope, cuda_graphs, packed_documents, process_hooks,
+from kda_compile import (cache_checks, compile_scope, cuda_graphs, decode_guards, packed_documents, process_hooks,
                          sliding_window_cache, strict)
 from kda_compile.ops._common import strict_fallbacks
 from kda_compile.backend import CAPTURE_SCOPE, KdaCompileBackend
@@ -102,6 +102,7 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
 
     capture = backend.config.capture_data_dependent_ops
     scopes = _scopes(backend.config)
+    warm = decode_guards.WarmDecodeSteps() if backend.config.skip_decode_guards else None
     if backend.config.strict:
         compiled = _strictly(compiled, strict_target)
     cuda_graphs.attach_skip_handler()
@@ -133,7 +134,8 @@ def _run_compiled(compiled: Callable[..., Any], backend: KdaCompileBackend,
             dynamo.recompile_limit = limit
         try:
             if cudagraphs_requested:
-                return _run_for_cuda_graphs(compiled, args, kwargs, phase, cache if compileable else None, scopes)
+                return _run_for_cuda_graphs(compiled, args, kwargs, phase, cache if compileable else None, scopes,
+                                            warm, module)
             with compile_scope.entered(scopes[phase]):
                 return compiled(*args, **kwargs)
         except GuardOnDataDependentSymNode as exc:
@@ -184,20 +186,26 @@ def _precomputed_masks(kwargs: dict) -> bool:
 
 
 def _run_for_cuda_graphs(compiled: Callable[..., Any], args: tuple, kwargs: dict, phase: str | None,
-                         cache: Any, scopes: dict) -> Any:
+                         cache: Any, scopes: dict, warm: decode_guards.WarmDecodeSteps | None = None,
+                         module: Any = None) -> Any:
     """One call of an ``optimize()`` result compiled with CUDA graphs (kda_compile.cuda_graphs): its phase
     told to the backend, a decode step into a static cache traced with static shapes (``scopes``:
     :func:`_scopes`), and after a prefill the cache it allocated marked static for the decode graphs. HF's
     sliding-window layers of the cache are made capturable (kda_compile.sliding_window_cache); a decode step that
     gets its masks from outside then replays one graph too, and their host lengths are advanced after it.
     ``phase``: the call's (:func:`cuda_graphs.phase_of_call`); ``cache``: its compileable cache
-    (:func:`cuda_graphs.cache_of_call`, None when it has none), both found once by the caller."""
+    (:func:`cuda_graphs.cache_of_call`, None when it has none), both found once by the caller. ``warm``
+    (``Config.skip_decode_guards``): a static decode step that ran before runs with only the differentiating
+    guards (kda_compile.decode_guards; ``module``'s training flag is part of its key)."""
     sliding = sliding_window_cache.make_capturable(cache)
     static_decode = (phase == cuda_graphs.DECODE and cuda_graphs.is_static_cache(cache)
                      and (not sliding or _precomputed_masks(kwargs)))
     lengths = sliding_window_cache.host_lengths(sliding) if sliding and phase == cuda_graphs.DECODE else None
     with compile_scope.entered(scopes[STATIC_DECODE if static_decode else phase]):
-        result = compiled(*args, **kwargs)
+        if warm is not None and static_decode:
+            result = warm.run(lambda: compiled(*args, **kwargs), cache, decode_guards.step_key(args, kwargs, module))
+        else:
+            result = compiled(*args, **kwargs)
     if lengths is not None:
         sliding_window_cache.advance_host_lengths(sliding, lengths, 1)
     if phase == cuda_graphs.PREFILL:
@@ -286,10 +294,16 @@ def optimize(model: Any, config: Config | None = None, **compile_kwargs: Any) ->
                         f"got backend={compile_kwargs['backend']!r}")
     if config is not None and not isinstance(config, Config):
         raise TypeError(f"config must be a kda_compile.Config or None, got {type(config).__name__}")
+    graphs = _asks_for_cuda_graphs(compile_kwargs)
+    if config is not None and config.skip_decode_guards:
+        decode_guards.require_available()
+        if not graphs:
+            raise ValueError("Config.skip_decode_guards=True applies to CUDA-graph decode steps: pass "
+                             "mode='reduce-overhead' (or options turning Inductor's CUDA graphs on), got "
+                             f"mode={compile_kwargs.get('mode')!r}, options={compile_kwargs.get('options')!r}")
     process_hooks.install()
     backend = KdaCompileBackend(config)
     compiled = torch.compile(model, backend=backend, **compile_kwargs)
-    graphs = _asks_for_cuda_graphs(compile_kwargs)
     original = getattr(model, "__self__", None)  # a bound method's module also answers report()
     module = model if isinstance(model, torch.nn.Module) else original
     if isinstance(compiled, torch.nn.Module):  # an OptimizedModule: its forward runs Dynamo

@@ -32,7 +32,8 @@ def test_models_without_fla_kernels_have_the_one_hf_eager_baseline(model):
 
     spec = _decode_specs()[model]
     assert spec.baselines == ("hf_eager",) and spec.baseline == "hf_eager"
-    assert spec.configurations == ("hf_eager", "inductor", "kda_compile", "kda_compile (cuda graphs)")
+    assert spec.configurations == ("hf_eager", "inductor", "kda_compile", "kda_compile (cuda graphs)",
+                                   "kda_compile (cuda graphs; skip_decode_guards)")
     assert e2e_hybrid.bound_implementation(spec).startswith("nothing") and not e2e_hybrid.uses_fla(spec)
     for binding in ("installed", "torch"):  # nothing to bind: the same model
         with e2e_hybrid.kernel_binding(spec, binding):
@@ -88,7 +89,7 @@ def test_e2e_decode_options_default_to_the_models_own():
 @pytest.mark.parametrize("argv, message", [
     (["--model", "deepseek_v32", "--configs", "hf_eager_fla"],
      r"--configs for the DeepSeek-V3.2-shaped model must name configurations among hf_eager, inductor, kda_compile, "
-     r"kda_compile \(cuda graphs\), got \['hf_eager_fla'\]"),
+     r"kda_compile \(cuda graphs\), kda_compile \(cuda graphs; skip_decode_guards\), got \['hf_eager_fla'\]"),
     (["--model", "llama", "--decode-shapes", "1x8", "--configs", "hf_sdpa"],
      r"--configs for the Llama-3.1-8B-shaped model must name configurations among hf_eager, .*got \['hf_sdpa'\]"),
     (["--model", "llama", "--configs", "kda_compile (cuda graphs)"],

@@ -33,6 +33,7 @@ class Benchmark:
 
 DEFAULT_VIEW = View("time")
 _GDN_OURS = ("ours", "ours (KDA kernels)", "ours (decode kernel)")
+OURS_DECODE = ("kda_compile", "kda_compile (cuda graphs)", "kda_compile (cuda graphs; skip_decode_guards)")
 
 
 
@@ -270,9 +271,12 @@ CATALOG: dict[str, Benchmark] = {
         "memory operations it records per step; `host_time_per_token`: the median host time of one step started with "
         "the GPU idle (a third loop, synchronized before each step; rows from the runs that measured it): a step is "
         "host-bound when it nears the GPU time (an eager step synchronizes inside itself, so there it includes those "
-        "waits). The host's speed varies between runs on these machines: two runs of the Kimi-Linear command measured "
-        "its `1x512+32` CUDA-graph row at 0.990 / 0.750 ms per token (host 1.044 ms per step; HF eager 12.99 ms) "
-        "and 0.840 / 0.758 ms (host 0.519 ms; HF eager 9.56 ms); the CSV holds the second. "
+        "waits). The host's speed varies between runs on these machines, and within one run (Kimi-Linear's "
+        "`1x512+32` CUDA-graph row: host 1.044 and 0.519 ms per step in two earlier runs; in the CSV's run the "
+        "`skip_decode_guards` row's 0.78 ms is above the plain row's 0.41 ms, while the same option toggled round by "
+        "round in one process cut the host time from 354 to 227 us for Kimi-Linear and from 341 to 215 us for "
+        "Qwen3-Next: docs/cuda-graphs.md, section 9). `kda_compile (cuda graphs; skip_decode_guards)`: the same with "
+        "`Config(skip_decode_guards=True)`, warm decode steps running only Dynamo's differentiating guards. "
         "`hf_eager_fla`: HF eager with flash-linear-attention's kernels and "
         "HF's DynamicCache (Kimi-Linear, Qwen3-Next); `hf_eager`: HF eager and its DynamicCache (DeepSeek-V3.2, "
         "Llama, whose HF code binds no FLA kernels); `kda_compile (cuda graphs)`: `kda_compile.optimize(model.forward, "
@@ -290,12 +294,10 @@ CATALOG: dict[str, Benchmark] = {
         "--prompts 128 --decode-shapes 1x512,64x512 --decode-repeats 3 (--model qwen3_next likewise; --model llama with --configs 'hf_eager,kda_compile,kda_compile (cuda graphs)', "
         "--model deepseek_v32 with --configs 'hf_eager,kda_compile (cuda graphs)' and --decode-repeats 2, both "
         "without --prompts)",
-        views=(View("time_per_token", ours=("kda_compile", "kda_compile (cuda graphs)"),
-                    baselines=("hf_eager_fla", "hf_eager")),
-               View("gpu_time_per_token", ours=("kda_compile", "kda_compile (cuda graphs)"),
-                    baselines=("hf_eager_fla", "hf_eager")),
+        views=(View("time_per_token", ours=OURS_DECODE, baselines=("hf_eager_fla", "hf_eager")),
+               View("gpu_time_per_token", ours=OURS_DECODE[:2], baselines=("hf_eager_fla", "hf_eager")),
                View("kernels_per_step"),
-               View("host_time_per_token", ours=("kda_compile (cuda graphs)",))),
+               View("host_time_per_token", ours=OURS_DECODE[1:])),
     ),
     "cp": Benchmark(
         title="Context-parallel KDA prefill: one long sequence over several GPUs",

@@ -83,8 +83,8 @@ def add_arguments(parser) -> None:
                              "only)")
     parser.add_argument("--configs", default=None, help="comma-separated subset of the configurations (llama "
                         "prefill: " + ", ".join(CONFIGURATIONS) + "; kimi_linear, qwen3_next: hf_eager_fla, "
-                        "hf_eager_torch, inductor, kda_compile, kda_compile (cuda graphs); deepseek_v32 and llama "
-                        "decode: hf_eager, inductor, kda_compile, kda_compile (cuda graphs))")
+                        "hf_eager_torch, inductor, kda_compile, kda_compile (cuda graphs), kda_compile (cuda graphs; "
+                        "skip_decode_guards); deepseek_v32 and llama decode: hf_eager and the same four)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (llama prefill: 16, about 1B parameters; kimi_linear: 4 = 3 KDA + 1 MLA; "
                              "qwen3_next: 4 = 3 GDN + 1 attention; deepseek_v32: 4 = 3 dense + 1 MoE; llama "

@@ -21,6 +21,8 @@ Configurations:
 - ``kda_compile (cuda graphs)``: ``kda_compile.optimize(..., mode="reduce-overhead")`` decoding into HF's
   ``StaticCache``: the prefill runs compiled without CUDA graphs, each decode step replays one CUDA graph
   (docs/cuda-graphs.md). Its prefill rows are the same graphs as ``kda_compile``'s and are not repeated.
+- ``kda_compile (cuda graphs; skip_decode_guards)``: the same with ``Config(skip_decode_guards=True)``: a warm
+  decode step runs only Dynamo's differentiating guards (docs/cuda-graphs.md, section 9).
 
 The first HF eager configuration of a model (``hf_eager_fla``, or ``hf_eager``) is its baseline: the tables'
 speedup columns divide its time by each configuration's.
@@ -64,9 +66,11 @@ from kda_compile.bench.common import format_table, row, time_quantiles
 logger = logging.getLogger("kda_compile.bench.e2e_hybrid")
 
 CUDA_GRAPHS = "kda_compile (cuda graphs)"
+CUDA_GRAPHS_SKIP_GUARDS = "kda_compile (cuda graphs; skip_decode_guards)"
+CAPTURED = (CUDA_GRAPHS, CUDA_GRAPHS_SKIP_GUARDS)  # the configurations decoding in CUDA graphs
 FLA_BASELINES = ("hf_eager_fla", "hf_eager_torch")  # HF eager of a model whose HF code binds FLA kernels
 PLAIN_BASELINE = "hf_eager"  # HF eager of a model without FLA kernels: nothing to bind
-COMPILED = ("inductor", "kda_compile", CUDA_GRAPHS)
+COMPILED = ("inductor", "kda_compile", *CAPTURED)
 CONFIGURATIONS = FLA_BASELINES + COMPILED  # a model with FLA kernels (HybridModel.configurations)
 BINDINGS = ("fla", "torch", "installed")
 DEFAULT_DECODE_SHAPES = "1x512,1x8192,64x512"  # --decode-shapes when not given
@@ -232,8 +236,9 @@ def _compiled_forward(model, name: str, opts: Options):
     from kda_compile.backend import KdaCompileBackend
 
     kwargs = {} if opts.mode is None else {"mode": opts.mode}
-    if name == CUDA_GRAPHS:
-        return kda_compile.optimize(model.forward, kda_compile.Config(compiler=opts.compiler), mode="reduce-overhead")
+    if name in CAPTURED:
+        config = kda_compile.Config(compiler=opts.compiler, skip_decode_guards=name == CUDA_GRAPHS_SKIP_GUARDS)
+        return kda_compile.optimize(model.forward, config, mode="reduce-overhead")
     if name == "kda_compile":
         return kda_compile.optimize(model.forward, kda_compile.Config(compiler=opts.compiler), **kwargs)
     switches = {f.name: False for f in dataclasses.fields(kda_compile.Config) if f.type in (bool, "bool")}
@@ -268,7 +273,7 @@ def prefill(model, ids):
 def new_cache(model, name: str, length: int):
     """The cache a configuration decodes into: HF's ``StaticCache`` (``length`` tokens) for CUDA graphs,
     None (the model makes its ``DynamicCache``) otherwise."""
-    if name != CUDA_GRAPHS:
+    if name not in CAPTURED:
         return None
     from transformers import StaticCache
 
@@ -427,7 +432,7 @@ def _run_configuration(spec: HybridModel, name: str, opts: Options, prompts: dic
     if skipped:
         logger.info("%s: prompts / decode shapes %s skipped (HF's torch fallback; --torch-max-prompt %d)", name,
                     skipped, opts.torch_max_prompt)
-    if name == CUDA_GRAPHS:
+    if name in CAPTURED:
         lengths = []  # its prefill graphs are kda_compile's (captured only for decode)
     rows, logits, model, tokens = [], {}, None, {}
     try:
@@ -447,7 +452,7 @@ def _run_configuration(spec: HybridModel, name: str, opts: Options, prompts: dic
                 logger.info("%s prefill T=%d: %.2f ms", name, T, times[1])
             got, tokens = _decode_rows(spec, name, opts, model, decode_ids, shapes)
             rows += got
-            if name in ("kda_compile", CUDA_GRAPHS):
+            if name in ("kda_compile", *CAPTURED):
                 import kda_compile
 
                 logger.info("%s report:\n%s", name, kda_compile.report(model.forward))

@@ -104,14 +104,19 @@ class KernelMenu:
         start, passed, fallback = 0, [], False
         if requested != "auto":
             kernel = self.named(requested)
-            why = kernel.design_problem(*args) or kernel.run_problem(*args)
-            if why is None:
+            design = kernel.design_problem(*args)
+            # a cannot_run answer is already the whole recorded sentence; an outside_design one is a bare reason
+            sentence = kernel.run_problem(*args) if design is None else None
+            if design is None and sentence is None:
                 return Choice(kernel)
+            lead = f"the {kernel.label} cannot run this call: "
+            if sentence is None:
+                sentence = lead + design
             if refused == "raise":
                 raise ValueError(f"{self.op}: the {kernel.label} was requested (kernel={requested!r}) but cannot "
-                                 f"run this call: {why}")
+                                 f"run this call: {sentence.removeprefix(lead)}")
             start = self.kernels.index(kernel) + 1
-            passed.append((kernel.name, f"the {kernel.label} cannot run this call: {why}"))
+            passed.append((kernel.name, sentence))
             fallback = True
         return self._first_serving(args, start, passed, fallback)
 

@@ -69,6 +69,17 @@ def test_a_requested_kernel_serves_or_raises_or_falls_back_as_asked():
     assert menu.choose("call", requested="reference").name == "reference"
 
 
+def test_a_requested_kernel_that_cannot_run_is_recorded_in_its_own_sentence():
+    """A ``cannot_run`` answer is the whole sentence: a request that falls back records it once, and a request
+    that raises names the bare reason."""
+    menu = _menu(fast_run="the fast kernel cannot run this call: rows not aligned")
+    assert menu.choose("call", requested="fast", refused="fall back").name == "slow"
+    assert _recorded() == [("toy_op", "slow kernel", "the fast kernel cannot run this call: rows not aligned")]
+    with pytest.raises(ValueError, match=r"toy_op: the fast kernel was requested \(kernel='fast'\) but cannot run "
+                                         r"this call: rows not aligned$"):
+        menu.choose("call", requested="fast")
+
+
 def test_bad_requests_and_menus_name_the_argument():
     with pytest.raises(ValueError, match=r"kernel must be one of \('auto', 'fast', 'slow', 'reference'\)"):
         _menu().choose("call", requested="cutlass")
@@ -108,8 +119,10 @@ def test_the_ops_menus_end_with_a_kernel_that_serves_every_call():
     from kda_compile.ops.dsa.sparse import wgmma_forward
     from kda_compile.ops.block_sparse import custom_ops as block_sparse
     from kda_compile.ops.moe import choice as moe_choice
+    from kda_compile.ops.mla import path_choice
+    from kda_compile.ops.mla.decode import kernels as mla_decode
 
-    menus = [dsa_kernels.INDEXER, dsa_kernels.POOLED_INDEXER, dsa_kernels.SPARSE_ATTENTION,
+    menus = [path_choice.FORMS, mla_decode.MENU, dsa_kernels.INDEXER, dsa_kernels.POOLED_INDEXER, dsa_kernels.SPARSE_ATTENTION,
              dsa_kernels.SPARSE_ATTENTION_BACKWARD, wgmma_indexer.MENU, wgmma_forward.MENU, cuda_keys.MENU,
              moe_choice.MENU, block_sparse.FORWARD, block_sparse.BACKWARD]
     for menu in menus:

@@ -19,7 +19,8 @@ below about 170 queries, a fresh causal prompt below about 190 tokens (with the 
 the crossover does not depend on H or B, which scale both forms alike).
 
 Time estimate: ``flops / (PEAK_FLOPS * efficiency) + bytes / BANDWIDTH``; the rule takes the
-smaller. Constants are those of the GPU docs/mla.md §4 names; only their ratios matter. The efficiencies are
+smaller. It is a kernel menu (ops/_kernel_choice.py, :data:`FORMS`): the absorbed form first, ``costlier`` where
+the estimate says the expanded one is faster; neither form is a fallback of the other. Constants are those of the GPU docs/mla.md §4 names; only their ratios matter. The efficiencies are
 what each kernel reaches when compute-bound: cuDNN/flash MHA ~0.55 (at 192/128, docs/mla.md §6), cuBLAS
 matmuls ~0.75, our Triton absorbed kernel ~0.35 (d_qk 576 tiles); recalibrate
 them with ``python -m kda_compile.bench mla --modes crossover`` on the GPU.
@@ -27,6 +28,8 @@ them with ``python -m kda_compile.bench mla --modes crossover`` on the GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kda_compile.ops._kernel_choice import Kernel, KernelMenu
 
 PEAK_FLOPS = 990e12  # dense bf16, the datasheet's (docs/mla.md §4)
 BANDWIDTH = 3.0e12  # a device-to-device copy's (docs/mla.md §4)
@@ -98,10 +101,25 @@ def estimate(shape: MLAShape) -> PathCost:
     return PathCost(absorbed, expanded)
 
 
-def choose_path(requested: str, shape: MLAShape) -> tuple[str, str]:
-    """(path, why): ``requested`` unless it is "auto", else the cheaper form by :func:`estimate`."""
-    if requested != "auto":
-        return requested, f"path={requested!r} was requested"
+def _estimate_text(cost: PathCost, shape: MLAShape) -> str:
+    return (f"estimated absorbed {cost.absorbed_s * 1e6:.1f} us vs expanded {cost.expanded_s * 1e6:.1f} us "
+            f"(Sq={shape.queries}, T={shape.cache_len}, H={shape.heads})")
+
+
+def _absorbed_costlier(shape: MLAShape) -> str | None:
     cost = estimate(shape)
-    return cost.best, (f"estimated absorbed {cost.absorbed_s * 1e6:.1f} us vs expanded "
-                       f"{cost.expanded_s * 1e6:.1f} us (Sq={shape.queries}, T={shape.cache_len}, H={shape.heads})")
+    return None if cost.best == "absorbed" else _estimate_text(cost, shape)
+
+
+FORMS = KernelMenu("mla_attention", (
+    Kernel("absorbed", "absorbed form (MQA over the latent cache)", costlier=_absorbed_costlier),
+    Kernel("expanded", "expanded form (kv_b_proj over the cache, then attention)"),
+))
+
+
+def choose_path(requested: str, shape: MLAShape) -> tuple[str, str]:
+    """(path, why): ``requested`` unless it is "auto", else the cheaper form by :func:`estimate` (:data:`FORMS`)."""
+    form = FORMS.choose(shape, requested=requested).name
+    if requested != "auto":
+        return form, f"path={requested!r} was requested"
+    return form, _estimate_text(estimate(shape), shape)

@@ -10,12 +10,12 @@
 (``wgmma`` still runs Triton, logged, on calls the kernel cannot take). A call that an sm_90 GPU would
 run with the wgmma kernel but cannot (misaligned rows, NVRTC missing or failing, a cache layout the
 driver's TMA descriptors refuse) runs Triton and is recorded as a fallback (logged once, shown by the
-rewrite report).
+rewrite report). The choice is a kernel menu (:data:`MENU`, ops/_kernel_choice.py; docs/kernel-choice.md).
 """
 from __future__ import annotations
 
 from kda_compile.ops import envs
-from kda_compile.ops._common import record_fallback
+from kda_compile.ops._kernel_choice import Choice, Kernel, KernelMenu
 from kda_compile.ops._nvrtc import NvrtcUnavailable
 from kda_compile.ops.mla.decode import wgmma_decode
 from kda_compile.ops.mla.decode.triton_decode import mla_decode_attention
@@ -30,22 +30,38 @@ def requested_kernel() -> str:
     return envs.mla_decode_kernel()
 
 
-def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:
-    """(kernel, why): "wgmma" or "triton" for this call, and the reason in words."""
-    requested = requested_kernel()
-    if requested == "triton":
-        return "triton", f"{KERNEL_ENV}=triton"
-    design = wgmma_decode.outside_design(q_lat, q_rope, kv_latent)
-    why = design or wgmma_decode.layout_problem(q_lat, q_rope, kv_latent, k_rope)
+def _partial_block(q_lat, q_rope, kv_latent, k_rope) -> str | None:
     rows = q_lat.shape[1] * q_lat.shape[2]
-    if why is None and requested == "auto" and rows < WGMMA_MIN_ROWS:
-        return "triton", f"{rows} query rows (the wgmma kernel takes blocks of {WGMMA_MIN_ROWS})"
-    if why is None:
+    if rows < WGMMA_MIN_ROWS:
+        return f"{rows} query rows (the wgmma kernel takes blocks of {WGMMA_MIN_ROWS})"
+    return None
+
+
+def _layout_sentence(q_lat, q_rope, kv_latent, k_rope) -> str | None:
+    why = wgmma_decode.layout_problem(q_lat, q_rope, kv_latent, k_rope)
+    return None if why is None else f"the wgmma decode kernel cannot run this call: {why}"
+
+
+# Outside the wgmma kernel's design (not sm_90, another dtype or width) Triton is the call's kernel; a layout the
+# kernel cannot take is a recorded fallback; fewer than a block of rows is a cost rule (Triton's blocks fit them).
+MENU = KernelMenu(_OP, (
+    Kernel("wgmma", "wgmma decode kernel", outside_design=lambda q_lat, q_rope, kv_latent, k_rope:
+           wgmma_decode.outside_design(q_lat, q_rope, kv_latent), cannot_run=_layout_sentence,
+           costlier=_partial_block),
+    Kernel("triton", "Triton decode kernel"),
+))
+
+
+def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:
+    """(kernel, why): "wgmma" or "triton" for this call (:data:`MENU`, ``KDA_COMPILE_MLA_DECODE_KERNEL`` its
+    request: one that cannot run falls back to Triton, recorded), and the reason in words."""
+    requested = requested_kernel()
+    choice = MENU.choose(q_lat, q_rope, kv_latent, k_rope, requested=requested, refused="fall back")
+    if choice.name == "triton" and not choice.passed_over:
+        return "triton", f"{KERNEL_ENV}=triton"
+    if choice.name == "wgmma":
         return "wgmma", "sm_90, half precision, latent 512 + rope 64"
-    # Outside the kernel's design, Triton is the call's kernel; a layout problem (or a forced wgmma) is a fallback.
-    if requested == "wgmma" or design is None:
-        record_fallback(_OP, "Triton decode kernel", f"the wgmma decode kernel cannot run this call: {why}")
-    return "triton", why
+    return "triton", "; ".join(why for _, why in choice.passed_over)
 
 
 def mla_decode(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: float, is_causal: bool):
@@ -57,5 +73,5 @@ def mla_decode(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: float, is_cau
             return wgmma_decode.mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale,
                                                            is_causal)
         except NvrtcUnavailable as exc:
-            record_fallback(_OP, "Triton decode kernel", f"the wgmma decode kernel could not be built: {exc}")
+            MENU.after_failure(Choice(MENU.named("wgmma")), exc)
     return mla_decode_attention(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale, is_causal)

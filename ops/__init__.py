@@ -10,7 +10,8 @@ from kda_compile.ops.attention import attention, attention_with_lse
 from kda_compile.ops.block_sparse import block_sparse_attention
 from kda_compile.ops.context_parallel import CPContext, build_cp_context
 from kda_compile.ops.conv1d import causal_conv1d_update
-from kda_compile.ops.dsa import dsa_indexer_topk, dsa_pooled_indexer_topk, dsa_sparse_attention
+from kda_compile.ops.dsa import (compressed_sparse_attention, dsa_indexer_topk, dsa_pooled_indexer_topk,
+                                 dsa_sparse_attention)
 from kda_compile.ops.gdn import chunk_gated_delta_rule, chunk_gdn, fused_recurrent_gated_delta_rule, fused_recurrent_gdn
 from kda_compile.ops.kda import chunk_kda, fused_recurrent_kda
 from kda_compile.ops.mla import mla_attention
@@ -20,7 +21,7 @@ tag_compile_caches()
 register_sharding_rules()  # DTensor inputs: each op runs on its local heads (docs/distributed.md)
 
 __all__ = ["CPContext", "attention", "attention_with_lse", "block_sparse_attention", "build_cp_context",
-           "causal_conv1d_update",
+           "causal_conv1d_update", "compressed_sparse_attention",
            "chunk_gated_delta_rule", "chunk_gdn", "chunk_kda", "dsa_indexer_topk", "dsa_pooled_indexer_topk",
            "dsa_sparse_attention", "fused_recurrent_gated_delta_rule", "fused_recurrent_gdn", "fused_recurrent_kda",
            "mla_attention", "moe_experts"]

@@ -64,6 +64,12 @@ def _block_sparse():
                 block_indices=torch.tensor([[[[0, -1], [1, 0], [2, 1]]] * 2]), block_size=4)
 
 
+def _compressed():
+    return dict(query=_randn(1, 2, 3, 8), window_kv=_randn(1, 1, 5, 8), compressed_kv=_randn(1, 1, 4, 8),
+                sinks=_randn(2), scale=0.3, sliding_window=3,
+                selected=torch.tensor([[[0, -1], [1, 2], [3, 0]]], dtype=torch.int32))
+
+
 def _conv_update():
     return dict(x=_randn(2, 6, 1), conv_state=_randn(2, 6, 4), weight=_randn(6, 4), bias=_randn(6), activation="silu")
 
@@ -82,6 +88,7 @@ OPS = {  # public op name -> (function, good arguments)
     "moe_experts": (ops.moe_experts, _experts),
     "causal_conv1d_update": (ops.causal_conv1d_update, _conv_update),
     "block_sparse_attention": (ops.block_sparse_attention, _block_sparse),
+    "compressed_sparse_attention": (ops.compressed_sparse_attention, _compressed),
 }
 NOT_OPS = {"CPContext", "build_cp_context"}  # context-parallel set-up, no tensor op
 ALIASES = {"chunk_gdn": "chunk_gated_delta_rule", "fused_recurrent_gdn": "fused_recurrent_gated_delta_rule"}
@@ -177,6 +184,21 @@ CASES = {
          "query_positions"),
         ("padding-dtype", lambda a: dict(a, key_padding_mask=torch.ones(1, 10)), TypeError, "key_padding_mask"),
         ("scale-nan", lambda a: dict(a, scale=math.nan), ValueError, "scale"),
+    ],
+    "compressed_sparse_attention": [
+        ("window-zero", lambda a: dict(a, sliding_window=0), ValueError, "sliding_window"),
+        ("window-float", lambda a: dict(a, sliding_window=3.0), TypeError, "sliding_window"),
+        ("kv-dtype", lambda a: dict(a, window_kv=a["window_kv"].double()), TypeError, "window_kv"),
+        ("window-short", lambda a: dict(a, window_kv=a["window_kv"][:, :, :2]), ValueError, "window_kv"),
+        ("compressed-width", lambda a: dict(a, compressed_kv=a["compressed_kv"][..., :7]), ValueError,
+         "compressed_kv"),
+        ("sinks-heads", lambda a: dict(a, sinks=a["sinks"][:1]), ValueError, "sinks"),
+        ("selected-float", lambda a: dict(a, selected=a["selected"].float()), TypeError, "selected"),
+        ("selected-range", lambda a: dict(a, selected=a["selected"] + 3), ValueError, "selected"),
+        ("both-kinds", lambda a: dict(a, compress_rate=2, query_positions=torch.zeros(1, 3, dtype=torch.long)),
+         ValueError, "selected"),
+        ("scale-nan", lambda a: dict(a, scale=math.nan), ValueError, "scale"),
+        ("padding-dtype", lambda a: dict(a, key_padding_mask=torch.ones(1, 5)), TypeError, "key_padding_mask"),
     ],
 }
 PARAMS = [pytest.param(op, *case[1:], id=f"{op}-{case[0]}") for op, cases in CASES.items() for case in cases]

@@ -67,6 +67,11 @@ Block-sparse attention (``kda_compile.ops.block_sparse_attention``, MiniMax-M3's
 padding, repeated blocks and empty selections; explicit query positions; padded keys; HF's strided layout);
 building blocks ``block_sparse_cases`` / ``BlockSparseCase`` / ``make_block_sparse_args``.
 
+DeepSeek-V4's attention (``kda_compile.ops.compressed_sparse_attention``): ``compressed_attention_inputs`` draws a
+call (sliding only, CSA picks with holes, HCA's closed entries; prefill, chunk, decode; windows wider and narrower
+than the keys; left padding); building blocks ``compressed_attention_cases`` / ``CompressedAttentionCase`` /
+``make_compressed_attention_args``.
+
 Needs ``hypothesis``: ``pip install "kda-compile[testing]"``.
 """
 try:
@@ -94,6 +99,15 @@ from kda_compile.testing.block_sparse_strategies import (
     block_sparse_cases,
     block_sparse_inputs,
     make_block_sparse_args,
+)
+from kda_compile.testing.compressed_attention_strategies import (
+    COMPRESSED_KINDS,
+    COMPRESSED_QUERY_KINDS,
+    CompressedAttentionArgs,
+    CompressedAttentionCase,
+    compressed_attention_cases,
+    compressed_attention_inputs,
+    make_compressed_attention_args,
 )
 from kda_compile.testing.gdn_strategies import GDN_GATE_FORMS, GDNArgs, gdn_inputs, make_gdn_args
 from kda_compile.testing.dsa_strategies import (
@@ -153,6 +167,13 @@ __all__ = [
     "block_sparse_cases",
     "block_sparse_inputs",
     "make_block_sparse_args",
+    "COMPRESSED_KINDS",
+    "COMPRESSED_QUERY_KINDS",
+    "CompressedAttentionArgs",
+    "CompressedAttentionCase",
+    "compressed_attention_cases",
+    "compressed_attention_inputs",
+    "make_compressed_attention_args",
     "GDN_GATE_FORMS",
     "GDNArgs",
     "gdn_inputs",

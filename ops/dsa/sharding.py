@@ -11,6 +11,8 @@ replicated, which is what the sparse attention takes.
 the key / value rows ``[B, T, Hkv, D]`` replicated when there is one key head (MQA: the absorbed form's latent
 cache) and their gradients then partial sums over each rank's query heads, or sharded on dim 2 with their
 query heads (``Hq`` and ``Hkv`` divide into the same number of blocks); indices replicated.
+
+``compressed_selected_keys`` (DeepSeek-V4's CSA picks as key rows) is replicated, like the indices it makes.
 """
 from __future__ import annotations
 
@@ -56,4 +58,5 @@ def sparse_backward(call: OpCall) -> list[Strategy]:
 
 
 RULES = {"dsa_indexer_topk": indexer_topk, "dsa_pooled_indexer_topk": indexer_topk,
+         "compressed_selected_keys": indexer_topk,
          "dsa_sparse_attention_fwd": sparse_forward, "dsa_sparse_attention_bwd": sparse_backward}

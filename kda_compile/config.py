@@ -46,6 +46,9 @@ class Config:
         dsa_attention: rewrite Hugging Face's DeepSeek Sparse Attention (the indexer's scores and
             top-k, and the attention over its top-k mask) into ``kda_compile.ops.dsa_indexer_topk``
             and ``kda_compile.ops.dsa_sparse_attention`` (docs/dsa-rewrite.md).
+        compressed_attention: rewrite DeepSeek-V4's compressed attention layers (CSA, HCA: window keys and
+            compressed entries under one dense mask) into ``kda_compile.ops.compressed_sparse_attention``
+            (passes/dsa/compressed.py; docs/dsa.md, section 6).
         mla_absorb: rewrite Hugging Face's MLA expand-then-attend (``kv_b_proj`` over the latent
             cache, then attention) into ``kda_compile.ops.mla_attention`` (absorbed decode).
         capture_data_dependent_ops: calls of an :func:`kda_compile.optimize` result run with Dynamo's
@@ -82,6 +85,7 @@ class Config:
     kda_prologue: bool = True
     delta_rule_state_in_place: bool = True
     dsa_attention: bool = True
+    compressed_attention: bool = True
     mla_absorb: bool = True
     capture_data_dependent_ops: bool = True
     strict: bool = dataclasses.field(default_factory=envs.strict)

@@ -23,6 +23,7 @@ from kda_compile.passes.delta_rule.prologue import KDAPrologueRewrite
 from kda_compile.passes.delta_rule.recurrence import KDARecurrenceRewrite
 from kda_compile.passes.delta_rule.state_in_place import DecodeStateInPlaceRewrite
 from kda_compile.passes.dsa.attention import DSAAttentionRewrite
+from kda_compile.passes.dsa.compressed import CompressedAttentionRewrite
 from kda_compile.passes.mla.absorb import MLAAbsorbRewrite
 from kda_compile.passes.report import GraphReport
 from kda_compile.passes.rewrite import REWRITES, GraphRewrite, RewriteLog, register_rewrite
@@ -55,6 +56,7 @@ PIPELINE: tuple[Step, ...] = (
     DSAAttentionRewrite,  # before the attention rewrites, which would take its attention as a dense one
     SoftmaxAttentionRewrite,
     SdpaAttentionRewrite,  # after softmax_attention
+    CompressedAttentionRewrite,  # after the attention rewrites: DeepSeek-V4's attention they produced, with its mask
     MLAAbsorbRewrite,  # after the attention rewrites: it absorbs the attention they produced
 )
 

@@ -4,8 +4,8 @@ A fixed list of fast families runs through :func:`run_family` in-process with
 ``Config(compiler="eager")`` (llama and qwen3: plain / q-k-norm GQA, fully rewritten; gemma3_text:
 sliding + full layers; prophetnet: 4-D and 5-D attention (its predict stream folded into the batch dim),
 fully rewritten; minimax_m3_vl_text: its default config's layers are full attention, fully rewritten (its sparse
-layers: tests/models/test_minimax_m3_block_sparse.py); deepseek_v4: its block-sparse DSA is left alone, so the
-table shows a left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown
+layers: tests/models/test_minimax_m3_block_sparse.py); deepseek_v4: its compressed layers rewritten into
+``compressed_sparse_attention``; reformer: its attention left alone, so the table shows a left-alone reason). Also: the tiny configs keep one layer of each kind of a hybrid, the markdown
 writer on hand-made rows, a family that fails to build, times out or is unknown becomes a row or a usage error, not a crash, and the
 written file reads back exactly (rows, notes, families not run) for ``--resume``, which runs only the rest.
 """
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from kda_compile.bench import e2e_kimi  # noqa: E402
 
-CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "prophetnet", "minimax_m3_vl_text", "deepseek_v4")
+CI_FAMILIES = ("llama", "qwen3", "gemma3_text", "prophetnet", "minimax_m3_vl_text", "deepseek_v4", "reformer")
 ERROR_TOL = 1e-4
 
 
@@ -52,6 +52,12 @@ def test_fully_rewritten_without_graph_breaks(rows, name):
     assert row.fully_rewritten, row
     assert row.rewritten == {"kda_compile.attention": row.layers}
     assert row.graph_breaks == 0 and row.graphs == 1
+
+
+def test_deepseek_v4_compressed_layers_are_rewritten(rows):
+    row = rows["deepseek_v4"]
+    assert row.rewritten.get("kda_compile.compressed_sparse_attention", 0) >= 1 and not row.left_alone, row
+    assert "DSA" in row.attention, row.attention
 
 
 def test_gemma3_keeps_a_sliding_and_a_full_layer(rows):

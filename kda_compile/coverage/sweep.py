@@ -115,7 +115,7 @@ def attention_kinds(model: torch.nn.Module) -> list[str]:
 # Glm5NextTextLinearAttention, which is KDA).
 KIND_OF_OP = {"chunk_kda": "KDA", "fused_recurrent_kda": "KDA", "chunk_gated_delta_rule": "GDN",
               "fused_recurrent_gated_delta_rule": "GDN", "mla_attention": "MLA", "dsa_indexer_topk": "DSA",
-              "dsa_pooled_indexer_topk": "DSA", "dsa_sparse_attention": "DSA"}
+              "dsa_pooled_indexer_topk": "DSA", "dsa_sparse_attention": "DSA", "compressed_sparse_attention": "DSA"}
 KIND_ORDER = ("softmax", "MLA", "DSA", "KDA", "GDN", "other")
 
 

@@ -2,7 +2,7 @@
 sliding window, compressed entries and sinks), drawn under bounds.
 
 ``compressed_attention_cases`` draws a :class:`CompressedAttentionCase`: the layer kind (sliding only, CSA with
-an indexer's picks, HCA with every closed entry), prefill / chunk / decode against a window of keys, windows wider
+an indexer's picks, HCA with every closed entry, every entry), prefill / chunk / decode against a window of keys, windows wider
 and narrower than the keys, no compressed entry at all, left padding, picks with -1 holes; ``make_compressed_
 attention_args`` builds the arguments of one call; ``compressed_attention_inputs`` draws both.
 """
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kda_compile.testing.options import FLOAT_DTYPES, choices, draw_call, positive_ints
 
-COMPRESSED_KINDS = ("sliding", "csa", "hca")
+COMPRESSED_KINDS = ("sliding", "csa", "hca", "all")
 COMPRESSED_QUERY_KINDS = ("prefill", "chunk", "decode")
 
 
@@ -24,7 +24,8 @@ COMPRESSED_QUERY_KINDS = ("prefill", "chunk", "decode")
 class CompressedAttentionCase:
     """One call: ``b`` batch, ``heads`` query heads of width ``dim``, ``s`` queries ending a timeline of ``tw``
     window keys, ``tc`` compressed entries (0 for ``"sliding"``), ``window`` keys per query; CSA: ``topk`` picks
-    per query; HCA: ``rate`` tokens per entry; ``padding``: the first row's first keys masked out."""
+    per query; HCA: ``rate`` tokens per entry; ``"all"``: every entry seen; ``padding``: the first row's first
+    keys masked out."""
 
     kind: str = "csa"
     b: int = 1

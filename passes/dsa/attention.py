@@ -61,8 +61,9 @@ Left alone, and reported: a mask the graph does not prove causal (a custom 4-D m
 sequences, a sliding window: the indexer op has no window), scores or weights used elsewhere
 (``output_attentions=True``), dropout in training, softcap on the attention, indices used
 anywhere besides a rewritable attention, shapes that do not pair up, arguments an op refuses.
-Block-sparse DSA variants (deepseek_v4: an indexer over compressed keys, see
-``dsa_patterns.BLOCK_SPARSE_MODULES``) are reported as left alone. MiniMax-M3's block selections become
+Block-sparse DSA variants listed in ``dsa_patterns.BLOCK_SPARSE_MODULES`` are reported as left alone (none in
+transformers 5.23: DeepSeek-V4's indexer over compressed keys is ``dsa/compressed.py``'s, which runs after the
+attention rewrites and turns their attention into ``compressed_sparse_attention``). MiniMax-M3's block selections become
 ``block_sparse_attention`` (``dsa/block_sparse.py``, run first: HF's ``build_block_mask`` and the attention
 over it). qwen4_exp's QSA indexer is traced through
 its branch-free substitute (``dsa/qsa_indexer.py``, switched by this rewrite's Config field): each indexer that

@@ -22,10 +22,7 @@ from kda_compile.passes.toolkit.matching import (ADD, CAST, MATMUL, MUL, TRANSPO
 # selection mask; minimax_m3_vl's block selections feed block_sparse_attention, passes/dsa/block_sparse.py).
 # Keyed on the transformers modeling module -> (the module class suffix the
 # report names, reason); a new variant is one more entry.
-BLOCK_SPARSE_MODULES = {
-    "transformers.models.deepseek_v4.modeling_deepseek_v4": (
-        "Attention", "deepseek_v4 selects top-k over compressed KV (CSA / HCA compressors), not over tokens"),
-}
+BLOCK_SPARSE_MODULES: dict[str, tuple[str, str]] = {}  # deepseek_v4: passes/dsa/compressed.py
 
 TOPK = family("topk", ("input", "k", "dim", "largest", "sorted"), functions=(torch.topk,), methods=("topk",),
               defaults={"dim": -1, "largest": True, "sorted": True})

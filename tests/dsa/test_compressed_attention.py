@@ -14,7 +14,7 @@ from kda_compile.ops.dsa.compressed.reference import compressed_sparse_attention
 from kda_compile.testing import rel_error
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 2e-2}  # lse is float32: the sink's share is too
-KINDS = ("sliding", "csa", "hca")
+KINDS = ("sliding", "csa", "hca", "all")  # "all": every compressed entry (HF's HCA decode step)
 
 
 def inputs(kind: str, b=2, h=4, s=9, d=32, tw=12, tc=5, topk=3, dtype=torch.float64, seed=0, padding=False):

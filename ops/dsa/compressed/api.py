@@ -39,7 +39,9 @@ def compressed_sparse_attention(
 
     DeepSeek-V4's three layer kinds: sliding only (``compressed_kv`` with Tc = 0), compressed sparse attention
     (CSA: ``selected``, the indexer's top-k compressed entries per query) and heavily compressed attention (HCA:
-    ``compress_rate`` and ``query_positions``, every entry whose window closed before the query). One key head
+    ``compress_rate`` and ``query_positions``, every entry whose window closed before the query). With neither
+    ``selected`` nor ``compress_rate`` every query sees every compressed entry (what Hugging Face's HCA layer
+    does in a decode step, where every entry it holds has closed). One key head
     serves every query head, and the keys are the values (Hugging Face passes ``kv`` as both).
 
     Args:
@@ -74,10 +76,13 @@ def compressed_sparse_attention(
         return _deferred(error, query)
     tw = window_kv.shape[2]
     parts = [_window_indices(b, s, tw, sliding_window, key_padding_mask, query.device)]
+    tc = compressed_kv.shape[2]
     if selected is not None:
-        parts.append(compressed_selected_keys(selected, tw, compressed_kv.shape[2]))
+        parts.append(compressed_selected_keys(selected, tw, tc))
     elif compress_rate is not None:
-        parts.append(_closed_entries(compressed_kv.shape[2], tw, compress_rate, query_positions))
+        parts.append(_closed_entries(tc, tw, compress_rate, query_positions))
+    elif tc:  # every entry, e.g. an HCA decode step, whose entries have all closed
+        parts.append(torch.arange(tw, tw + tc, device=query.device, dtype=torch.int32).expand(b, s, tc))
     indices = torch.cat(parts, dim=-1).contiguous()
     keys = torch.cat([window_kv, compressed_kv], dim=2).transpose(1, 2)  # [B, T, 1, D]
     out, lse = dsa_sparse_attention(query.transpose(1, 2), keys, None, indices, float(scale), d_v=d)

@@ -24,6 +24,8 @@ def visible(batch: int, queries: int, window_keys: int, compressed: int, sliding
     elif compress_rate is not None:
         closed = (query_positions.long() + 1) // compress_rate  # [B, S]
         seen = torch.arange(compressed, device=device)[None, None, :] < closed[..., None]
+    else:
+        seen = torch.ones_like(seen)  # every entry
     return torch.cat([window, seen], dim=-1)
 
 

@@ -40,12 +40,15 @@ def graphs(monkeypatch):
     return seen
 
 
-def test_prefill_gives_hf_logits_without_a_dense_compressed_bias(graphs):
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_prefill_gives_hf_logits_without_a_dense_compressed_bias(graphs, compiler):
+    """The rewritten graph run as is and traced by AOTAutograd (the op's index lists and sparse attention under
+    fake tensors)."""
     model = tiny_model()
     ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits
-        fast = kda_compile.optimize(model, Config(compiler="eager"))
+        fast = kda_compile.optimize(model, Config(compiler=compiler))
         got = fast(input_ids=ids, use_cache=False).logits
     report = kda_compile.report(fast)
     assert rel_error(got, want) < TOL

@@ -330,7 +330,8 @@ def on_device(index: int):
 
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints. Launchers that run per decode step use this and ``next_power_of_2``
-    rather than triton's: in Triton 3.6 those are constexpr functions, about 5 us per host call."""
+    rather than triton's: in Triton 3.6 those are constexpr functions, whose host-side call goes through
+    Triton's wrapper machinery on every launch."""
     return -(-a // b)
 
 

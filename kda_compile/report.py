@@ -247,12 +247,21 @@ def report(model: Any = None) -> Report:
         with _history_lock:
             eager = tuple(_eager.get(backend, {}).values())
             breaks = tuple(_breaks.get(backend, {}).values())
-        return Report(tuple(backend.reports), fallbacks, eager, breaks, inductor_skips())
+        return Report(tuple(backend.reports), fallbacks, eager, breaks, inductor_skips(), config_notes(backend))
     backend, target = compiled_by(model)
     mine = traced_for(target)
     graphs = tuple(g for g in list(backend.reports) if mine(g.frame))
     return Report(graphs, fallbacks, inductor_cudagraph_skips=inductor_skips(),
-                  notes=reuse_note(backend, target, graphs) + data_dependent_break_note())
+                  notes=reuse_note(backend, target, graphs) + data_dependent_break_note() + config_notes(backend))
+
+
+def config_notes(backend: Any) -> tuple[str, ...]:
+    """What a backend's Config turns on that trades a check for speed, so that a report says so."""
+    if getattr(getattr(backend, "config", None), "skip_decode_guards", False):
+        return ("skip_decode_guards: warm CUDA-graph decode steps run with only Dynamo's differentiating guards "
+                "(a module, parameter or config attribute replaced between steps goes unseen; "
+                "docs/cuda-graphs.md, section 9)",)
+    return ()
 
 
 DATA_DEPENDENT_BREAKS = ("capture_scalar_outputs=False", "capture_dynamic_output_shape_ops")

@@ -66,6 +66,8 @@ def test_warm_decode_steps_skip_guards_and_give_the_same_tokens(family):
     assert skipped == [True] * len(ROWS) * (NEW_TOKENS - 2)
     report = kda_compile.report(model.forward)
     assert sum(g.cuda_graphs.startswith("cuda graphs: captured") for g in report.graphs) == 2, str(report)
+    assert "skip_decode_guards: warm CUDA-graph decode steps run with only Dynamo's differentiating guards" in str(
+        report)
 
 
 @pytest.mark.skipif(not decode_guards.available(), reason="this torch's set_stance has no skip_guard_eval_unsafe")

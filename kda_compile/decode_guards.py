@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from kda_compile.cuda_graphs import token_input
+
 logger = logging.getLogger("kda_compile.decode_guards")
 
 OPTION = "skip_guard_eval_unsafe"
@@ -46,12 +48,8 @@ def require_available() -> None:
 def step_key(args: tuple, kwargs: dict, module: Any) -> tuple:
     """What a warm decode step must share with the call that warmed it, beyond its tensors' shapes (which
     Dynamo's differentiating guards still check): the batch size, grad and inference mode, the training flag."""
-    tokens = kwargs.get("input_ids")
-    if tokens is None:
-        tokens = kwargs.get("inputs_embeds")
-    if tokens is None and args and isinstance(args[0], torch.Tensor):
-        tokens = args[0]
-    rows = tokens.shape[0] if isinstance(tokens, torch.Tensor) else None
+    tokens = token_input(args, kwargs)
+    rows = None if tokens is None else tokens.shape[0]
     return (rows, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
             bool(getattr(module, "training", False)))
 

@@ -110,6 +110,20 @@ def finite_float(name: str, value, accepted: str):
     return value
 
 
+def positive_scale(value):
+    """An attention's ``scale`` (Hugging Face's ``module.scaling``) as a finite positive Python float, else the
+    error naming it; a symbolic float (traced arithmetic) passes through unchecked."""
+    accepted = "a finite float > 0 (Hugging Face's module.scaling)"
+    if isinstance(value, torch.SymFloat):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise arg_error("scale", shown(value), accepted, kind=TypeError)
+    value = float(value)
+    if not 0.0 < value < math.inf:  # also False for NaN
+        raise arg_error("scale", value, accepted)
+    return value
+
+
 def check_attn_mask(attn_mask, full: tuple, device: torch.device, *, device_owner: str, dims: str) -> None:
     """An attention mask: None, or a bool / floating tensor on ``device`` (named ``device_owner`` in
     errors) broadcastable to ``full`` (named ``dims``, e.g. "[B, H, Sq, Sk]")."""

@@ -6,13 +6,10 @@ it without a graph break and the op's ``register_autograd`` supplies the backwar
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
 from kda_compile.ops._argument_errors import deferred_error, sizes
-from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe, plain, shown
+from kda_compile.ops._common import arg_error, check_attn_mask, check_tensor, describe, plain, positive_scale, shown
 from kda_compile.ops.mla import custom_ops  # noqa: F401  (registers torch.ops.kda_compile.mla_attention_*)
 from kda_compile.ops.mla.path_choice import PATHS, PathCost, choose_path, estimate
 
@@ -154,17 +151,4 @@ def _check_arguments(q_nope, q_rope, kv_latent, k_rope, kv_b_weight, scale, attn
         raise arg_error("is_causal", shown(is_causal), "a bool", kind=TypeError)
     if not isinstance(path, str) or path not in PATHS:
         raise arg_error("path", shown(path), f"one of {PATHS}")
-    return q_nope, q_rope, kv_latent, k_rope, kv_b_weight, _scale(scale)
-
-
-def _scale(value):
-    """A finite positive Python float; a symbolic float (traced arithmetic) passes through unchecked."""
-    accepted = "a finite float > 0 (Hugging Face's module.scaling)"
-    if isinstance(value, torch.SymFloat):
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise arg_error("scale", shown(value), accepted, kind=TypeError)
-    value = float(value)
-    if not 0.0 < value < math.inf:  # also False for NaN
-        raise arg_error("scale", value, accepted)
-    return value
+    return q_nope, q_rope, kv_latent, k_rope, kv_b_weight, positive_scale(scale)

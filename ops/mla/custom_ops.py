@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from kda_compile.ops._common import autograd_inside_op, empty_like_absent, module_unusable, record_fallback
-from kda_compile.ops.mla.path_choice import MLAShape, choose_path
+from kda_compile.ops.mla.path_choice import MLAShape, choose_form
 from kda_compile.ops.mla.reference import absorbed_mla, compute_dtype, expanded_mla, split_kv_b_weight
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,7 +49,7 @@ def mla_shape(q_nope, q_rope, kv_latent, kv_b_weight, is_causal) -> MLAShape:
 
 
 def resolve_path(path: str, q_nope, q_rope, kv_latent, kv_b_weight, is_causal) -> str:
-    return choose_path(path, mla_shape(q_nope, q_rope, kv_latent, kv_b_weight, is_causal))[0]
+    return choose_form(path, mla_shape(q_nope, q_rope, kv_latent, kv_b_weight, is_causal))
 
 
 def fresh(t: Tensor, inputs) -> Tensor:

@@ -117,9 +117,15 @@ FORMS = KernelMenu("mla_attention", (
 ))
 
 
+def choose_form(requested: str, shape: MLAShape) -> str:
+    """The form a call runs: ``requested`` unless it is "auto", else the cheaper one by :func:`estimate`
+    (:data:`FORMS`). What every op call asks: no reason is put in words."""
+    return FORMS.choose(shape, requested=requested).name
+
+
 def choose_path(requested: str, shape: MLAShape) -> tuple[str, str]:
-    """(path, why): ``requested`` unless it is "auto", else the cheaper form by :func:`estimate` (:data:`FORMS`)."""
-    form = FORMS.choose(shape, requested=requested).name
+    """(path, why): :func:`choose_form`'s form and the reason in words (explain functions, the rewrite)."""
+    form = choose_form(requested, shape)
     if requested != "auto":
         return form, f"path={requested!r} was requested"
     return form, _estimate_text(estimate(shape), shape)

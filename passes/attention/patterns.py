@@ -13,11 +13,18 @@ from typing import Any
 import torch
 import torch.fx
 
+from kda_compile.ops.attention import attention
 from kda_compile.passes.attention.spellings import CLAMP_MIN, MASKED_FILL, MAXIMUM, clamp_bound, fill_value, is_zero
 from kda_compile.passes.toolkit.graph_tools import is_last_dim, is_tensor_node, tensor_of
 from kda_compile.passes.toolkit.matching import (ADD, CAST, CAT, DIV, DROPOUT, EXPAND, GETITEM, LINK, MATMUL, MAX, MUL,
                                                  RESHAPE, SUB, TANH, TRANSPOSE, Call, Capture, Const, OneOf, Seq, Stage,
                                                  cast_dtype, family)
+
+
+# ``kda_compile.ops.attention`` as the attention rewrites insert it, for the rewrites that run after them
+ATTENTION = family("attention", ("query", "key", "value"), functions=(attention,), defaults={
+    "attn_mask": None, "is_causal": False, "scale": None, "softcap": None, "sinks": None, "dropout_p": 0.0,
+    "sliding_window": None})
 
 
 def _swaps_last_two(node: torch.fx.Node) -> bool:

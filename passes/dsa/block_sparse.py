@@ -42,21 +42,18 @@ import torch.fx
 
 from kda_compile.passes.attention.mask import (AND, ARANGE, COMPARE, ZEROS, MaskMeaning, read_additive_mask,
                                                read_bool_mask)
-from kda_compile.passes.dsa.patterns import INVERT, MASKED_FILL, NotDSA
+from kda_compile.passes.dsa.patterns import INVERT, MASKED_FILL, NEW_FULL, SCATTER_, NotDSA
 from kda_compile.passes.dsa.sparse import AttentionSite, attention_over, eager_sites_by_mask
 from kda_compile.passes.report import LeftAlone, Rewritten
 from kda_compile.passes.toolkit.graph_tools import (describe_node, erase_unused, insert_call, known_equal,
                                                     module_path, source_line, static_int, tensor_of)
-from kda_compile.passes.toolkit.matching import GETITEM, REPEAT_INTERLEAVE, family
+from kda_compile.passes.toolkit.matching import GETITEM, REPEAT_INTERLEAVE
 
 logger = logging.getLogger("kda_compile.passes.dsa_block_sparse")
 
 OP = "kda_compile.block_sparse_attention"
 HF_FILE = "modeling_minimax_m3_vl.py"  # where build_block_mask is (a copy elsewhere is not recognised)
 
-NEW_FULL = family("new_full", ("input", "size", "fill_value"), methods=("new_full",),
-                  defaults={"dtype": None, "device": None, "requires_grad": False})
-SCATTER_ = family("scatter_", ("input", "dim", "index", "value"), methods=("scatter_",), aliases={"src": "value"})
 EQ, LT, GT = COMPARE[operator.eq], COMPARE[operator.lt], COMPARE[operator.gt]
 
 

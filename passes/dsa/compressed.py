@@ -28,7 +28,6 @@ sinks, an implicit scale, keys that are not values, arguments the op refuses.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from typing import Any
 
@@ -36,13 +35,13 @@ import torch
 import torch.fx
 
 from kda_compile.ops import compressed_sparse_attention
-from kda_compile.ops.attention import attention
 from kda_compile.passes.attention.mask import ARANGE, COMPARE, UNSQUEEZE, WHERE, MaskMeaning, read_additive_mask
-from kda_compile.passes.dsa.patterns import MASKED_FILL
+from kda_compile.passes.attention.patterns import ATTENTION
+from kda_compile.passes.dsa.patterns import MASKED_FILL, NEW_FULL, SCATTER_, is_minus_inf
 from kda_compile.passes.report import LeftAlone
 from kda_compile.passes.rewrite import GraphRewrite, RewriteLog
 from kda_compile.passes.toolkit.graph_tools import (concrete_number, describe_node, erase_unused, insert_call,
-                                                    is_tensor_node, known_equal, module_path, source_line, static_int, tensor_of)
+                                                    is_last_dim, is_tensor_node, known_equal, module_path, source_line, static_int, tensor_of)
 from kda_compile.passes.toolkit.matching import ADD, CAST, CAT, GETITEM, RESHAPE, cast_dtype, family
 
 logger = logging.getLogger("kda_compile.passes.dsa_compressed")
@@ -50,12 +49,6 @@ logger = logging.getLogger("kda_compile.passes.dsa_compressed")
 OP_NAME = "kda_compile.compressed_sparse_attention"
 MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 
-ATTENTION = family("attention", ("query", "key", "value"), functions=(attention,), defaults={
-    "attn_mask": None, "is_causal": False, "scale": None, "softcap": None, "sinks": None, "dropout_p": 0.0,
-    "sliding_window": None})
-SCATTER_ = family("scatter_", ("input", "dim", "index", "value"), methods=("scatter_",), aliases={"src": "value"})
-NEW_FULL = family("new_full", ("input", "size", "fill_value"), methods=("new_full",),
-                  defaults={"dtype": None, "device": None, "requires_grad": False})
 NEW_ZEROS = family("new_zeros", ("input", "*size"), methods=("new_zeros",),
                    defaults={"dtype": None, "device": None, "requires_grad": False})
 FULL_LIKE = family("full_like", ("input", "fill_value"), functions=(torch.full_like,),
@@ -69,14 +62,6 @@ FLOORDIV = family("floordiv", ("input", "other"), functions=(operator.floordiv, 
 
 class NotCompressed(Exception):
     """The candidate is not DeepSeek-V4's compressed attention as matched; the message says where."""
-
-
-def _is_last(dim: Any, ndim: int) -> bool:
-    return isinstance(dim, int) and not isinstance(dim, bool) and dim % ndim == ndim - 1
-
-
-def _is_minus_inf(value: Any) -> bool:
-    return isinstance(value, float) and value == -math.inf
 
 
 def _uncast(node: Any) -> Any:
@@ -105,10 +90,10 @@ def _csa_selection(bias: torch.fx.Node, entries: Any) -> tuple[torch.fx.Node, li
     if len(scatters) != 1:
         raise NotCompressed(f"the compressor's bias is not one scatter into a tensor (found {describe_node(bias)})")
     scatter = SCATTER_.bind(scatters[0])
-    if not _is_last(scatter["dim"], 4) or scatter["value"] != 0.0:
+    if not is_last_dim(scatter["dim"], 4) or scatter["value"] != 0.0:
         raise NotCompressed(f"the compressor's bias is not a scatter of zeros (found {describe_node(scatters[0])})")
     full = NEW_FULL.bind(scatter["input"])
-    if full is None or not _is_minus_inf(full["fill_value"]) or (source is not scatters[0]
+    if full is None or not is_minus_inf(full["fill_value"]) or (source is not scatters[0]
                                                                  and source is not scatter["input"]):
         raise NotCompressed("the scattered bias does not start as -inf everywhere")
     if any(u not in (scatters[0], bias) for u in scatter["input"].users):
@@ -134,7 +119,7 @@ def _hca_positions(bias: torch.fx.Node) -> tuple[torch.fx.Node, int]:
     """(position_ids, rate) behind HCA's bias ``new_zeros(...).masked_fill(arange(Tc).view(1, 1, 1, -1) >=
     ((position_ids + 1) // rate).unsqueeze(1).unsqueeze(-1), -inf)``, or NotCompressed."""
     fill = MASKED_FILL.bind(bias)
-    if fill is None or NEW_ZEROS.bind(fill["input"]) is None or not _is_minus_inf(fill["value"]):
+    if fill is None or NEW_ZEROS.bind(fill["input"]) is None or not is_minus_inf(fill["value"]):
         raise NotCompressed(f"the compressor's bias is not zeros filled with -inf (found {describe_node(bias)})")
     compare = COMPARE[operator.ge].bind(fill["mask"])
     entries = RESHAPE.bind(compare["input"]) if compare is not None else None
@@ -242,12 +227,10 @@ class CompressedAttentionRewrite(GraphRewrite):
             raise
         node.replace_all_uses_with(new)
         erase_unused(graph, [node, b["attn_mask"], b["key"]])
-        if site["filled"]:  # CSA's [B, 1, S, Tc + 1] bias: the scatter_ into it, once the slice is gone
-            scatter, full = site["filled"]
-            if not scatter.users and set(full.users) == {scatter}:
-                inputs = [a for a in scatter.args if isinstance(a, torch.fx.Node) and a is not full]
-                graph.erase_node(scatter)
-                erase_unused(graph, [full, *inputs])
+        if site["filled"]:  # CSA's [B, 1, S, Tc + 1] bias: the scatter_ into it (named, so erased), once the slice
+            scatter, full = site["filled"]  # that read it is gone
+            if set(full.users) == {scatter}:
+                erase_unused(graph, site["filled"])
         kind = "csa" if "selected" in kwargs else "hca" if "compress_rate" in kwargs else "every entry"
         details = dict(kind=kind, sliding_window=kwargs["sliding_window"], scale=round(kwargs["scale"], 6),
                        padding=site["padding"] is not None)

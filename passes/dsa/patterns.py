@@ -36,6 +36,9 @@ INVERT = family("invert", ("input",), functions=(operator.invert, torch.bitwise_
 SCATTER = family("scatter", ("input", "dim", "index", "value"), functions=(torch.scatter,), methods=("scatter",),
                  aliases={"src": "value"})
 LONG = family("long", ("input",), methods=("long",))
+NEW_FULL = family("new_full", ("input", "size", "fill_value"), methods=("new_full",),
+                  defaults={"dtype": None, "device": None, "requires_grad": False})
+SCATTER_ = family("scatter_", ("input", "dim", "index", "value"), methods=("scatter_",), aliases={"src": "value"})
 
 
 def _dim_is(*accepted: int) -> Const:
@@ -57,7 +60,7 @@ def _swaps_last_two_3d(node: torch.fx.Node) -> bool:
     return dims == {1, 2}
 
 
-def _minus_inf(value: Any) -> bool:
+def is_minus_inf(value: Any) -> bool:
     return isinstance(value, float) and value == -math.inf
 
 
@@ -75,7 +78,7 @@ HEAD_SUM = Call(SQUEEZE, dim=_dim_is(-2, 2), input=Call(
 MASKED_SCORES = OneOf(
     Call(ADD, commutative=True, input=HEAD_SUM, other=Capture("mask_slice", is_tensor_node)),
     Call(MASKED_FILL, input=HEAD_SUM, mask=Call(INVERT, input=Capture("mask_slice", is_tensor_node)),
-         value=Const(where=_minus_inf)))
+         value=Const(where=is_minus_inf)))
 SELECTION = Call(TOPK, name="topk", input=MASKED_SCORES, dim=_dim_is(-1, 2), largest=True,
                  k=Capture("topk_k"))
 

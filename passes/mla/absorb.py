@@ -54,10 +54,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from kda_compile.ops.attention import attention
 from kda_compile.ops.mla import explain_mla_path, mla_attention
 from kda_compile.passes.attention.lse_softmax import input_name
-from kda_compile.passes.attention.patterns import OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES
+from kda_compile.passes.attention.patterns import ATTENTION, OUTPUT, PROBABILITY_STAGES, SCORE_STAGES, SCORES
 from kda_compile.passes.attention.softmax import Site, attention_arguments, check_site
 from kda_compile.passes.attention.spellings import graph_input_behind
 from kda_compile.passes.report import LeftAlone, Rewritten
@@ -80,9 +79,6 @@ NEW_EMPTY = family("new_empty", ("input", "*size"), methods=("new_empty",),
                    defaults={"dtype": None, "device": None, "layout": None, "pin_memory": False,
                              "requires_grad": False})
 COPY_ = family("copy_", ("input", "src", "non_blocking"), methods=("copy_",), defaults={"non_blocking": False})
-ATTENTION = family("attention", ("query", "key", "value"), functions=(attention,), defaults={
-    "attn_mask": None, "is_causal": False, "scale": None, "softcap": None, "sinks": None, "dropout_p": 0.0,
-    "sliding_window": None})
 
 
 def _is_last_dim_4d(dim: Any) -> bool:

@@ -8,13 +8,12 @@ docs/dsa.md, section 6; the dense equivalent: ``reference.py``.
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from kda_compile.ops._argument_errors import deferred_error, sizes
-from kda_compile.ops._common import arg_error, check_tensor, describe, plain, shown
+from kda_compile.ops._common import arg_error, check_tensor, describe, plain, positive_scale, shown
 from kda_compile.ops.dsa.api import dsa_sparse_attention
 from kda_compile.ops.dsa.compressed.custom_ops import compressed_selected_keys
 
@@ -146,10 +145,7 @@ def _check(query, window_kv, compressed_kv, sinks, scale, sliding_window, select
     check_tensor("sinks", sinks, ndim=1, dtypes=_DTYPES)
     if sinks.shape[0] != h or sinks.device != query.device:
         raise arg_error("sinks", describe(sinks), f"[H] = [{h}] on query's device {query.device}")
-    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.SymFloat)):
-        raise arg_error("scale", shown(scale), "a finite float > 0 (Hugging Face's module.scaling)", kind=TypeError)
-    if isinstance(scale, numbers.Real) and not 0.0 < float(scale) < math.inf:
-        raise arg_error("scale", shown(scale), "a finite float > 0 (Hugging Face's module.scaling)")
+    positive_scale(scale)
     _positive_int("sliding_window", sliding_window)
     if selected is not None and compress_rate is not None:
         raise arg_error("selected", describe(selected), "None when compress_rate is given (CSA selects, HCA "

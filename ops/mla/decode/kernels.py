@@ -52,11 +52,15 @@ MENU = KernelMenu(_OP, (
 ))
 
 
+def _choice(q_lat, q_rope, kv_latent, k_rope) -> Choice:
+    """:data:`MENU`'s choice for this call, ``KDA_COMPILE_MLA_DECODE_KERNEL`` its request (one that cannot run
+    falls back to Triton, recorded)."""
+    return MENU.choose(q_lat, q_rope, kv_latent, k_rope, requested=requested_kernel(), refused="fall back")
+
+
 def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:
-    """(kernel, why): "wgmma" or "triton" for this call (:data:`MENU`, ``KDA_COMPILE_MLA_DECODE_KERNEL`` its
-    request: one that cannot run falls back to Triton, recorded), and the reason in words."""
-    requested = requested_kernel()
-    choice = MENU.choose(q_lat, q_rope, kv_latent, k_rope, requested=requested, refused="fall back")
+    """(kernel, why): "wgmma" or "triton" for this call (:func:`_choice`), and the reason in words."""
+    choice = _choice(q_lat, q_rope, kv_latent, k_rope)
     if choice.name == "triton" and not choice.passed_over:
         return "triton", f"{KERNEL_ENV}=triton"
     if choice.name == "wgmma":
@@ -67,8 +71,7 @@ def choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope) -> tuple[str, str]:
 def mla_decode(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale: float, is_causal: bool):
     """(o_lat, lse) of the absorbed form on CUDA, with the chosen kernel (see the module docstring);
     the contract of ``triton_decode.mla_decode_attention``."""
-    kernel, _ = choose_decode_kernel(q_lat, q_rope, kv_latent, k_rope)
-    if kernel == "wgmma":
+    if _choice(q_lat, q_rope, kv_latent, k_rope).name == "wgmma":
         try:
             return wgmma_decode.mla_decode_attention_wgmma(q_lat, q_rope, kv_latent, k_rope, attn_mask, scale,
                                                            is_causal)
